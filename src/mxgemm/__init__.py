@@ -1,0 +1,38 @@
+"""mxgemm: MXFP8 dense GEMMs and linear layers for PyTorch, on the fastest correct backend of the GPU in hand."""
+
+from __future__ import annotations
+
+from .backends import AUTO_PRIORITY, RECIPES, Availability, Backend, PreparedWeight
+from .device import DeviceInfo, describe_device
+from .errors import BackendUnavailableError, MXGemmError, UnknownBackendError
+from .format import BLOCK_SIZE, MXTensor, dequantize, quantize
+from .linear import MXFP8Linear
+from .resolve import BackendStatus, available_backends, explain_auto, resolve_backend
+from .weights import linear, prepare_weight
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AUTO_PRIORITY",
+    "BLOCK_SIZE",
+    "RECIPES",
+    "Availability",
+    "Backend",
+    "BackendStatus",
+    "BackendUnavailableError",
+    "DeviceInfo",
+    "MXFP8Linear",
+    "MXGemmError",
+    "MXTensor",
+    "PreparedWeight",
+    "UnknownBackendError",
+    "__version__",
+    "available_backends",
+    "dequantize",
+    "describe_device",
+    "explain_auto",
+    "linear",
+    "prepare_weight",
+    "quantize",
+    "resolve_backend",
+]

@@ -1,0 +1,79 @@
+"""What every backend provides: a capability check with a reason, a recipe, weight preparation and a run."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ..device import DeviceInfo
+
+__all__ = ["RECIPES", "Availability", "Backend", "PreparedWeight"]
+
+RECIPES: dict[str, str] = {
+    "w8a16": "activations as given (bf16/fp16); MXFP8 weight dequantized exactly",
+    "w8a8-mx": "activations quantized to MXFP8 (1x32, E8M0); MXFP8 weight",
+    "w8a8-block": "activations quantized to FP8 with FP32 scales per 1x128; weight re-encoded to 128x128 blocks",
+}
+
+
+@dataclass(frozen=True)
+class Availability:
+    """A check's answer: ``available`` and, either way, a reason a user can act on."""
+
+    available: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+@dataclass(frozen=True)
+class PreparedWeight:
+    """A weight prepared once for one backend: whatever layout, padding or re-encoding that backend runs from."""
+
+    backend: str
+    recipe: str
+    out_features: int
+    in_features: int
+    tensors: dict[str, torch.Tensor]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors.values())).device
+
+
+class Backend(ABC):
+    """One way to run ``y = x @ W^T (+ bias)``. Subclasses live one to a file under ``mxgemm.backends``."""
+
+    name: ClassVar[str]
+    recipes: ClassVar[tuple[str, ...]]  # the recipes it computes; the first is its default
+    tunable: ClassVar[bool] = False
+    summary: ClassVar[str] = ""
+
+    @property
+    def default_recipe(self) -> str:
+        return self.recipes[0]
+
+    @abstractmethod
+    def check_device(self, device: DeviceInfo) -> Availability:
+        """Can this backend run on ``device``? Never raises; the reason says what is missing."""
+
+    def check_problem(self, out_features: int, in_features: int) -> Availability:
+        """Can it run a weight of this shape? Checked after the device check."""
+        return Availability(True, "any shape")
+
+    @abstractmethod
+    def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
+        """Turn checkpoint tensors (float8 [N, K], uint8 [N, K/32]) into this backend's prepared weight, once."""
+
+    @abstractmethod
+    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x`` [M, K] -> [M, N] in ``x.dtype``; inputs are already validated."""
+
+    def tactics(self, m: int, weight: PreparedWeight) -> list[Any]:
+        """Tactics the autotuner may try; the first is the default and always valid."""
+        return [None]

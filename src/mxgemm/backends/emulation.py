@@ -1,0 +1,60 @@
+"""``emulation``: every recipe in plain torch, fp32 arithmetic. Runs anywhere; the reference for the other backends."""
+
+from __future__ import annotations
+
+import torch
+
+from ..block128 import Block128Weight, dequantize_1x128, quantize_1x128, reencode_block128
+from ..device import DeviceInfo
+from ..format import MXTensor, dequantize, quantize
+from .base import RECIPES, Availability, Backend, PreparedWeight
+
+__all__ = ["EmulationBackend", "emulate_linear"]
+
+# activations of the w8a8-mx recipe are quantized with this scale rule (the OCP rule)
+ACT_SCALE_MODE = "floor"
+
+
+def _effective_weight(weight: PreparedWeight) -> torch.Tensor:
+    t = weight.tensors
+    if weight.recipe == "w8a8-block":
+        return Block128Weight(t["qdata"], t["block_scale"], weight.info["reencode"]).dequantize()
+    return dequantize(MXTensor(t["qdata"], t["scale"]))
+
+
+def _effective_activation(x: torch.Tensor, recipe: str) -> torch.Tensor:
+    if recipe == "w8a16":
+        return x.float()
+    if recipe == "w8a8-mx":
+        return dequantize(quantize(x, scale_mode=ACT_SCALE_MODE))
+    return dequantize_1x128(*quantize_1x128(x))
+
+
+def emulate_linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The exact emulated twin of ``weight.recipe``: what a fast backend of that recipe computes, in fp32."""
+    y = _effective_activation(x, weight.recipe) @ _effective_weight(weight).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class EmulationBackend(Backend):
+    name = "emulation"
+    recipes = tuple(RECIPES)
+    summary = "dequantize + fp32 matmul in plain torch; the reference (slow)"
+
+    def check_device(self, device: DeviceInfo) -> Availability:
+        return Availability(True, "runs anywhere (plain torch, fp32); the reference, not fast")
+
+    def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
+        n, k = qdata.shape
+        if recipe == "w8a8-block":
+            block = reencode_block128(qdata, scale)
+            tensors = {"qdata": block.qdata, "block_scale": block.scale}
+            info = {"reencode": block.report}
+        else:
+            tensors, info = {"qdata": qdata, "scale": scale}, {}
+        return PreparedWeight(self.name, recipe, n, k, tensors, info)
+
+    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        return emulate_linear(x, weight, bias)

@@ -1,0 +1,107 @@
+"""Command line: ``mxgemm info`` and ``mxgemm bench`` (also ``python -m mxgemm``)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from .backends import AUTO_PRIORITY, get_backend
+from .bench import CPU_M, CPU_SHAPES, DEFAULT_M, MODELS, markdown_table, parse_shapes, run_bench, table_rows, write_json
+from .device import describe_device
+from .errors import MXGemmError
+from .resolve import available_backends, default_request, explain_auto
+
+__all__ = ["main"]
+
+
+def _info(console: Console) -> int:
+    device = describe_device()
+    from .bench import environment
+
+    env = environment(device)
+    console.print(f"[bold]device[/bold]: {device}")
+    console.print("versions: " + ", ".join(f"{k} {env[k]}" for k in ("mxgemm", "torch", "triton", "cuda", "python")))
+    table = Table(title="backends")
+    for col in ("backend", "available", "recipes", "tunable", "reason"):
+        table.add_column(col)
+    for row in available_backends(device):
+        tunable = "yes" if get_backend(row.name).tunable else "no"
+        table.add_row(row.name, "yes" if row.available else "no", ", ".join(row.recipes), tunable, row.reason)
+    console.print(table)
+    console.print(f"auto priority: {' > '.join(AUTO_PRIORITY)}")
+    res = explain_auto(device)
+    console.print(f"[bold]auto[/bold] resolves to: {res.backend.name} ({res.recipe})")
+    for name, reason in res.skipped:
+        console.print(f"  skipped {name}: {reason}")
+    console.print(f"default request (MXGEMM_BACKEND): {default_request()}")
+    return 0
+
+
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    device = describe_device()
+    if device.type != "cuda":
+        console.print(
+            "[yellow]no CUDA GPU: timing the emulation backend on small CPU shapes against bf16 F.linear; "
+            "a smoke run, not a measure of GPU speed[/yellow]"
+        )
+        base = CPU_SHAPES
+        ms = CPU_M
+    else:
+        base = [s for model in args.model for s in MODELS[model]]
+        ms = args.m or DEFAULT_M
+    if args.shapes:
+        shapes = [(m, n, k, "custom") for m, n, k in parse_shapes(args.shapes)]
+    else:
+        shapes = [(m, n, k, name) for n, k, name in base for m in ms]
+    env, rows = run_bench(shapes, backends=args.backends, progress=lambda s: console.print(f"[dim]{s}[/dim]"))
+    header, cells = table_rows(rows)
+    table = Table(title=f"mxgemm bench on {env['name']}")
+    for h in header:
+        table.add_column(h, justify="right")
+    for c in cells:
+        table.add_row(*c)
+    console.print(table)
+    command = "mxgemm " + " ".join(shlex.quote(a) for a in args.argv)
+    if args.json:
+        write_json(args.json, env, rows, command)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"Command: `{command}`\n\nDevice: {env}\n\n{markdown_table(rows)}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mxgemm", description="MXFP8 GEMMs for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="device, versions, every backend: available or not and why, what auto picks")
+    bench = sub.add_parser("bench", help="time the available backends against bf16 on a shape set")
+    bench.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["llama3-8b"], help="shape sets")
+    bench.add_argument("--m", type=int, nargs="+", help=f"token counts (default {' '.join(map(str, DEFAULT_M))})")
+    bench.add_argument("--shapes", help="explicit shapes MxNxK,MxNxK (overrides --model/--m)")
+    bench.add_argument("--backends", nargs="+", help="backends to time (default: every available one)")
+    bench.add_argument("--json", help="write the rows as JSON here")
+    bench.add_argument("--markdown", help="write a Markdown table here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    args.argv = argv
+    console = Console(width=None if sys.stdout.isatty() else 220)
+    try:
+        if args.command == "info":
+            return _info(console)
+        return _bench(args, console)
+    except (MXGemmError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""MXFP8 (OCP Microscaling v1.0): quantize / dequantize along the last dimension.
+
+Every run of ``BLOCK_SIZE`` (32) consecutive elements along the last dimension shares one E8M0 scale: a uint8 biased
+exponent, 127 = 2^0, 0 = 2^-127, 255 = NaN. Elements are FP8 E4M3 (max 448) or E5M2 (max 57344).
+
+Scale rules (computed on the fp32 value of the block's largest magnitude, ``amax``):
+
+* ``floor`` (OCP v1.0): ``2^(floor(log2 amax) - emax)``, where ``floor(log2 amax)`` is read from amax's fp32 exponent
+  bits and ``emax`` is the element format's largest exponent (8 for E4M3, 15 for E5M2). Elements that then exceed
+  the element max saturate to it.
+* ``rceil`` (NVIDIA / cuBLAS): ``amax / max_elem`` in fp32, rounded up to a power of two.
+
+Both clamp the exponent to [-127, 127]. A block holding NaN or +-inf gets scale 255, so it dequantizes to NaN; an
+all-zero block gets scale 0 and dequantizes to zeros. Elements are ``x / scale`` clamped to +-max_elem and rounded
+to nearest even.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "ELEM_DTYPES",
+    "MXTensor",
+    "ScaleMode",
+    "dequantize",
+    "e8m0_to_float32",
+    "quantize",
+]
+
+BLOCK_SIZE = 32
+E8M0_BIAS = 127
+E8M0_NAN = 255
+ScaleMode = Literal["floor", "rceil"]
+
+# element dtype -> (largest finite value, exponent of the largest power of two below it)
+ELEM_DTYPES: dict[torch.dtype, tuple[float, int]] = {
+    torch.float8_e4m3fn: (448.0, 8),
+    torch.float8_e5m2: (57344.0, 15),
+}
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class MXTensor:
+    """An MX-quantized tensor: ``qdata`` (float8, shape [..., K]) and ``scale`` (uint8 E8M0, shape [..., K/32])."""
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        check_mx_pair(self.qdata, self.scale)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qdata.shape
+
+    @property
+    def elem_dtype(self) -> torch.dtype:
+        return self.qdata.dtype
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+
+def check_mx_pair(qdata: torch.Tensor, scale: torch.Tensor) -> None:
+    """Raise TypeError/ValueError unless ``(qdata, scale)`` is a well-formed MX pair."""
+    if qdata.dtype not in ELEM_DTYPES:
+        raise TypeError(f"MX elements must be float8_e4m3fn or float8_e5m2, got {qdata.dtype}")
+    if scale.dtype != torch.uint8:
+        raise TypeError(f"MX scales must be uint8 (E8M0 biased exponents), got {scale.dtype}")
+    if qdata.dim() == 0 or qdata.shape[-1] % BLOCK_SIZE:
+        raise ValueError(
+            f"the last dimension of MX data must be a multiple of {BLOCK_SIZE}, got shape {tuple(qdata.shape)}"
+        )
+    want = (*qdata.shape[:-1], qdata.shape[-1] // BLOCK_SIZE)
+    if tuple(scale.shape) != want:
+        raise ValueError(
+            f"scale shape {tuple(scale.shape)} does not match data shape {tuple(qdata.shape)}: expected {want}"
+        )
+    if qdata.device != scale.device:
+        raise ValueError(f"data is on {qdata.device} but scale is on {scale.device}")
+
+
+def e8m0_to_float32(scale: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 value of E8M0 biased exponents: 2^(s-127); 0 -> 2^-127 (an fp32 subnormal); 255 -> NaN."""
+    s = scale.to(torch.int32)
+    value = (s << 23).view(torch.float32)
+    value = torch.where(s == 0, torch.tensor(2.0**-127, device=scale.device), value)
+    return torch.where(s == E8M0_NAN, torch.tensor(float("nan"), device=scale.device), value)
+
+
+def _biased_exponent_floor(amax: torch.Tensor, emax: int) -> torch.Tensor:
+    exp = ((amax.view(torch.int32) >> 23) & 0xFF) - E8M0_BIAS  # floor(log2 amax); fp32 subnormals/zero read -127
+    return (exp - emax).clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
+
+
+def _biased_exponent_rceil(amax: torch.Tensor, max_elem: float) -> torch.Tensor:
+    descale = amax / max_elem
+    bits = descale.view(torch.int32)
+    exp, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    # round up to a power of two; in the subnormal range, values up to 2^-127 (mantissa 0x400000) round to 2^-127
+    biased = torch.where(exp == 0, (mant > 0x400000).to(torch.int32), exp + (mant != 0).to(torch.int32))
+    return biased.clamp(0, 2 * E8M0_BIAS)
+
+
+def quantize(
+    x: torch.Tensor, *, scale_mode: ScaleMode = "floor", elem_dtype: torch.dtype = torch.float8_e4m3fn
+) -> MXTensor:
+    """Quantize ``x`` to MX along its last dimension, blocks of 32; bit-exact to the rules in the module docstring."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"quantize takes a float32, bfloat16 or float16 tensor, got {got}")
+    if elem_dtype not in ELEM_DTYPES:
+        raise TypeError(f"elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem_dtype}")
+    if x.dim() == 0 or x.shape[-1] % BLOCK_SIZE:
+        raise ValueError(
+            f"the last dimension must be a multiple of {BLOCK_SIZE} to quantize, got shape {tuple(x.shape)}"
+        )
+    if scale_mode not in ("floor", "rceil"):
+        raise ValueError(f"scale_mode must be 'floor' or 'rceil', got {scale_mode!r}")
+    max_elem, emax = ELEM_DTYPES[elem_dtype]
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    amax = blocks.abs().amax(dim=-1)
+    if scale_mode == "floor":
+        biased = _biased_exponent_floor(amax, emax)
+    else:
+        biased = _biased_exponent_rceil(amax, max_elem)
+    biased = torch.where(torch.isfinite(amax), biased, E8M0_NAN)
+    scale = biased.to(torch.uint8)
+    q = (blocks / e8m0_to_float32(scale).unsqueeze(-1)).clamp(-max_elem, max_elem)
+    return MXTensor(q.to(elem_dtype).reshape(x.shape), scale)
+
+
+def dequantize(t: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``qdata * 2^(scale-127)``, computed exactly in fp32, then cast to ``dtype``."""
+    q = t.qdata.float()
+    blocks = q.reshape(*q.shape[:-1], q.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    return (blocks * e8m0_to_float32(t.scale).unsqueeze(-1)).reshape(q.shape).to(dtype)

@@ -1,0 +1,82 @@
+"""Swizzled layouts of E8M0 scale matrices, as block-scaled GEMM kernels consume them.
+
+A scale matrix ``S`` is ``[rows, cols]`` uint8, row-major (rows = M or N, cols = K/32). Swizzled forms are returned
+flattened to 1-D uint8; padding bytes are zero.
+
+``128x4`` (cuBLAS, CUTLASS, FlashInfer cutlass/cute-dsl): rows padded to a multiple of 128 and cols to a multiple of
+4; each 128x4 tile is one 512-byte atom, atoms ordered row-tile major. Element ``S[m, k]`` lands at::
+
+    offset = ((m // 128) * (cols_padded // 4) + k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
+
+i.e. index order ``[m/128][k/4][m%32][(m%128)/32][k%4]``.
+
+``8x4`` (TRT-LLM): rows padded to 8, cols to 4; 32-byte atoms, index order ``[m/8][k/4][m%8][k%4]``::
+
+    offset = ((m // 8) * (cols_padded // 4) + k // 4) * 32 + (m % 8) * 4 + k % 4
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["from_8x4", "from_128x4", "padded_size_8x4", "padded_size_128x4", "round_up", "to_8x4", "to_128x4"]
+
+
+def round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _check_scale(scale: torch.Tensor) -> None:
+    if scale.dtype != torch.uint8 or scale.dim() != 2:
+        raise ValueError(f"expected a 2-D uint8 scale matrix, got {scale.dtype} with shape {tuple(scale.shape)}")
+
+
+def _pad(scale: torch.Tensor, row_mult: int, col_mult: int) -> torch.Tensor:
+    rows, cols = scale.shape
+    return F.pad(scale, (0, round_up(cols, col_mult) - cols, 0, round_up(rows, row_mult) - rows))
+
+
+def _check_flat(flat: torch.Tensor, expected: int, name: str) -> None:
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != expected:
+        raise ValueError(
+            f"{name} expects a flat uint8 tensor of {expected} bytes, got {flat.dtype} with shape {tuple(flat.shape)}"
+        )
+
+
+def padded_size_128x4(rows: int, cols: int) -> int:
+    return round_up(rows, 128) * round_up(cols, 4)
+
+
+def padded_size_8x4(rows: int, cols: int) -> int:
+    return round_up(rows, 8) * round_up(cols, 4)
+
+
+def to_128x4(scale: torch.Tensor) -> torch.Tensor:
+    """Swizzle ``[rows, cols]`` scales into the flat 128x4 layout (see module docstring)."""
+    _check_scale(scale)
+    p = _pad(scale, 128, 4)
+    r, c = p.shape
+    return p.reshape(r // 128, 4, 32, c // 4, 4).permute(0, 3, 2, 1, 4).reshape(-1).contiguous()
+
+
+def from_128x4(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`to_128x4`: the ``[rows, cols]`` scales, padding dropped."""
+    _check_flat(flat, padded_size_128x4(rows, cols), "from_128x4")
+    r, c = round_up(rows, 128), round_up(cols, 4)
+    return flat.reshape(r // 128, c // 4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(r, c)[:rows, :cols].contiguous()
+
+
+def to_8x4(scale: torch.Tensor) -> torch.Tensor:
+    """Swizzle ``[rows, cols]`` scales into the flat 8x4 layout (see module docstring)."""
+    _check_scale(scale)
+    p = _pad(scale, 8, 4)
+    r, c = p.shape
+    return p.reshape(r // 8, 8, c // 4, 4).permute(0, 2, 1, 3).reshape(-1).contiguous()
+
+
+def from_8x4(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`to_8x4`: the ``[rows, cols]`` scales, padding dropped."""
+    _check_flat(flat, padded_size_8x4(rows, cols), "from_8x4")
+    r, c = round_up(rows, 8), round_up(cols, 4)
+    return flat.reshape(r // 8, c // 4, 8, 4).permute(0, 2, 1, 3).reshape(r, c)[:rows, :cols].contiguous()

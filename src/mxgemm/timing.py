@@ -1,0 +1,63 @@
+"""Timing that holds in real use: CUDA-graph replay, L2-cold operands, warm-up, median of many runs."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["copies_for_cold_l2", "time_cpu", "time_cuda"]
+
+DEFAULT_L2_BYTES = 60 * 2**20
+
+
+def copies_for_cold_l2(bytes_per_copy: int, l2_bytes: int | None, factor: int = 3) -> int:
+    """How many copies of an operand to rotate through so that together they exceed ``factor`` x the L2."""
+    l2 = l2_bytes or DEFAULT_L2_BYTES
+    return max(2, -(-factor * l2 // max(bytes_per_copy, 1)))
+
+
+def time_cuda(calls: Sequence[Callable[[], object]], *, replays: int = 20, min_calls_per_replay: int = 20) -> float:
+    """Median microseconds per call of ``calls`` (each reading its own operand copy), replayed as a CUDA graph.
+
+    Each replay runs the calls round-robin, at least ``min_calls_per_replay`` of them, so a replay is long enough
+    for event timing and the operands rotate out of L2.
+    """
+    rounds = max(1, -(-min_calls_per_replay // len(calls)))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in calls:  # warm-up: compilation, handles, allocator
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for f in calls:
+                f()
+    graph.replay()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for s, e in zip(starts, ends, strict=True):
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    per_call = [s.elapsed_time(e) * 1e3 / (rounds * len(calls)) for s, e in zip(starts, ends, strict=True)]
+    del graph
+    return statistics.median(per_call)
+
+
+def time_cpu(call: Callable[[], object], *, repeats: int = 5) -> float:
+    """Median microseconds of ``call`` on the CPU, after one warm-up."""
+    call()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)

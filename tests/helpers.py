@@ -1,0 +1,32 @@
+"""Shared test helpers: error metrics and random MX weights (never zeros)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import mxgemm
+
+
+def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    noise = (out.double() - ref).norm().item()
+    return math.inf if noise == 0 else 20 * math.log10(ref.norm().item() / noise)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return (out.double() - ref).norm().item() / ref.norm().item()
+
+
+def random_mx_weight(n: int, k: int, *, seed: int = 0, device="cpu", scale: float = 0.02, elem_dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * scale
+    t = mxgemm.quantize(w.to(device), elem_dtype=elem_dtype or torch.float8_e4m3fn)
+    return t.qdata, t.scale
+
+
+def random_act(m: int, k: int, *, seed: int = 1, dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g).to(device=device, dtype=dtype)

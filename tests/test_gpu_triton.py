@@ -1,0 +1,72 @@
+"""The ``triton`` backend on a real GPU against its emulated twin: odd and large shapes, poisoned outputs."""
+
+import pytest
+import torch
+from helpers import random_act, random_mx_weight, sqnr_db
+
+import mxgemm
+from mxgemm.backends.emulation import emulate_linear
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _triton_runs_here():
+    answer = mxgemm.backends.get_backend("triton").check_device(mxgemm.describe_device())
+    if not answer.available:
+        pytest.skip(f"triton backend unavailable: {answer.reason}")
+
+
+def _ref(x, q, s, bias):
+    w = mxgemm.dequantize(mxgemm.MXTensor(q, s)).double()
+    return x.double() @ w.T + (0 if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 64, 4096])
+@pytest.mark.parametrize("n", [130, 4160])
+@pytest.mark.parametrize("k", [96, 4160, 14336])
+def test_matches_twin(m, n, k):
+    q, s = random_mx_weight(n, k, seed=m * 7 + n + k, device="cuda")
+    x = random_act(m, k, seed=m + k, device="cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    w = mxgemm.prepare_weight(q, s, backend="triton")
+    from mxgemm.kernels.w8a16 import w8a16_linear
+
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = w8a16_linear(x, w.tensors["qdata"].view(torch.uint8), w.tensors["scale"], bias, out=out)
+    assert torch.isfinite(y).all(), "some output elements were not written"
+    assert sqnr_db(y, _ref(x, q, s, bias)) >= 50  # bf16 output rounding alone is ~56 dB
+    twin = emulate_linear(x, mxgemm.prepare_weight(q, s, backend="emulation"), bias).float()
+    assert (y.float() - twin).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * twin.abs().max()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (3, 130, 96), (300, 4160, 4160)])
+def test_fp16_activations(m, n, k):
+    q, s = random_mx_weight(n, k, device="cuda")
+    x = random_act(m, k, dtype=torch.float16, device="cuda")
+    y = mxgemm.linear(x, mxgemm.prepare_weight(q, s, backend="triton"))
+    assert y.dtype == torch.float16
+    assert sqnr_db(y, _ref(x, q, s, None)) >= 55  # fp16 output: 3 more mantissa bits than bf16
+
+
+def test_layer_on_gpu_and_auto_picks_triton():
+    lin = torch.nn.Linear(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    layer = mxgemm.MXFP8Linear.from_linear(lin)
+    assert layer.backend == "triton"
+    x = random_act(16, 4096, device="cuda").reshape(2, 8, 4096)
+    with torch.no_grad():
+        assert sqnr_db(layer(x), lin(x)) >= 25
+    cpu = layer.to("cpu")  # moving re-resolves for the new device
+    assert cpu.backend == "emulation"
+
+
+def test_e5m2_and_nan_blocks():
+    q, s = random_mx_weight(256, 512, device="cuda", elem_dtype=torch.float8_e5m2)
+    s = s.clone()
+    s[7, 3] = 255
+    x = random_act(9, 512, device="cuda")
+    y = mxgemm.linear(x, mxgemm.prepare_weight(q, s, backend="triton"))
+    assert torch.isnan(y[:, 7]).all()
+    keep = torch.ones(256, dtype=torch.bool, device="cuda")
+    keep[7] = False
+    assert sqnr_db(y[:, keep], _ref(x, q, s, None)[:, keep]) >= 50

@@ -1,0 +1,135 @@
+"""MXFP8Linear: against nn.Linear and its emulated twin, refits, device/dtype moves, bad inputs."""
+
+import os
+
+import pytest
+import torch
+from helpers import random_act, random_mx_weight, sqnr_db
+from torch import nn
+
+import mxgemm
+from mxgemm.backends.emulation import emulate_linear
+
+BACKENDS = ["emulation"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+
+
+def _linear(n, k, bias=True, seed=0, dtype=torch.bfloat16):
+    torch.manual_seed(seed)
+    return nn.Linear(k, n, bias=bias).to(dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m,n,k,bias", [(1, 130, 96, True), (3, 130, 96, False), (5, 64, 256, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_against_nn_linear_and_twin(backend, m, n, k, bias, dtype):
+    lin = _linear(n, k, bias, dtype=dtype)
+    layer = mxgemm.MXFP8Linear.from_linear(lin, backend=backend)
+    assert layer.backend == backend and layer.recipe == "w8a16"
+    x = random_act(m, k, dtype=dtype)
+    with torch.no_grad():
+        y, ref = layer(x), lin(x)
+    assert y.dtype == dtype and y.shape == (m, n) and torch.isfinite(y).all()
+    assert sqnr_db(y, ref) >= 25
+    twin = emulate_linear(x, mxgemm.prepare_weight(layer.weight, layer.weight_scale, backend="emulation"), layer.bias)
+    assert sqnr_db(y, twin) >= 40
+
+
+def test_leading_dims_and_empty_batch():
+    layer = mxgemm.MXFP8Linear.from_linear(_linear(64, 96), backend="emulation")
+    x = random_act(6, 96).reshape(2, 3, 96)
+    y = layer(x)
+    assert y.shape == (2, 3, 64)
+    assert torch.equal(y.reshape(6, 64), layer(x.reshape(6, 96)))
+    assert layer(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("recipe", ["w8a16", "w8a8-mx", "w8a8-block"])
+def test_recipes_through_the_layer(recipe):
+    lin = _linear(256, 512)
+    layer = mxgemm.MXFP8Linear.from_linear(lin, backend="emulation", recipe=recipe)
+    assert layer.recipe == recipe and f"recipe={recipe}" in repr(layer)
+    x = random_act(4, 512)
+    with torch.no_grad():
+        assert sqnr_db(layer(x), lin(x)) >= 25
+
+
+def test_from_quantized_and_scale_modes():
+    q, s = random_mx_weight(64, 128)
+    layer = mxgemm.MXFP8Linear.from_quantized(q, s, backend="emulation")
+    assert layer.bias is None and layer.weight is q
+    lin = _linear(64, 128)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.02)  # varied block maxima: the two rules differ on some blocks
+    rceil = mxgemm.MXFP8Linear.from_linear(lin, backend="emulation", scale_mode="rceil")
+    floor = mxgemm.MXFP8Linear.from_linear(lin, backend="emulation", scale_mode="floor")
+    assert torch.equal(rceil.weight_scale, mxgemm.quantize(lin.weight.detach(), scale_mode="rceil").scale)
+    assert not torch.equal(rceil.weight_scale, floor.weight_scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_refit_equals_fresh(backend):
+    q1, s1 = random_mx_weight(130, 96, seed=1)
+    q2, s2 = random_mx_weight(130, 96, seed=2)
+    s2 = s2.clone()
+    s2[4, 1] = 255  # the refit weight has a NaN block; preparation must see it
+    bias = torch.randn(130, dtype=torch.bfloat16)
+    layer = mxgemm.MXFP8Linear.from_quantized(q1, s1, bias, backend=backend)
+    x = random_act(3, 96)
+    before = layer(x)
+    layer.load_mx_weight(q2, s2)
+    fresh = mxgemm.MXFP8Linear.from_quantized(q2, s2, bias, backend=backend)
+    after = layer(x)
+    assert torch.equal(after.nan_to_num(), fresh(x).nan_to_num())
+    assert torch.equal(torch.isnan(after), torch.isnan(fresh(x))) and torch.isnan(after[:, 4]).all()
+    assert not torch.equal(before.nan_to_num(), after.nan_to_num())
+    with pytest.raises(ValueError, match="new weight must be"):
+        layer.load_mx_weight(*random_mx_weight(64, 96))
+
+
+def test_state_dict_round_trip_re_prepares():
+    a = mxgemm.MXFP8Linear.from_linear(_linear(64, 96, seed=1), backend="emulation")
+    b = mxgemm.MXFP8Linear.from_linear(_linear(64, 96, seed=2), backend="emulation")
+    b.load_state_dict(a.state_dict())
+    x = random_act(2, 96)
+    assert torch.equal(a(x), b(x))
+    assert set(a.state_dict()) == {"weight", "weight_scale", "bias"}
+
+
+def test_module_dtype_casts_keep_the_quantized_weight():
+    layer = mxgemm.MXFP8Linear.from_linear(_linear(64, 96, dtype=torch.float32), backend="emulation")
+    q = layer.weight.clone()
+    layer = layer.to(torch.bfloat16)
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
+    assert layer.weight_scale.dtype == torch.uint8 and layer.bias.dtype == torch.bfloat16
+    layer.half()
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.bias.dtype == torch.float16
+    assert layer(random_act(2, 96, dtype=torch.float16)).dtype == torch.float16
+
+
+def test_bad_inputs():
+    layer = mxgemm.MXFP8Linear.from_linear(_linear(64, 96), backend="emulation")
+    with pytest.raises(ValueError, match="in_features=96"):
+        layer(random_act(2, 64))
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        layer(torch.randn(2, 96))
+    with pytest.raises(ValueError, match="must be 2-D"):
+        mxgemm.MXFP8Linear(torch.zeros(2, 2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 2, 1, dtype=torch.uint8))
+    q, s = random_mx_weight(64, 96)
+    with pytest.raises(ValueError, match=r"bias must have shape \(64,\)"):
+        mxgemm.MXFP8Linear(q, s, torch.zeros(63), backend="emulation")
+    with pytest.raises(ValueError, match=r"bias must have shape \(64,\)"):
+        mxgemm.linear(random_act(2, 96), mxgemm.prepare_weight(q, s, backend="emulation"), torch.zeros(3))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mxgemm.MXFP8Linear.from_linear(_linear(64, 100))
+
+
+def test_explicit_backend_that_cannot_run_raises(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(mxgemm.BackendUnavailableError, match="triton"):
+        mxgemm.MXFP8Linear.from_linear(_linear(64, 96), backend="triton")
+
+
+def test_extra_repr():
+    layer = mxgemm.MXFP8Linear.from_linear(_linear(64, 96), backend="emulation")
+    assert "in_features=96, out_features=64, bias=True, backend=emulation, recipe=w8a16" in repr(layer)
