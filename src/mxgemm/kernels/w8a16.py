@@ -1,13 +1,23 @@
 """Triton kernel: ``y = x @ dequant(W)^T (+ bias)`` reading MXFP8 weights (fp8 bytes + E8M0 scales) directly.
 
-Exact ``w8a16``: each weight element is decoded to its exact value ``q * 2^(s-127)`` (representable in bf16 and in
-tf32), multiplied on tensor cores with fp32 accumulation. bf16 activations use a bf16 dot; fp16 activations use a
-tf32 dot, which holds every fp16 value exactly (bf16 would round them).
+Exact ``w8a16``: every weight element is decoded to its exact value ``q * 2^(s-127)`` (representable in bf16 and in
+tf32) and multiplied on tensor cores with fp32 accumulation. bf16 activations use a bf16 dot; fp16 activations use
+a tf32 dot, which holds every fp16 value exactly (bf16 would round them).
 
-Decoding works on bits, so no fp8 hardware support is needed: an E4M3 byte ``seeeemmm`` placed as the fp16 bits
-``s0eeeemmm0000000`` is the same number times 2^-8 (subnormals included, both formats share the mantissa layout);
-an E5M2 byte is the high byte of the fp16 with its exact value. NaN elements are handled at preparation time (their
-32-block's scale is set to NaN, which leaves every output unchanged: a NaN weight makes its whole output column NaN).
+Shape of the computation (swap-AB): each program computes ``acc[BN, BM] = W_tile[BN, BK] @ x_tile^T[BK, BM]`` so
+that the decoded weight is the dot's left operand, which Hopper's wgmma reads straight from registers; the output
+tile is stored transposed. ``SPLIT_K > 1`` splits K across programs for small M; partial sums go to an fp32
+workspace and the last program of each output tile (an atomic counter says which) adds them in a fixed order, so
+results are deterministic, and resets the counter for the next launch.
+
+Decoding (``DECODE``):
+ * 0, bits: an E4M3 byte ``seeeemmm`` placed as fp16 bits ``s0eeeemmm0000000`` is the value times 2^-8 (subnormals
+   included); E5M2 bytes are the high byte of their fp16. Then fp32 multiplies by 2^8 and by the scale.
+ * 1, cvt32: the hardware fp8 -> fp32 conversion, then an fp32 multiply by the scale.
+ * 2, cvt16: fp8 -> bf16 and a bf16 multiply by the scale (exact: a power of two).
+ * 3, chunked: fp8 -> bf16 without the scale; each 32-wide chunk gets its own dot and the scale multiplies the
+   [BN, BM] partial sum instead (a power of two: exact).
+NaN elements are handled at preparation (their 32-block's scale becomes NaN, which leaves every output unchanged).
 """
 
 from __future__ import annotations
@@ -18,84 +28,152 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["w8a16_linear"]
+__all__ = ["default_config", "w8a16_linear"]
 
 _TWO_POW_M127 = 5.877471754111438e-39  # 2^-127, an fp32 subnormal
 
 
 @triton.jit
-def _decode_tile(w, s, BN: tl.constexpr, BK: tl.constexpr, E5M2: tl.constexpr):
-    """uint8 weight tile [BN, BK] and uint8 scales [BN, BK // 32] -> exact fp32 values [BN, BK]."""
-    w16 = w.to(tl.int16)
-    if E5M2:
-        wf = (w16 << 8).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        bits = ((w16 & 0x80) << 8) | ((w16 & 0x7F) << 7)
-        wf = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+def _scale_f32(s):
+    """uint8 E8M0 -> exact fp32 2^(s-127); 0 -> 2^-127, 255 -> NaN."""
     s32 = s.to(tl.int32)
     sf = (s32 << 23).to(tl.float32, bitcast=True)
     sf = tl.where(s32 == 0, _TWO_POW_M127, sf)
-    sf = tl.where(s32 == 255, float("nan"), sf)
-    wf = tl.reshape(wf, (BN, BK // 32, 32)) * sf[:, :, None]
+    return tl.where(s32 == 255, float("nan"), sf)
+
+
+@triton.jit
+def _fp8_to(w, dtype: tl.constexpr, E5M2: tl.constexpr):
+    if E5M2:
+        return w.to(tl.float8e5, bitcast=True).to(dtype)
+    return w.to(tl.float8e4nv, bitcast=True).to(dtype)
+
+
+@triton.jit
+def _decode(w, s, BN: tl.constexpr, BK: tl.constexpr, E5M2: tl.constexpr, DECODE: tl.constexpr):
+    """uint8 weights [BN, BK] and scales [BN, BK // 32] -> exact values [BN, BK] (fp32, or bf16 for DECODE=2)."""
+    if DECODE == 0:
+        w16 = w.to(tl.int16)
+        if E5M2:
+            wf = (w16 << 8).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            bits = ((w16 & 0x80) << 8) | ((w16 & 0x7F) << 7)
+            wf = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        wf = tl.reshape(wf, (BN, BK // 32, 32)) * _scale_f32(s)[:, :, None]
+    elif DECODE == 1:
+        wf = tl.reshape(_fp8_to(w, tl.float32, E5M2), (BN, BK // 32, 32)) * _scale_f32(s)[:, :, None]
+    else:
+        wf = tl.reshape(_fp8_to(w, tl.bfloat16, E5M2), (BN, BK // 32, 32)) * _scale_f32(s).to(tl.bfloat16)[:, :, None]
     return tl.reshape(wf, (BN, BK))
 
 
 @triton.jit
+def _dot(w, xt, acc, X_FP16: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + w @ xt with w exact; bf16 dot for bf16 activations, tf32 for fp16 (exact for fp16 values)."""
+    if DOT_FP32:  # the Triton interpreter's bf16 dot is broken; fp32 gives the same exact products
+        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    elif X_FP16:
+        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="tf32")
+    else:
+        return tl.dot(w.to(tl.bfloat16), xt, acc)
+
+
+@triton.jit
 def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
-    M, N, K,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, K_PER_SPLIT,
     stride_xm, stride_xk, stride_wn, stride_sn, stride_ym,
     HAS_BIAS: tl.constexpr, E5M2: tl.constexpr, X_FP16: tl.constexpr, DOT_FP32: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    DECODE: tl.constexpr, SPLIT_K: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    # grouped ordering: programs that run together share weight tiles in L2
-    group = pid // (GROUP_M * grid_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_size
-    pid_n = (pid % (GROUP_M * grid_n)) // group_size
-
-    rm = pid_m * BM + tl.arange(0, BM)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    rks = tl.arange(0, BK // 32)
-    m_ok = rm < M
+    rm = pid_m * BM + tl.arange(0, BM)
     n_ok = rn < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_ok = (k0 + rk) < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :] * stride_xk,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        s = tl.load(s_ptr + rn[:, None] * stride_sn + (k0 // 32 + rks)[None, :],
-                    mask=n_ok[:, None] & ((k0 + rks * 32) < K)[None, :], other=127)  # fmt: skip
-        wf = _decode_tile(w, s, BN, BK, E5M2)
-        if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(wf), input_precision="ieee")
-        elif X_FP16:
-            acc += tl.dot(x.to(tl.float32), tl.trans(wf), input_precision="tf32")
-        else:
-            acc += tl.dot(x, tl.trans(wf.to(tl.bfloat16)))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+    m_ok = rm < M
+    k_begin = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    if DECODE == 3:
+        rc = tl.arange(0, 32)
+        for k0 in range(k_begin, k_end, BK):
+            for c in tl.static_range(BK // 32):
+                kc = k0 + c * 32
+                c_ok = kc < k_end
+                w = tl.load(w_ptr + rn[:, None] * stride_wn + (kc + rc)[None, :], mask=n_ok[:, None] & c_ok, other=0)
+                xt = tl.load(x_ptr + rm[None, :] * stride_xm + (kc + rc)[:, None] * stride_xk,
+                             mask=m_ok[None, :] & c_ok, other=0.0)  # fmt: skip
+                s = tl.load(s_ptr + rn * stride_sn + kc // 32, mask=n_ok & c_ok, other=127)
+                part = _dot(_fp8_to(w, tl.bfloat16, E5M2), xt, tl.zeros((BN, BM), dtype=tl.float32), X_FP16, DOT_FP32)
+                acc += part * _scale_f32(s)[:, None]
+    else:
+        rk = tl.arange(0, BK)
+        rks = tl.arange(0, BK // 32)
+        for k0 in range(k_begin, k_end, BK):
+            k_ok = (k0 + rk) < k_end
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0)  # fmt: skip
+            s = tl.load(s_ptr + rn[:, None] * stride_sn + (k0 // 32 + rks)[None, :],
+                        mask=n_ok[:, None] & ((k0 + rks * 32) < k_end)[None, :], other=127)  # fmt: skip
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + (k0 + rk)[:, None] * stride_xk,
+                         mask=m_ok[None, :] & k_ok[:, None], other=0.0)  # fmt: skip
+            acc = _dot(_decode(w, s, BN, BK, E5M2, DECODE), xt, acc, X_FP16, DOT_FP32)
+
+    if SPLIT_K > 1:
+        # publish this split's partial tile, count arrivals; the last program reduces in split order
+        tile = pid_m * tl.num_programs(0) + pid_n
+        ws_tile = ws_ptr + tile * (SPLIT_K * BN * BM) + tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+        tl.store(ws_tile + pid_k * (BN * BM), acc, cache_modifier=".cg")
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            for i in range(SPLIT_K):
+                acc += tl.load(ws_tile + i * (BN * BM), cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                     mask=m_ok[None, :] & n_ok[:, None])  # fmt: skip
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[None, :] & n_ok[:, None])  # fmt: skip
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def default_config(m: int, n: int, k: int) -> dict[str, int]:
-    """A config that is always valid; tuned configs come from the autotuner."""
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per output tile; kernels leave them zeroed again."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < needed:
+        buf = torch.zeros(max(needed, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def default_config(m: int, n: int, k: int, multiprocessors: int = 132) -> dict[str, int]:
+    """A config that is always valid; the autotuner may find better ones."""
     if m <= 16:
-        return dict(BM=16, BN=64, BK=128, GROUP_M=1, num_warps=4, num_stages=4)
-    if m <= 64:
-        return dict(BM=64, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+        bn, bm, bk, warps, stages = 64, 16, 256, 4, 4
+    elif m <= 64:
+        bn, bm, bk, warps, stages = 64, 64, 128, 4, 4
+    else:
+        bn, bm, bk, warps, stages = 128, 128, 64, 8, 4
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    split = 1
+    while tiles * split < 2 * multiprocessors and k // (split * 2) >= 4 * bk:
+        split *= 2
+    return dict(BN=bn, BM=bm, BK=bk, SPLIT_K=split, DECODE=2, num_warps=warps, num_stages=stages)
 
 
 def w8a16_linear(
@@ -115,15 +193,22 @@ def w8a16_linear(
     m, k = x.shape
     n = w_bytes.shape[0]
     cfg = dict(config or default_config(m, n, k))
-    if _interpreting():  # the Triton 3.6 interpreter computes bf16 dots wrongly; fp32 gives the same exact products
-        cfg.pop("num_stages", None)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if y.shape != (m, n) or y.dtype != x.dtype or y.stride(1) != 1:
         raise ValueError(f"out must be a {x.dtype} [{m}, {n}] tensor with unit column stride")
-    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+    if _interpreting():
+        cfg.pop("num_stages", None)
+        if cfg["DECODE"] in (2, 3):  # the interpreter's bf16 conversions are broken; fp32 decoding is exact too
+            cfg["DECODE"] = 1
+    split = cfg["SPLIT_K"]
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BK"]) * cfg["BK"]
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
+    tiles = grid[0] * grid[1]
+    ws = torch.empty(tiles * split * cfg["BN"] * cfg["BM"] if split > 1 else 1, dtype=torch.float32, device=x.device)
+    cnt = _counters(x.device, tiles) if split > 1 else ws
     _w8a16_kernel[grid](
-        x, w_bytes, scale, bias if bias is not None else y, y,
-        m, n, k,
+        x, w_bytes, scale, bias if bias is not None else y, y, ws, cnt,
+        m, n, k, k_per_split,
         x.stride(0), x.stride(1), w_bytes.stride(0), scale.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, E5M2=e5m2, X_FP16=x.dtype == torch.float16, DOT_FP32=_interpreting(),
         **cfg,
