@@ -77,21 +77,31 @@ def time_bf16(m, n, k):
 
 
 def probe_scaled_mm():
-    from mxgemm.block128 import quantize_1x128, reencode_block128
+    """Which scale layouts cuBLASLt's 1x128 x 128x128 path accepts and computes right, on which shapes."""
+    from mxgemm.block128 import dequantize_1x128, quantize_1x128, reencode_block128
 
     for m, n, k in [(1, 256, 256), (3, 256, 256), (4, 256, 256), (16, 130, 256), (16, 144, 256), (16, 256, 96),
-                    (16, 256, 4160), (130, 4096, 4096)]:  # fmt: skip
-        q, s = (lambda t: (t.qdata, t.scale))(mxgemm.quantize(torch.randn(n, k, device="cuda") * 0.02))
-        b = reencode_block128(q, s)
+                    (16, 256, 4160), (130, 4096, 4096), (256, 4096, 4096)]:  # fmt: skip
+        t = mxgemm.quantize(torch.randn(n, k, device="cuda") * 0.02)
+        b = reencode_block128(t.qdata, t.scale)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         xq, xs = quantize_1x128(x)
-        try:
-            y = torch._scaled_mm(xq, b.qdata.t(), xs.t().contiguous().t(), b.scale.t(), out_dtype=torch.bfloat16)
-            ref = mxgemm.block128.dequantize_1x128(xq, xs) @ b.dequantize().T
-            rel = ((y.float() - ref).norm() / ref.norm()).item()
-            record(label="scaled_mm_probe", M=m, N=n, K=k, ok=True, rel=rel)
-        except Exception as exc:
-            record(label="scaled_mm_probe", M=m, N=n, K=k, ok=False, error=str(exc)[:300])
+        ref = dequantize_1x128(xq, xs) @ b.dequantize().T
+        kb = xs.shape[1]
+        for variant in ("plain", "padded"):
+            if variant == "plain":
+                a, sa, sb = xq, xs.t().contiguous().t(), b.scale.t()
+            else:  # M to a multiple of 4; both scales stored with K-block leading dims padded to a multiple of 4
+                mp = m + (-m % 4)
+                a = F.pad(xq.view(torch.uint8), (0, 0, 0, mp - m)).view(torch.float8_e4m3fn)
+                sa = F.pad(xs, (0, -kb % 4, 0, mp - m)).t().contiguous().t()[:, :kb]
+                sb = F.pad(b.scale, (0, -kb % 4)).t()[:kb]
+            try:
+                y = torch._scaled_mm(a, b.qdata.t(), sa, sb, out_dtype=torch.bfloat16)[:m]
+                rel = ((y.float() - ref).norm() / ref.norm()).item()
+                record(label="scaled_mm_probe", variant=variant, M=m, N=n, K=k, ok=rel < 0.01, rel=rel)
+            except Exception as exc:
+                record(label="scaled_mm_probe", variant=variant, M=m, N=n, K=k, ok=False, error=str(exc)[:160])
 
 
 def time_scaled_mm(m, n, k):
@@ -125,12 +135,12 @@ def main():
     decoders = {}
     for m, n, k in small[:4]:
         base = default_config(m, n, k)
-        best = time_variants(m, n, k, [dict(base, DECODE=d) for d in (0, 1, 2, 3)], "decode")
+        best = time_variants(m, n, k, [dict(base, DECODE=d) for d in (1, 2, 3, 4)], "decode")
         decoders[(m, n, k)] = best[1]["DECODE"] if best else 2
     # stage 2: tiles / split / stages with the best decoder
     for m, n, k in small:
         d = decoders.get((m, n, k), 2)
-        grid = itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (3, 4))
+        grid = itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (3, 5))
         cfgs = [dict(BN=bn, BM=16, BK=bk, SPLIT_K=sp, DECODE=d, num_warps=4, num_stages=st) for bn, bk, sp, st in grid]
         if quick:
             cfgs = cfgs[::4]
@@ -148,7 +158,7 @@ def main():
         cfgs = [dict(BN=bn, BM=bm, BK=bk, SPLIT_K=1, DECODE=d, num_warps=w, num_stages=st)
                 for (bn, bm, bk, w, st) in [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
                                             (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4)]
-                for d in (1, 2)]  # fmt: skip
+                for d in (1, 2, 4)]  # fmt: skip
         best = time_variants(m, n, k, cfgs, "large_sweep")
         record(label="large_best", M=m, N=n, K=k, best=best)
     with open(os.path.join(OUT, "explore.json"), "w") as f:

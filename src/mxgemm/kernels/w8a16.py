@@ -17,6 +17,8 @@ Decoding (``DECODE``):
  * 2, cvt16: fp8 -> bf16 and a bf16 multiply by the scale (exact: a power of two).
  * 3, chunked: fp8 -> bf16 without the scale; each 32-wide chunk gets its own dot and the scale multiplies the
    [BN, BM] partial sum instead (a power of two: exact).
+ * 4, packed: inline PTX turns four E4M3 bytes into four bf16 (value x 2^-120) with 4 instructions per pair, then
+   one packed bf16 multiply by 2^(s-7) per pair. E4M3 with scales <= 134 only (2^(s-7) must be a finite bf16).
 NaN elements are handled at preparation (their 32-block's scale becomes NaN, which leaves every output unchanged).
 """
 
@@ -30,7 +32,7 @@ import triton.language as tl
 
 __all__ = ["default_config", "w8a16_linear"]
 
-_TWO_POW_M127 = 5.877471754111438e-39  # 2^-127, an fp32 subnormal
+_TWO_POW_M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127, an fp32 subnormal
 
 
 @triton.jit
@@ -50,9 +52,48 @@ def _fp8_to(w, dtype: tl.constexpr, E5M2: tl.constexpr):
 
 
 @triton.jit
+def _e4m3x4_to_bf16_times_2_pow_m120(w):
+    """Four E4M3 bytes per 32-bit register -> four bf16 equal to the values times 2^-120 (exact, subnormals too).
+
+    ``seeeemmm`` becomes the bf16 bits ``s0000eeeemmm0000``: bf16's exponent bias is 120 more than E4M3's, and its
+    subnormals line up with E4M3's the same way. prmt puts each byte in the high half of a 16-bit lane; the
+    exponent-mantissa bits shift down by 4 while the sign stays.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, u0, u1;
+        prmt.b32 t0, $2, 0, 0x1404;
+        prmt.b32 t1, $2, 0, 0x3424;
+        shr.b32 u0, t0, 4;
+        shr.b32 u1, t1, 4;
+        and.b32 u0, u0, 0x07F007F0;
+        and.b32 u1, u1, 0x07F007F0;
+        lop3.b32 $0, t0, 0x80008000, u0, 0xEA;
+        lop3.b32 $1, t1, 0x80008000, u1, 0xEA;
+        }""",
+        constraints="=r,=r,r",
+        args=[w],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _scale_bf16_times_2_pow_120(s):
+    """uint8 E8M0 -> bf16 2^(s-127+120) = 2^(s-7), exact for s <= 134; 255 -> NaN."""
+    s16 = s.to(tl.int16)
+    sb = ((s16 + 120) << 7).to(tl.bfloat16, bitcast=True)
+    return tl.where(s16 == 255, float("nan"), sb)
+
+
+@triton.jit
 def _decode(w, s, BN: tl.constexpr, BK: tl.constexpr, E5M2: tl.constexpr, DECODE: tl.constexpr):
-    """uint8 weights [BN, BK] and scales [BN, BK // 32] -> exact values [BN, BK] (fp32, or bf16 for DECODE=2)."""
-    if DECODE == 0:
+    """uint8 weights [BN, BK] and scales [BN, BK // 32] -> exact values [BN, BK] (fp32, or bf16 for DECODE 2, 4)."""
+    if DECODE == 4:  # E4M3 only, scales <= 134 (checked by the caller)
+        wb = tl.reshape(_e4m3x4_to_bf16_times_2_pow_m120(w), (BN, BK // 32, 32))
+        wf = wb * _scale_bf16_times_2_pow_120(s)[:, :, None]
+    elif DECODE == 0:
         w16 = w.to(tl.int16)
         if E5M2:
             wf = (w16 << 8).to(tl.float16, bitcast=True).to(tl.float32)
@@ -84,7 +125,7 @@ def _w8a16_kernel(
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_xk, stride_wn, stride_sn, stride_ym,
     HAS_BIAS: tl.constexpr, E5M2: tl.constexpr, X_FP16: tl.constexpr, DOT_FP32: tl.constexpr,
-    DECODE: tl.constexpr, SPLIT_K: tl.constexpr,
+    DECODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -113,13 +154,19 @@ def _w8a16_kernel(
         rk = tl.arange(0, BK)
         rks = tl.arange(0, BK // 32)
         for k0 in range(k_begin, k_end, BK):
-            k_ok = (k0 + rk) < k_end
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0)  # fmt: skip
-            s = tl.load(s_ptr + rn[:, None] * stride_sn + (k0 // 32 + rks)[None, :],
-                        mask=n_ok[:, None] & ((k0 + rks * 32) < k_end)[None, :], other=127)  # fmt: skip
-            xt = tl.load(x_ptr + rm[None, :] * stride_xm + (k0 + rk)[:, None] * stride_xk,
-                         mask=m_ok[None, :] & k_ok[:, None], other=0.0)  # fmt: skip
+            w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :]
+            s_ptrs = s_ptr + rn[:, None] * stride_sn + (k0 // 32 + rks)[None, :]
+            x_ptrs = x_ptr + rm[None, :] * stride_xm + (k0 + rk)[:, None] * stride_xk
+            if EVEN_K:  # every K tile is whole: only the N and M edges need masks
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+                s = tl.load(s_ptrs, mask=n_ok[:, None], other=127)
+                xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + rk) < k_end
+                ks_ok = (k0 + rks * 32) < k_end
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
+                s = tl.load(s_ptrs, mask=n_ok[:, None] & ks_ok[None, :], other=127)
+                xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
             acc = _dot(_decode(w, s, BN, BK, E5M2, DECODE), xt, acc, X_FP16, DOT_FP32)
 
     if SPLIT_K > 1:
@@ -198,7 +245,7 @@ def w8a16_linear(
         raise ValueError(f"out must be a {x.dtype} [{m}, {n}] tensor with unit column stride")
     if _interpreting():
         cfg.pop("num_stages", None)
-        if cfg["DECODE"] in (2, 3):  # the interpreter's bf16 conversions are broken; fp32 decoding is exact too
+        if cfg["DECODE"] in (2, 3, 4):  # the interpreter's bf16 conversions are broken; fp32 decoding is exact too
             cfg["DECODE"] = 1
     split = cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BK"]) * cfg["BK"]
@@ -211,6 +258,6 @@ def w8a16_linear(
         m, n, k, k_per_split,
         x.stride(0), x.stride(1), w_bytes.stride(0), scale.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, E5M2=e5m2, X_FP16=x.dtype == torch.float16, DOT_FP32=_interpreting(),
-        **cfg,
+        EVEN_K=k % cfg["BK"] == 0, **cfg,
     )  # fmt: skip
     return y
