@@ -105,3 +105,22 @@ def test_split_k_and_decodes(cfg):
     assert sqnr_db(first, _twin(x, q, s, bias)) > MIN_SQNR
     again = w8a16_linear(x, q.view(torch.uint8), s, bias, config=cfg)  # counters were reset: same bits
     assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(FMA=True, BN=16, BM=1, BK=64, SPLIT_K=1),
+        dict(FMA=True, BN=32, BM=4, BK=128, SPLIT_K=3),
+        dict(FMA=True, BN=16, BM=2, BK=32, SPLIT_K=2),
+    ],
+)
+@pytest.mark.parametrize("m", [1, 3, 5])
+def test_fma_kernel(cfg, m):
+    from mxgemm.kernels.w8a16 import w8a16_linear
+
+    q, s = random_mx_weight(130, 416, seed=12)
+    x = random_act(m, 416, dtype=torch.float16)
+    bias = torch.randn(130, dtype=torch.float16)
+    y = w8a16_linear(x, q.view(torch.uint8), s, bias, config=cfg)
+    assert sqnr_db(y, _twin(x, q, s, bias)) > 50

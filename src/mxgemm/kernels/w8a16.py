@@ -36,12 +36,15 @@ _TWO_POW_M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127, an fp32 subnormal
 
 
 @triton.jit
-def _scale_f32(s):
-    """uint8 E8M0 -> exact fp32 2^(s-127); 0 -> 2^-127, 255 -> NaN."""
+def _scale_f32(s, PLAIN_SCALES: tl.constexpr = False):
+    """uint8 E8M0 -> exact fp32 2^(s-127); 0 -> 2^-127, 255 -> NaN. With PLAIN_SCALES the caller guarantees
+    1 <= s <= 254, where the fp32 bits are just ``s << 23``."""
     s32 = s.to(tl.int32)
     sf = (s32 << 23).to(tl.float32, bitcast=True)
-    sf = tl.where(s32 == 0, _TWO_POW_M127, sf)
-    return tl.where(s32 == 255, float("nan"), sf)
+    if not PLAIN_SCALES:
+        sf = tl.where(s32 == 0, _TWO_POW_M127, sf)
+        sf = tl.where(s32 == 255, float("nan"), sf)
+    return sf
 
 
 @triton.jit
@@ -88,7 +91,8 @@ def _scale_bf16_times_2_pow_120(s):
 
 
 @triton.jit
-def _decode(w, s, BN: tl.constexpr, BK: tl.constexpr, E5M2: tl.constexpr, DECODE: tl.constexpr):
+def _decode(w, s, BN: tl.constexpr, BK: tl.constexpr, E5M2: tl.constexpr, DECODE: tl.constexpr,
+            PLAIN_SCALES: tl.constexpr):  # fmt: skip
     """uint8 weights [BN, BK] and scales [BN, BK // 32] -> exact values [BN, BK] (fp32, or bf16 for DECODE 2, 4)."""
     if DECODE == 4:  # E4M3 only, scales <= 134 (checked by the caller)
         wb = tl.reshape(_e4m3x4_to_bf16_times_2_pow_m120(w), (BN, BK // 32, 32))
@@ -100,11 +104,14 @@ def _decode(w, s, BN: tl.constexpr, BK: tl.constexpr, E5M2: tl.constexpr, DECODE
         else:
             bits = ((w16 & 0x80) << 8) | ((w16 & 0x7F) << 7)
             wf = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-        wf = tl.reshape(wf, (BN, BK // 32, 32)) * _scale_f32(s)[:, :, None]
+        wf = tl.reshape(wf, (BN, BK // 32, 32)) * _scale_f32(s, PLAIN_SCALES)[:, :, None]
     elif DECODE == 1:
-        wf = tl.reshape(_fp8_to(w, tl.float32, E5M2), (BN, BK // 32, 32)) * _scale_f32(s)[:, :, None]
+        wf = tl.reshape(_fp8_to(w, tl.float32, E5M2), (BN, BK // 32, 32)) * _scale_f32(s, PLAIN_SCALES)[:, :, None]
     else:
-        wf = tl.reshape(_fp8_to(w, tl.bfloat16, E5M2), (BN, BK // 32, 32)) * _scale_f32(s).to(tl.bfloat16)[:, :, None]
+        wf = (
+            tl.reshape(_fp8_to(w, tl.bfloat16, E5M2), (BN, BK // 32, 32))
+            * _scale_f32(s, PLAIN_SCALES).to(tl.bfloat16)[:, :, None]
+        )
     return tl.reshape(wf, (BN, BK))
 
 
@@ -125,7 +132,7 @@ def _w8a16_kernel(
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_xk, stride_wn, stride_sn, stride_ym,
     HAS_BIAS: tl.constexpr, E5M2: tl.constexpr, X_FP16: tl.constexpr, DOT_FP32: tl.constexpr,
-    DECODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    DECODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TF32: tl.constexpr, PLAIN_SCALES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -149,7 +156,7 @@ def _w8a16_kernel(
                              mask=m_ok[None, :] & c_ok, other=0.0)  # fmt: skip
                 s = tl.load(s_ptr + rn * stride_sn + kc // 32, mask=n_ok & c_ok, other=127)
                 part = _dot(_fp8_to(w, tl.bfloat16, E5M2), xt, tl.zeros((BN, BM), dtype=tl.float32), X_FP16, DOT_FP32)
-                acc += part * _scale_f32(s)[:, None]
+                acc += part * _scale_f32(s, PLAIN_SCALES)[:, None]
     else:
         rk = tl.arange(0, BK)
         rks = tl.arange(0, BK // 32)
@@ -167,8 +174,16 @@ def _w8a16_kernel(
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
                 s = tl.load(s_ptrs, mask=n_ok[:, None] & ks_ok[None, :], other=127)
                 xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = _dot(_decode(w, s, BN, BK, E5M2, DECODE), xt, acc, X_FP16, DOT_FP32)
+            acc = _dot(_decode(w, s, BN, BK, E5M2, DECODE, PLAIN_SCALES), xt, acc, X_FP16 or TF32, DOT_FP32)
 
+    _epilogue(acc, b_ptr, y_ptr, ws_ptr, cnt_ptr, rn, rm, n_ok, m_ok, stride_ym, pid_n, pid_m, pid_k,
+              HAS_BIAS, SPLIT_K, BN, BM)  # fmt: skip
+
+
+@triton.jit
+def _epilogue(acc, b_ptr, y_ptr, ws_ptr, cnt_ptr, rn, rm, n_ok, m_ok, stride_ym, pid_n, pid_m, pid_k,
+              HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):  # fmt: skip
+    """Store acc[BN, BM] (+ bias) transposed into y; with SPLIT_K > 1 the last split to arrive reduces."""
     if SPLIT_K > 1:
         # publish this split's partial tile, count arrivals; the last program reduces in split order
         tile = pid_m * tl.num_programs(0) + pid_n
@@ -190,6 +205,49 @@ def _w8a16_kernel(
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[None, :] & n_ok[:, None])  # fmt: skip
+
+
+@triton.jit
+def _w8a16_fma_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, K_PER_SPLIT,
+    stride_xm, stride_xk, stride_wn, stride_sn, stride_ym,
+    HAS_BIAS: tl.constexpr, E5M2: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PLAIN_SCALES: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """Tiny M on CUDA cores: no tensor cores, no shared memory. Each thread reads 16 weight bytes at a time, decodes
+    them to exact fp32 values and accumulates products with every token element-wise in registers; the reduction
+    over K happens once, after the loop."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    n_ok = rn < N
+    m_ok = rm < M
+    k_begin = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    rk = tl.arange(0, BK)
+    rks = tl.arange(0, BK // 32)
+    acc = tl.zeros((BM, BN, BK), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BK):
+        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :]
+        s_ptrs = s_ptr + rn[:, None] * stride_sn + (k0 // 32 + rks)[None, :]
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :] * stride_xk
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            s = tl.load(s_ptrs, mask=n_ok[:, None], other=127)
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + rk) < k_end
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
+            s = tl.load(s_ptrs, mask=n_ok[:, None] & ((k0 + rks * 32) < k_end)[None, :], other=127)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wf = _decode(w, s, BN, BK, E5M2, 1, PLAIN_SCALES)
+        acc += wf[None, :, :] * x.to(tl.float32)[:, None, :]
+    out = tl.trans(tl.sum(acc, axis=2))  # [BN, BM]
+    _epilogue(out, b_ptr, y_ptr, ws_ptr, cnt_ptr, rn, rm, n_ok, m_ok, stride_ym, pid_n, pid_m, pid_k,
+              HAS_BIAS, SPLIT_K, BN, BM)  # fmt: skip
 
 
 def _interpreting() -> bool:
@@ -230,11 +288,13 @@ def w8a16_linear(
     bias: torch.Tensor | None,
     *,
     e5m2: bool = False,
+    plain_scales: bool = False,
     config: dict[str, int] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16, ``w_bytes`` uint8 [N, K], ``scale`` uint8 [N, K/32] -> [M, N] in ``x.dtype``.
 
+    ``plain_scales``: the caller guarantees every scale is in 1..254 (no 2^-127, no NaN): cheaper decoding.
     ``out``: an [M, N] tensor of ``x.dtype`` with unit column stride to write into (else a new one).
     """
     m, k = x.shape
@@ -245,7 +305,7 @@ def w8a16_linear(
         raise ValueError(f"out must be a {x.dtype} [{m}, {n}] tensor with unit column stride")
     if _interpreting():
         cfg.pop("num_stages", None)
-        if cfg["DECODE"] in (2, 3, 4):  # the interpreter's bf16 conversions are broken; fp32 decoding is exact too
+        if cfg.get("DECODE") in (2, 3, 4):  # the interpreter's bf16 conversions are broken; fp32 decoding is exact too
             cfg["DECODE"] = 1
     split = cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BK"]) * cfg["BK"]
@@ -253,11 +313,16 @@ def w8a16_linear(
     tiles = grid[0] * grid[1]
     ws = torch.empty(tiles * split * cfg["BN"] * cfg["BM"] if split > 1 else 1, dtype=torch.float32, device=x.device)
     cnt = _counters(x.device, tiles) if split > 1 else ws
-    _w8a16_kernel[grid](
-        x, w_bytes, scale, bias if bias is not None else y, y, ws, cnt,
-        m, n, k, k_per_split,
-        x.stride(0), x.stride(1), w_bytes.stride(0), scale.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, E5M2=e5m2, X_FP16=x.dtype == torch.float16, DOT_FP32=_interpreting(),
-        EVEN_K=k % cfg["BK"] == 0, **cfg,
-    )  # fmt: skip
+    args = (x, w_bytes, scale, bias if bias is not None else y, y, ws, cnt, m, n, k, k_per_split,
+            x.stride(0), x.stride(1), w_bytes.stride(0), scale.stride(0), y.stride(0))  # fmt: skip
+    if cfg.pop("FMA", False):
+        cfg.pop("DECODE", None)
+        _w8a16_fma_kernel[grid](
+            *args, HAS_BIAS=bias is not None, E5M2=e5m2, EVEN_K=k % cfg["BK"] == 0, PLAIN_SCALES=plain_scales, **cfg
+        )
+    else:
+        _w8a16_kernel[grid](
+            *args, HAS_BIAS=bias is not None, E5M2=e5m2, X_FP16=x.dtype == torch.float16, DOT_FP32=_interpreting(),
+            EVEN_K=k % cfg["BK"] == 0, TF32=cfg.pop("TF32", False), PLAIN_SCALES=plain_scales, **cfg,
+        )  # fmt: skip
     return y
