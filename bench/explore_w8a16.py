@@ -8,14 +8,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 import mxgemm
-from mxgemm.kernels.w8a16 import default_config, w8a16_linear
+from mxgemm.kernels.w8a16 import w8a16_linear
 from mxgemm.timing import copies_for_cold_l2, time_cuda
 
 OUT = os.environ.get("OUT", ".")
@@ -132,13 +131,16 @@ def main():
     for m, n, k in small:
         record(label="bf16", M=m, N=n, K=k, us=time_bf16(m, n, k), floor=floor_us(m, n, k))
     for m, n, k in small:
-        split_for = (lambda bn: max(1, min(8, 4096 // (n // bn)))) if n <= 8192 else (lambda bn: 1)
+
+        def split_for(bn, n=n):
+            return max(1, min(8, 4096 // (n // bn))) if n <= 8192 else 1
+
         cfgs = []
         if m <= 4:
-            for bn, bk, w in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8)):
+            for bn, bk, w in itertools.product((16, 32, 64), (128, 256), (4, 8)):
                 cfgs.append(dict(FMA=True, BN=bn, BM=m if m in (1, 2, 4) else 4, BK=bk, SPLIT_K=split_for(bn),
                                  num_warps=w, num_stages=3))  # fmt: skip
-        for d, bn, bk, st in itertools.product((1, 2), (32, 64, 128), (128, 256), (3, 5)):
+        for d, bn, bk, st in itertools.product((1, 2), (32, 64), (128, 256), (3,)):
             cfgs.append(dict(BN=bn, BM=16, BK=bk, SPLIT_K=split_for(bn), DECODE=d, num_warps=4, num_stages=st))
         best = time_variants(m, n, k, cfgs, "small_sweep")
         record(label="small_best", M=m, N=n, K=k, best=best)
