@@ -17,7 +17,9 @@ CPU = DeviceInfo(type="cpu")
 
 
 def test_unknown_backend_lists_valid_names():
-    with pytest.raises(mxgemm.UnknownBackendError, match=r"'cutlass'.*auto, triton, emulation"):
+    with pytest.raises(
+        mxgemm.UnknownBackendError, match=r"'cutlass'.*auto, hybrid_sm90, cublas_block, triton, emulation"
+    ):
         mxgemm.resolve_backend("cutlass", device=CPU)
 
 
@@ -39,12 +41,14 @@ def test_explicit_recipe_mismatch_raises():
 
 def test_auto_order_on_pretended_devices(monkeypatch, caplog):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert mxgemm.resolve_backend("auto", device=H200).name == "triton"
+    res = mxgemm.explain_auto(H200)  # no CUDA runtime here: the cuBLASLt probe cannot run, so Triton
+    assert res.backend.name == "triton"
+    assert res.skipped[0][0] == "hybrid_sm90" and "CUDA" in res.skipped[0][1]
     with caplog.at_level(logging.INFO, logger="mxgemm"):
         assert mxgemm.resolve_backend("auto", device=T4).name == "emulation"
-    assert "auto chose 'emulation'" in caplog.text and "skipped triton (needs compute capability" in caplog.text
+    assert "auto chose 'emulation'" in caplog.text and "triton (needs compute capability" in caplog.text
     res = mxgemm.explain_auto(CPU)
-    assert res.backend.name == "emulation" and res.skipped[0][0] == "triton"
+    assert res.backend.name == "emulation" and [n for n, _ in res.skipped] == ["hybrid_sm90", "triton"]
 
 
 def test_auto_filters_by_recipe():
@@ -109,9 +113,10 @@ def test_env_sets_default_request(monkeypatch):
 def test_available_backends_rows(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rows = {r.name: r for r in mxgemm.available_backends(CPU)}
-    assert set(rows) == {"triton", "emulation"}
+    assert set(rows) == {"hybrid_sm90", "cublas_block", "triton", "emulation"}
+    assert not rows["cublas_block"].available and "CUDA GPU" in rows["cublas_block"].reason
     assert not rows["triton"].available and "CUDA" in rows["triton"].reason
-    assert rows["emulation"].available and rows["emulation"].recipes == ("w8a16", "w8a8-mx", "w8a8-block")
+    assert rows["emulation"].available and rows["emulation"].recipes == tuple(mxgemm.RECIPES)
 
 
 def test_triton_interpreter_is_an_explicit_cpu_mode(monkeypatch):
@@ -124,3 +129,63 @@ def test_describe_device():
     assert d.type == "cpu" and d.sm is None and str(d) == "cpu"
     assert mxgemm.describe_device(H200) is H200 and H200.sm == 90
     assert mxgemm.describe_device(torch.device("cpu")).torch_device == torch.device("cpu")
+
+
+@pytest.fixture
+def pretend_cuda_runtime(monkeypatch):
+    """Pretend a CUDA 13 runtime and a cuBLASLt probe with a given answer (the real probe runs on the H200)."""
+    from mxgemm.backends import cublas_block
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    answers = {}
+    monkeypatch.setattr(
+        cublas_block, "probe_cublas_blockwise", lambda index: answers.get(index, Availability(True, "probed"))
+    )
+    return answers
+
+
+def test_hopper_picks_the_hybrid(pretend_cuda_runtime):
+    assert mxgemm.resolve_backend("auto", device=H200).name == "hybrid_sm90"
+    assert mxgemm.resolve_backend("cublas_block", device=H200).name == "cublas_block"
+    pretend_cuda_runtime[0] = Availability(False, "cuBLASLt blockwise FP8 GEMM failed a probe: NOT_SUPPORTED")
+    res = mxgemm.explain_auto(H200)
+    assert res.backend.name == "triton" and "NOT_SUPPORTED" in res.skipped[0][1]
+
+
+def test_blockwise_needs_hopper_and_new_cuda(pretend_cuda_runtime, monkeypatch):
+    b200 = DeviceInfo(type="cuda", name="B200", capability=(10, 0), index=0)
+    with pytest.raises(mxgemm.BackendUnavailableError, match=r"runs on Hopper \(SM90\); B200 \(SM100\) is not"):
+        mxgemm.resolve_backend("cublas_block", device=b200)
+    assert mxgemm.resolve_backend("auto", device=b200).name == "triton"
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    with pytest.raises(mxgemm.BackendUnavailableError, match=r"CUDA >= 12.9.*12.4"):
+        mxgemm.resolve_backend("hybrid_sm90", device=H200)
+
+
+class _PickyBackend(EmulationBackend):
+    """Refuses weights whose first element is negative."""
+
+    name = "picky"
+
+    def prepare(self, qdata, scale, recipe):
+        if qdata.float()[0, 0] < 0:
+            raise registry.UnsupportedWeightError("first element is negative")
+        return super().prepare(qdata, scale, recipe)
+
+
+def test_a_refused_weight_goes_to_the_next_backend(monkeypatch, caplog):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    picky = _PickyBackend()
+    monkeypatch.setitem(registry._REGISTRY, picky.name, picky)
+    monkeypatch.setattr("mxgemm.resolve.AUTO_PRIORITY", ("picky", "triton", "emulation"))
+    q = torch.full((64, 64), 1.0).to(torch.float8_e4m3fn)
+    s = torch.full((64, 2), 127, dtype=torch.uint8)
+    assert mxgemm.prepare_weight(q, s).backend == "picky"
+    q_neg = (-q.float()).to(torch.float8_e4m3fn)
+    with caplog.at_level(logging.INFO, logger="mxgemm"):
+        assert mxgemm.prepare_weight(q_neg, s).backend == "emulation"
+    assert "'picky' refused a [64, 64] weight: first element is negative" in caplog.text
+    with pytest.raises(mxgemm.BackendUnavailableError, match="'picky' cannot run here: this weight: first element"):
+        mxgemm.prepare_weight(q_neg, s, backend="picky")

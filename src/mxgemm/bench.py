@@ -1,8 +1,18 @@
-"""``mxgemm bench``: mxgemm's backends against what users would run instead, on the machine in hand.
+"""``mxgemm bench``: mxgemm against what users would run instead, on the machine in hand.
 
-On a GPU every contender is timed as a CUDA graph with L2-cold weights (rotated copies, > 3x L2) and activation
-quantization inside the timed region. On a CPU-only machine the emulation backend runs on small shapes against
-bf16 ``F.linear``: a smoke run, labelled as such, not a measure of GPU speed.
+On a GPU, side by side in one run (each timed as a CUDA graph, weights rotated through copies larger than 3x the L2,
+activation quantization inside the timed region where a recipe has it):
+
+* ``mxgemm``: what ``auto`` picks for the weight; each available mxgemm backend by name;
+* ``bf16``: ``F.linear`` on the dequantized weight (what engines do when they upcast);
+* ``fp8_rowwise``: ``torch._scaled_mm`` with row/column scales, GEMM only: the FP8 ceiling without MX semantics;
+* ``dot_scaled``: Triton's ``tl.dot_scaled`` (bf16 x MXFP8), best of a config sweep, run in a child process because
+  some configs fault on SM90 (a faulting shape is reported, not fatal);
+* ``emulation``: per-call emulation (skipped above a flop budget);
+* the floor: max(bytes / copy bandwidth, flops / FP8 rate), from the H200's measured ceilings.
+
+On a CPU-only machine the emulation backend runs on small shapes against bf16 ``F.linear``: a smoke run, labelled as
+such, not a measure of GPU speed.
 """
 
 from __future__ import annotations
@@ -15,10 +25,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .backends import backend_names
 from .device import DeviceInfo, describe_device
 from .format import MXTensor, dequantize, quantize
-from .resolve import available_backends, explain_auto
+from .resolve import available_backends
 from .timing import copies_for_cold_l2, time_cpu, time_cuda
 from .weights import linear, prepare_weight
 
@@ -33,6 +42,7 @@ MODELS: dict[str, list[tuple[int, int, str]]] = {
 DEFAULT_M = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 CPU_SHAPES = [(256, 512, "cpu-small"), (512, 1024, "cpu-medium")]
 CPU_M = (1, 16, 64)
+BASELINES = ("bf16", "fp8_rowwise", "dot_scaled")
 
 # Ceilings of the floor, measured on the H200 (DESIGN.md): copy bandwidth and FP8 tensorwise GEMM rate.
 FLOOR_CEILINGS: dict[str, tuple[float, float]] = {"H200": (4.26e12, 1288e12)}
@@ -61,7 +71,7 @@ class BenchRow:
     N: int
     K: int
     name: str
-    backend: str  # what `auto` chose
+    backend: str  # what `auto` chose for this weight
     floor_us: float | None
     us: dict[str, float | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -108,60 +118,137 @@ def floor_us(p: Problem, device: DeviceInfo) -> float | None:
     return None
 
 
-def _mx_weight(n: int, k: int, device: torch.device, seed: int):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * 0.02
-    t = quantize(w.to(device))
-    return t.qdata, t.scale
+def _mx_weights(n: int, k: int, device: torch.device, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for seed in range(copies):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        t = quantize((torch.randn(n, k, generator=g) * 0.02).to(device))
+        out.append((t.qdata, t.scale))
+    return out
 
 
-def _time(calls: Sequence[Callable[[], object]], device: DeviceInfo, heavy: bool) -> float:
-    if device.type == "cuda":
-        return time_cuda(calls, replays=3 if heavy else 20, min_calls_per_replay=2 if heavy else 20)
-    return time_cpu(calls[0])
+def _time(calls: Sequence[Callable[[], object]], device: DeviceInfo) -> float:
+    return time_cuda(calls) if device.type == "cuda" else time_cpu(calls[0])
+
+
+def _fp8_rowwise_calls(x: torch.Tensor, weights) -> list[Callable[[], object]]:
+    m, n = x.shape[0], weights[0][0].shape[0]
+    xq = x.to(torch.float8_e4m3fn)
+    sx = torch.ones(m, 1, device=x.device)
+    sw = torch.ones(1, n, device=x.device)
+    return [lambda q=q: torch._scaled_mm(xq, q.t(), sx, sw, out_dtype=torch.bfloat16) for q, _ in weights]
+
+
+class DotScaledRunner:
+    """Times Triton ``dot_scaled`` in a child process, so that a faulting config loses one shape, not the run."""
+
+    def __init__(self) -> None:
+        self._proc = None
+        self._conn = None
+
+    def _start(self) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_dot_scaled_worker, args=(child,), daemon=True)
+        self._proc.start()
+
+    def time(self, m: int, n: int, k: int, timeout: float = 300.0) -> tuple[float | None, str]:
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        self._conn.send((m, n, k))
+        if self._conn.poll(timeout):
+            try:
+                return self._conn.recv()
+            except EOFError:
+                pass
+        code = self._proc.exitcode
+        self._proc.kill()
+        self._proc = None
+        return None, f"dot_scaled faulted at M={m} N={n} K={k} (child exit code {code}); skipped"
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._conn.send(None)
+            self._proc.join(10)
+
+
+def _dot_scaled_worker(conn) -> None:
+    from .kernels.dot_scaled_ref import DOT_SCALED_CONFIGS, dot_scaled_linear
+
+    device = describe_device()
+    while (task := conn.recv()) is not None:
+        m, n, k = task
+        weights = _mx_weights(n, k, device.torch_device, copies_for_cold_l2(n * k, device.l2_bytes))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        q0, s0 = weights[0]
+        ref = x.float() @ dequantize(MXTensor(q0, s0)).T
+        best, notes = None, []
+        for cfg in DOT_SCALED_CONFIGS:
+            if (m <= 64) != (cfg["BM"] <= 64) and m not in (64, 256):
+                continue  # the sweep a tuner would prune: small tiles for small M, large for large
+            y = dot_scaled_linear(x, q0, s0, cfg).float()
+            if not (y - ref).norm() <= 1e-2 * ref.norm():
+                notes.append(f"config {cfg} gave wrong results")
+                continue
+            us = time_cuda([lambda q=q, s=s, c=cfg, x=x: dot_scaled_linear(x, q, s, c) for q, s in weights])
+            best = us if best is None else min(best, us)
+        conn.send((best, "; ".join(notes)))
 
 
 def run_bench(
     shapes: Sequence[tuple[int, int, int, str]],
     *,
     backends: Sequence[str] | None = None,
+    baselines: Sequence[str] = BASELINES,
     emulation_max_flops: float = 2e11,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, object], list[BenchRow]]:
     """Time ``shapes`` [(M, N, K, name)] on the current device; returns (environment, rows)."""
     device = describe_device()
     dev = device.torch_device
+    on_gpu = device.type == "cuda"
     usable = [s.name for s in available_backends(device) if s.available]
-    wanted = [b for b in (backends or backend_names()) if b in usable]
+    wanted = [b for b in (backends or usable) if b in usable]
     rows: list[BenchRow] = []
-    weight_cache: dict[tuple[int, int], list] = {}
-    for m, n, k, name in shapes:
-        p = Problem(m, n, k, name)
-        if progress:
-            progress(f"M={m} N={n} K={k} {name}")
-        auto = explain_auto(device, shape=(n, k)).backend.name
-        row = BenchRow(m, n, k, name, auto, floor_us(p, device))
-        copies = copies_for_cold_l2(2 * n * k, device.l2_bytes) if device.type == "cuda" else 1
-        if (n, k) not in weight_cache:
-            weight_cache.clear()
-            weight_cache[(n, k)] = [_mx_weight(n, k, dev, seed) for seed in range(copies)]
-        weights = weight_cache[(n, k)]
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-
-        bf16_w = [dequantize(MXTensor(q, s), torch.bfloat16) for q, s in weights]
-        row.us["bf16"] = _time([lambda w=w, x=x: F.linear(x, w) for w in bf16_w], device, heavy=False)
-        del bf16_w
-        for b in wanted:
-            heavy = b == "emulation"
-            if heavy and p.flops > emulation_max_flops:
-                row.us[b] = None
-                row.notes.append(f"{b} skipped above {emulation_max_flops:.0e} flops")
-                continue
-            use = weights[:2] if heavy else weights
-            prepared = [prepare_weight(q, s, backend=b) for q, s in use]
-            row.us[b] = _time([lambda w=w, x=x: linear(x, w) for w in prepared], device, heavy)
-        row.us["mxgemm"] = row.us.get(auto)
-        rows.append(row)
+    cache: dict[tuple[int, int], list] = {}
+    dot_scaled = DotScaledRunner() if on_gpu and "dot_scaled" in baselines else None
+    try:
+        for m, n, k, name in shapes:
+            p = Problem(m, n, k, name)
+            if progress:
+                progress(f"M={m} N={n} K={k} {name}")
+            if (n, k) not in cache:
+                cache.clear()
+                cache[(n, k)] = _mx_weights(n, k, dev, copies_for_cold_l2(2 * n * k, device.l2_bytes) if on_gpu else 1)
+            weights = cache[(n, k)]
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            auto = [prepare_weight(q, s) for q, s in weights]
+            row = BenchRow(m, n, k, name, auto[0].backend, floor_us(p, device))
+            row.us["mxgemm"] = _time([lambda w=w, x=x: linear(x, w) for w in auto], device)
+            del auto
+            for b in wanted:
+                if b == "emulation" and p.flops > emulation_max_flops:
+                    row.us[b] = None
+                    row.notes.append(f"emulation skipped above {emulation_max_flops:.0e} flops")
+                    continue
+                use = weights[:2] if b == "emulation" else weights
+                prepared = [prepare_weight(q, s, backend=b) for q, s in use]
+                row.us[b] = _time([lambda w=w, x=x: linear(x, w) for w in prepared], device)
+            bf16 = [dequantize(MXTensor(q, s), torch.bfloat16) for q, s in weights]
+            row.us["bf16"] = _time([lambda w=w, x=x: F.linear(x, w) for w in bf16], device)
+            del bf16
+            if on_gpu and "fp8_rowwise" in baselines:
+                row.us["fp8_rowwise"] = _time(_fp8_rowwise_calls(x, weights), device)
+            if dot_scaled is not None:
+                row.us["dot_scaled"], note = dot_scaled.time(m, n, k)
+                if note:
+                    row.notes.append(note)
+            rows.append(row)
+    finally:
+        if dot_scaled is not None:
+            dot_scaled.close()
     return environment(device), rows
 
 
@@ -170,31 +257,32 @@ def write_json(path: str, env: dict[str, object], rows: Sequence[BenchRow], comm
         json.dump({"command": command, "device": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def table_rows(rows: Sequence[BenchRow]) -> tuple[list[str], list[list[str]]]:
     """Header and cells: µs of each contender, then mxgemm's TFLOP/s, GB/s, speedup over bf16, % of floor."""
-    contenders = [c for c in dict.fromkeys(k for r in rows for k in r.us) if c != "mxgemm"]
-    header = ["M", "N", "K", "shape", "auto", "floor µs", "mxgemm µs", *[f"{c} µs" for c in contenders]]
-    header += ["TFLOP/s", "GB/s", "x bf16", "% floor"]
+    contenders = list(dict.fromkeys(c for r in rows for c in r.us))
+    header = ["M", "N", "K", "shape", "auto", "floor µs", *[f"{c} µs" for c in contenders]]
+    header += ["TFLOP/s", "GB/s", "x bf16", "x dot_scaled", "% floor"]
     out = []
     for r in rows:
         p = Problem(r.M, r.N, r.K)
         t = r.us.get("mxgemm")
-
-        def fmt(v: float | None, spec: str = ".1f") -> str:
-            return "-" if v is None else format(v, spec)
-
-        cells = [str(r.M), str(r.N), str(r.K), r.name, r.backend, fmt(r.floor_us), fmt(t)]
-        cells += [fmt(r.us.get(c)) for c in contenders]
+        cells = [str(r.M), str(r.N), str(r.K), r.name, r.backend, _fmt(r.floor_us)]
+        cells += [_fmt(r.us.get(c)) for c in contenders]
         if t:
-            bf16 = r.us.get("bf16")
+            bf16, ds = r.us.get("bf16"), r.us.get("dot_scaled")
             cells += [
-                fmt(p.flops / t / 1e6),
-                fmt(p.mx_bytes / t / 1e3, ".0f"),
-                fmt(bf16 / t if bf16 else None, ".2f"),
-                fmt(100 * r.floor_us / t if r.floor_us else None, ".0f"),
+                _fmt(p.flops / t / 1e6),
+                _fmt(p.mx_bytes / t / 1e3, ".0f"),
+                _fmt(bf16 / t if bf16 else None, ".2f"),
+                _fmt(ds / t if ds else None, ".2f"),
+                _fmt(100 * r.floor_us / t if r.floor_us else None, ".0f"),
             ]
         else:
-            cells += ["-"] * 4
+            cells += ["-"] * 5
         out.append(cells)
     return header, out
 
@@ -203,4 +291,38 @@ def markdown_table(rows: Sequence[BenchRow]) -> str:
     header, cells = table_rows(rows)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
-    return "\n".join(lines) + "\n"
+    notes = [f"- M={r.M} N={r.N} K={r.K}: {n}" for r in rows for n in r.notes]
+    return "\n".join(lines) + "\n" + ("\nNotes:\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def plot(rows: Sequence[BenchRow], path: str) -> None:
+    """Speedup over bf16 against M, one panel per weight shape (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys((r.N, r.K, r.name) for r in rows))
+    cols = min(4, len(shapes))
+    nrows = -(-len(shapes) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.2 * nrows), squeeze=False)
+    contenders = [c for c in dict.fromkeys(c for r in rows for c in r.us) if c != "bf16"]
+    for ax, (n, k, name) in zip(axes.flat, shapes, strict=False):
+        sub = [r for r in rows if (r.N, r.K) == (n, k)]
+        for c in contenders:
+            pts = [(r.M, r.us["bf16"] / r.us[c]) for r in sub if r.us.get(c) and r.us.get("bf16")]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=c)
+        floor = [(r.M, r.us["bf16"] / r.floor_us) for r in sub if r.floor_us and r.us.get("bf16")]
+        if floor:
+            ax.plot(*zip(*floor, strict=True), "k--", label="floor")
+        ax.set_xscale("log", base=2)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set_title(f"{name} N={n} K={k}")
+        ax.set_xlabel("M")
+        ax.set_ylabel("speedup over bf16")
+    for ax in axes.flat[len(shapes) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

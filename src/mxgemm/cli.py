@@ -11,7 +11,18 @@ from rich.console import Console
 from rich.table import Table
 
 from .backends import AUTO_PRIORITY, get_backend
-from .bench import CPU_M, CPU_SHAPES, DEFAULT_M, MODELS, markdown_table, parse_shapes, run_bench, table_rows, write_json
+from .bench import (
+    BASELINES,
+    CPU_M,
+    CPU_SHAPES,
+    DEFAULT_M,
+    MODELS,
+    markdown_table,
+    parse_shapes,
+    run_bench,
+    table_rows,
+    write_json,
+)
 from .device import describe_device
 from .errors import MXGemmError
 from .resolve import available_backends, default_request, explain_auto
@@ -58,7 +69,12 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         shapes = [(m, n, k, "custom") for m, n, k in parse_shapes(args.shapes)]
     else:
         shapes = [(m, n, k, name) for n, k, name in base for m in ms]
-    env, rows = run_bench(shapes, backends=args.backends, progress=lambda s: console.print(f"[dim]{s}[/dim]"))
+    env, rows = run_bench(
+        shapes,
+        backends=args.backends,
+        baselines=args.baselines,
+        progress=lambda s: console.print(f"[dim]{s}[/dim]"),
+    )
     header, cells = table_rows(rows)
     table = Table(title=f"mxgemm bench on {env['name']}")
     for h in header:
@@ -72,6 +88,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(f"Command: `{command}`\n\nDevice: {env}\n\n{markdown_table(rows)}")
+    if args.plot:
+        from .bench import plot
+
+        plot(rows, args.plot)
     return 0
 
 
@@ -86,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--backends", nargs="+", help="backends to time (default: every available one)")
     bench.add_argument("--json", help="write the rows as JSON here")
     bench.add_argument("--markdown", help="write a Markdown table here")
+    bench.add_argument("--plot", help="write a PNG plot of speedups over bf16 here (needs matplotlib)")
+    bench.add_argument(
+        "--baselines", nargs="*", default=list(BASELINES), choices=list(BASELINES), help="baselines besides mxgemm"
+    )
     return parser
 
 

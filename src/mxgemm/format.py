@@ -92,8 +92,8 @@ def e8m0_to_float32(scale: torch.Tensor) -> torch.Tensor:
     """Exact fp32 value of E8M0 biased exponents: 2^(s-127); 0 -> 2^-127 (an fp32 subnormal); 255 -> NaN."""
     s = scale.to(torch.int32)
     value = (s << 23).view(torch.float32)
-    value = torch.where(s == 0, torch.tensor(2.0**-127, device=scale.device), value)
-    return torch.where(s == E8M0_NAN, torch.tensor(float("nan"), device=scale.device), value)
+    value = torch.where(s == 0, 2.0**-127, value)  # Python scalars: no host-to-device copy (graph-capture safe)
+    return torch.where(s == E8M0_NAN, float("nan"), value)
 
 
 def _biased_exponent_floor(amax: torch.Tensor, emax: int) -> torch.Tensor:

@@ -8,11 +8,28 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import AUTO_PRIORITY, RECIPES, Availability, Backend, backend_names, get_backend
+from .backends import (
+    AUTO_PRIORITY,
+    RECIPES,
+    Availability,
+    Backend,
+    PreparedWeight,
+    UnsupportedWeightError,
+    backend_names,
+    get_backend,
+)
 from .device import DeviceInfo, describe_device
 from .errors import BackendUnavailableError
 
-__all__ = ["BackendStatus", "Resolution", "available_backends", "default_request", "explain_auto", "resolve_backend"]
+__all__ = [
+    "BackendStatus",
+    "Resolution",
+    "available_backends",
+    "default_request",
+    "explain_auto",
+    "resolve_and_prepare",
+    "resolve_backend",
+]
 
 logger = logging.getLogger("mxgemm")
 ENV_BACKEND = "MXGEMM_BACKEND"
@@ -70,15 +87,23 @@ def available_backends(
 
 
 def explain_auto(
-    device: DeviceLike = None, *, recipe: str | None = None, shape: tuple[int, int] | None = None
+    device: DeviceLike = None,
+    *,
+    recipe: str | None = None,
+    shape: tuple[int, int] | None = None,
+    refused: tuple[tuple[str, str], ...] = (),
 ) -> Resolution:
-    """What ``auto`` picks and why it passed over the backends before it."""
+    """What ``auto`` picks and why it passed over the backends before it.
+
+    ``refused``: (name, reason) of backends that already refused this particular weight.
+    """
     _validate_recipe(recipe)
     dev = describe_device(device)
     skipped = []
+    refusals = dict(refused)
     for name in AUTO_PRIORITY:
         b = get_backend(name)
-        answer = _check(b, dev, recipe, shape)
+        answer = Availability(False, refusals[name]) if name in refusals else _check(b, dev, recipe, shape)
         if answer:
             return Resolution(b, recipe or b.default_recipe, tuple(skipped))
         skipped.append((name, answer.reason))
@@ -112,9 +137,20 @@ def resolve_backend(
     is never a silent fallback. ``auto`` takes the first backend of ``AUTO_PRIORITY`` whose checks pass and logs
     (logger ``mxgemm``, INFO) what it chose and why it skipped the ones before it.
     """
+    return _resolve(requested, device=device, recipe=recipe, shape=shape)
+
+
+def _resolve(
+    requested: str | None,
+    *,
+    device: DeviceLike = None,
+    recipe: str | None = None,
+    shape: tuple[int, int] | None = None,
+    refused: tuple[tuple[str, str], ...] = (),
+) -> Backend:
     requested = requested or default_request()
     if requested == "auto":
-        res = explain_auto(device, recipe=recipe, shape=shape)
+        res = explain_auto(device, recipe=recipe, shape=shape, refused=refused)
         skipped = "; ".join(f"{n} ({r})" for n, r in res.skipped) or "nothing"
         _log_once(f"auto chose '{res.backend.name}' ({res.recipe}) on {describe_device(device)}; skipped {skipped}")
         return res.backend
@@ -124,3 +160,22 @@ def resolve_backend(
     if not answer:
         raise BackendUnavailableError(requested, answer.reason)
     return backend
+
+
+def resolve_and_prepare(
+    qdata: torch.Tensor, scale: torch.Tensor, requested: str | None = None, *, recipe: str | None = None
+) -> PreparedWeight:
+    """Resolve for this weight on its device and prepare it. A backend may refuse a weight's values
+    (:class:`UnsupportedWeightError`): a named backend then raises :class:`BackendUnavailableError` with the reason,
+    while ``auto`` logs it and moves on to the next backend of the priority list."""
+    n, k = qdata.shape
+    refused: tuple[tuple[str, str], ...] = ()
+    while True:
+        backend = _resolve(requested, device=qdata.device, recipe=recipe, shape=(n, k), refused=refused)
+        try:
+            return backend.prepare(qdata, scale, recipe or backend.default_recipe)
+        except UnsupportedWeightError as exc:
+            if (requested or default_request()) != "auto":
+                raise BackendUnavailableError(backend.name, f"this weight: {exc}") from None
+            logger.info("auto: '%s' refused a [%d, %d] weight: %s", backend.name, n, k, exc)
+            refused = (*refused, (backend.name, f"refused this weight: {exc}"))

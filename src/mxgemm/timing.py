@@ -19,20 +19,26 @@ def copies_for_cold_l2(bytes_per_copy: int, l2_bytes: int | None, factor: int = 
     return max(2, -(-factor * l2 // max(bytes_per_copy, 1)))
 
 
-def time_cuda(calls: Sequence[Callable[[], object]], *, replays: int = 20, min_calls_per_replay: int = 20) -> float:
+def time_cuda(calls: Sequence[Callable[[], object]], *, replays: int = 15, replay_ms: float = 2.0) -> float:
     """Median microseconds per call of ``calls`` (each reading its own operand copy), replayed as a CUDA graph.
 
-    Each replay runs the calls round-robin, at least ``min_calls_per_replay`` of them, so a replay is long enough
-    for event timing and the operands rotate out of L2.
+    Each replay runs the calls round-robin, as many rounds as make it last about ``replay_ms`` (so it is long
+    enough for event timing and the operands rotate out of L2), at most 50.
     """
-    rounds = max(1, -(-min_calls_per_replay // len(calls)))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for f in calls:  # warm-up: compilation, handles, allocator
             f()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for f in calls:
+            f()
+        end.record()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    per_round_ms = max(start.elapsed_time(end), 1e-3)
+    rounds = int(min(50, max(1, replay_ms // per_round_ms)))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(rounds):

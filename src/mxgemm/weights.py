@@ -6,7 +6,7 @@ import torch
 
 from .backends import PreparedWeight, get_backend
 from .format import check_mx_pair
-from .resolve import resolve_backend
+from .resolve import resolve_and_prepare
 
 __all__ = ["ACTIVATION_DTYPES", "PreparedWeight", "linear", "prepare_weight"]
 
@@ -24,9 +24,7 @@ def prepare_weight(
     check_mx_pair(qdata, scale)
     if qdata.dim() != 2:
         raise ValueError(f"a linear weight must be 2-D [N, K], got shape {tuple(qdata.shape)}")
-    n, k = qdata.shape
-    chosen = resolve_backend(backend, device=qdata.device, recipe=recipe, shape=(n, k))
-    return chosen.prepare(qdata, scale, recipe or chosen.default_recipe)
+    return resolve_and_prepare(qdata, scale, backend, recipe=recipe)
 
 
 def _check_inputs(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> None:

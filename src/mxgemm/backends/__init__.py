@@ -7,16 +7,30 @@ Adding a backend: one file here defining a :class:`Backend`, one entry in ``_REG
 from __future__ import annotations
 
 from ..errors import UnknownBackendError
-from .base import RECIPES, Availability, Backend, PreparedWeight
+from .base import RECIPES, Availability, Backend, PreparedWeight, UnsupportedWeightError
+from .cublas_block import CublasBlockBackend
 from .emulation import EmulationBackend
+from .hybrid_sm90 import HybridSM90Backend
 from .triton_w8a16 import TritonBackend
 
-__all__ = ["AUTO_PRIORITY", "RECIPES", "Availability", "Backend", "PreparedWeight", "backend_names", "get_backend"]
+__all__ = [
+    "AUTO_PRIORITY",
+    "RECIPES",
+    "Availability",
+    "Backend",
+    "PreparedWeight",
+    "UnsupportedWeightError",
+    "backend_names",
+    "get_backend",
+]
 
-_REGISTRY: dict[str, Backend] = {b.name: b for b in (TritonBackend(), EmulationBackend())}
+_REGISTRY: dict[str, Backend] = {
+    b.name: b for b in (HybridSM90Backend(), CublasBlockBackend(), TritonBackend(), EmulationBackend())
+}
 
-# The order `auto` tries backends in, fastest first; each joins only if its own checks pass.
-AUTO_PRIORITY: tuple[str, ...] = ("triton", "emulation")
+# The order `auto` tries backends in, fastest first; each joins only if its own checks pass. `cublas_block` runs
+# only when named: on SM90 `hybrid_sm90` serves its regime from the same stored weight and also covers small M.
+AUTO_PRIORITY: tuple[str, ...] = ("hybrid_sm90", "triton", "emulation")
 
 
 def backend_names() -> list[str]:

@@ -10,13 +10,19 @@ import torch
 
 from ..device import DeviceInfo
 
-__all__ = ["RECIPES", "Availability", "Backend", "PreparedWeight"]
+__all__ = ["RECIPES", "Availability", "Backend", "PreparedWeight", "UnsupportedWeightError"]
 
 RECIPES: dict[str, str] = {
     "w8a16": "activations as given (bf16/fp16); MXFP8 weight dequantized exactly",
     "w8a8-mx": "activations quantized to MXFP8 (1x32, E8M0); MXFP8 weight",
     "w8a8-block": "activations quantized to FP8 with FP32 scales per 1x128; weight re-encoded to 128x128 blocks",
+    "hybrid-block128": "weight re-encoded to 128x128 blocks; M < crossover: activations as given, else as w8a8-block",
 }
+
+
+class UnsupportedWeightError(Exception):
+    """Raised by ``Backend.prepare`` when this particular weight's values rule the backend out (the message says
+    why). An explicit request then fails with that reason; ``auto`` moves on to the next backend."""
 
 
 @dataclass(frozen=True)

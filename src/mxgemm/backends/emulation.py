@@ -8,6 +8,7 @@ from ..block128 import Block128Weight, dequantize_1x128, quantize_1x128, reencod
 from ..device import DeviceInfo
 from ..format import MXTensor, dequantize, quantize
 from .base import RECIPES, Availability, Backend, PreparedWeight
+from .hybrid_sm90 import DEFAULT_CROSSOVER
 
 __all__ = ["EmulationBackend", "emulate_linear"]
 
@@ -17,13 +18,14 @@ ACT_SCALE_MODE = "floor"
 
 def _effective_weight(weight: PreparedWeight) -> torch.Tensor:
     t = weight.tensors
-    if weight.recipe == "w8a8-block":
+    if weight.recipe in ("w8a8-block", "hybrid-block128"):
         return Block128Weight(t["qdata"], t["block_scale"], weight.info["reencode"]).dequantize()
     return dequantize(MXTensor(t["qdata"], t["scale"]))
 
 
-def _effective_activation(x: torch.Tensor, recipe: str) -> torch.Tensor:
-    if recipe == "w8a16":
+def _effective_activation(x: torch.Tensor, weight: PreparedWeight) -> torch.Tensor:
+    recipe = weight.recipe
+    if recipe == "w8a16" or (recipe == "hybrid-block128" and x.shape[0] < weight.info["crossover"]):
         return x.float()
     if recipe == "w8a8-mx":
         return dequantize(quantize(x, scale_mode=ACT_SCALE_MODE))
@@ -32,7 +34,7 @@ def _effective_activation(x: torch.Tensor, recipe: str) -> torch.Tensor:
 
 def emulate_linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The exact emulated twin of ``weight.recipe``: what a fast backend of that recipe computes, in fp32."""
-    y = _effective_activation(x, weight.recipe) @ _effective_weight(weight).T
+    y = _effective_activation(x, weight) @ _effective_weight(weight).T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -46,12 +48,15 @@ class EmulationBackend(Backend):
     def check_device(self, device: DeviceInfo) -> Availability:
         return Availability(True, "runs anywhere (plain torch, fp32); the reference, not fast")
 
-    def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
+    def prepare(
+        self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str, crossover: int = DEFAULT_CROSSOVER
+    ) -> PreparedWeight:
+        """``crossover``: for ``hybrid-block128``, the M from which activations are quantized."""
         n, k = qdata.shape
-        if recipe == "w8a8-block":
+        if recipe in ("w8a8-block", "hybrid-block128"):
             block = reencode_block128(qdata, scale)
             tensors = {"qdata": block.qdata, "block_scale": block.scale}
-            info = {"reencode": block.report}
+            info = {"reencode": block.report, "crossover": crossover}
         else:
             tensors, info = {"qdata": qdata, "scale": scale}, {}
         return PreparedWeight(self.name, recipe, n, k, tensors, info)

@@ -133,6 +133,7 @@ def _w8a16_kernel(
     stride_xm, stride_xk, stride_wn, stride_sn, stride_ym,
     HAS_BIAS: tl.constexpr, E5M2: tl.constexpr, X_FP16: tl.constexpr, DOT_FP32: tl.constexpr,
     DECODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TF32: tl.constexpr, PLAIN_SCALES: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -166,15 +167,21 @@ def _w8a16_kernel(
             x_ptrs = x_ptr + rm[None, :] * stride_xm + (k0 + rk)[:, None] * stride_xk
             if EVEN_K:  # every K tile is whole: only the N and M edges need masks
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-                s = tl.load(s_ptrs, mask=n_ok[:, None], other=127)
                 xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+                if not BLOCK_SCALED:
+                    s = tl.load(s_ptrs, mask=n_ok[:, None], other=127)
             else:
                 k_ok = (k0 + rk) < k_end
-                ks_ok = (k0 + rks * 32) < k_end
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
-                s = tl.load(s_ptrs, mask=n_ok[:, None] & ks_ok[None, :], other=127)
                 xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = _dot(_decode(w, s, BN, BK, E5M2, DECODE, PLAIN_SCALES), xt, acc, X_FP16 or TF32, DOT_FP32)
+                if not BLOCK_SCALED:
+                    s = tl.load(s_ptrs, mask=n_ok[:, None] & ((k0 + rks * 32) < k_end)[None, :], other=127)
+            if BLOCK_SCALED:  # one fp32 power-of-two scale per 128x128 block: a scalar for this tile
+                sc = tl.load(s_ptr + (pid_n * BN // 128) * stride_sn + k0 // 128)
+                wv = _fp8_to(w, tl.float32, E5M2) * sc
+            else:
+                wv = _decode(w, s, BN, BK, E5M2, DECODE, PLAIN_SCALES)
+            acc = _dot(wv, xt, acc, X_FP16 or TF32, DOT_FP32)
 
     _epilogue(acc, b_ptr, y_ptr, ws_ptr, cnt_ptr, rn, rm, n_ok, m_ok, stride_ym, pid_n, pid_m, pid_k,
               HAS_BIAS, SPLIT_K, BN, BM)  # fmt: skip
@@ -289,12 +296,15 @@ def w8a16_linear(
     *,
     e5m2: bool = False,
     plain_scales: bool = False,
+    block_scaled: bool = False,
     config: dict[str, int] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16, ``w_bytes`` uint8 [N, K], ``scale`` uint8 [N, K/32] -> [M, N] in ``x.dtype``.
 
     ``plain_scales``: the caller guarantees every scale is in 1..254 (no 2^-127, no NaN): cheaper decoding.
+    ``block_scaled``: ``scale`` is instead fp32 ``[ceil(N/128), >= ceil(K/128)]``, one power of two per 128x128 block
+    (the ``w8a8-block`` weight); tiles then use BK = 128 and a BN dividing 128.
     ``out``: an [M, N] tensor of ``x.dtype`` with unit column stride to write into (else a new one).
     """
     m, k = x.shape
@@ -303,6 +313,11 @@ def w8a16_linear(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if y.shape != (m, n) or y.dtype != x.dtype or y.stride(1) != 1:
         raise ValueError(f"out must be a {x.dtype} [{m}, {n}] tensor with unit column stride")
+    if block_scaled:
+        if cfg.get("FMA") or cfg["BK"] != 128 or 128 % cfg["BN"]:
+            raise ValueError(f"block-scaled weights need the tensor-core kernel with BK=128 and BN dividing 128: {cfg}")
+        cfg.pop("DECODE", None)
+        cfg["DECODE"] = 1
     if _interpreting():
         cfg.pop("num_stages", None)
         if cfg.get("DECODE") in (2, 3, 4):  # the interpreter's bf16 conversions are broken; fp32 decoding is exact too
@@ -323,6 +338,7 @@ def w8a16_linear(
     else:
         _w8a16_kernel[grid](
             *args, HAS_BIAS=bias is not None, E5M2=e5m2, X_FP16=x.dtype == torch.float16, DOT_FP32=_interpreting(),
-            EVEN_K=k % cfg["BK"] == 0, TF32=cfg.pop("TF32", False), PLAIN_SCALES=plain_scales, **cfg,
+            EVEN_K=k % cfg["BK"] == 0, TF32=cfg.pop("TF32", False), PLAIN_SCALES=plain_scales,
+            BLOCK_SCALED=block_scaled, **cfg,
         )  # fmt: skip
     return y

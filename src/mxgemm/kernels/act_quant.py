@@ -1,0 +1,50 @@
+"""Triton kernel: activations to FP8 E4M3 with one fp32 scale per 1x128, laid out as cuBLASLt's blockwise GEMM wants.
+
+Bit-exact to :func:`mxgemm.block128.quantize_1x128`: ``amax`` floored at 2^-64, ``scale = amax / 448`` and
+``q = clamp(x * (448 / amax))`` with IEEE round-to-nearest divisions (``div_rn``), round-to-nearest-even to E4M3.
+
+Output layout: ``q`` is ``[Mp, Kp]`` with ``Mp = round_up(M, 4)`` and ``Kp = round_up(K, 512)`` (padding is zero);
+scales are stored K-block-major (``[Kp / 128, Mp]`` row-major) and returned as the ``[Mp, Kp / 128]`` view with
+strides ``(1, Mp)`` that cuBLASLt takes for 1x128 scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["K_ALIGN", "M_ALIGN", "quantize_1x128_padded"]
+
+M_ALIGN = 4  # cuBLASLt: the scale's leading dimension (M) must be 16-byte aligned
+K_ALIGN = 512  # cuBLASLt: K blocks in multiples of 4 (measured: other counts give wrong results or errors)
+_AMAX_FLOOR = tl.constexpr(2.0**-64)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, Mp, Kp, stride_xm, stride_xk, BLOCK_M: tl.constexpr):
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = g * 128 + tl.arange(0, 128)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
+                mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+    inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+    q = tl.clamp(x * inv[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    row_ok = rm < Mp
+    tl.store(q_ptr + rm[:, None] * Kp + rk[None, :], q, mask=row_ok[:, None])
+    tl.store(s_ptr + g * Mp + rm, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=row_ok)
+
+
+def quantize_1x128_padded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] bf16/fp16 -> (float8_e4m3fn [Mp, Kp], fp32 scale view [Mp, Kp/128] with strides (1, Mp))."""
+    m, k = x.shape
+    mp = triton.cdiv(m, M_ALIGN) * M_ALIGN
+    kp = triton.cdiv(k, K_ALIGN) * K_ALIGN
+    q = torch.empty((mp, kp), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((kp // 128, mp), dtype=torch.float32, device=x.device)
+    block_m = 16
+    grid = (triton.cdiv(mp, block_m), kp // 128)
+    _quant_kernel[grid](x, q, s, m, k, mp, kp, x.stride(0), x.stride(1), BLOCK_M=block_m, num_warps=4)
+    return q, s.t()

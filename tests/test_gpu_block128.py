@@ -1,0 +1,108 @@
+"""cublas_block and hybrid_sm90 on the H200: the activation quantizer bit for bit, GEMMs against their twins."""
+
+import logging
+
+import pytest
+import torch
+from helpers import random_act, random_mx_weight, sqnr_db
+
+import mxgemm
+from mxgemm.backends.hybrid_sm90 import DEFAULT_CROSSOVER
+from mxgemm.block128 import dequantize_1x128, quantize_1x128, reencode_block128
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _blockwise_runs_here():
+    answer = mxgemm.backends.get_backend("cublas_block").check_device(mxgemm.describe_device())
+    if not answer.available:
+        pytest.skip(f"cublas_block unavailable: {answer.reason}")
+
+
+@pytest.mark.parametrize("m,k", [(1, 96), (3, 4160), (5, 128), (64, 14336), (4096, 4096), (130, 416)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_act_quant_bit_exact(m, k, dtype):
+    from mxgemm.kernels.act_quant import quantize_1x128_padded
+
+    x = random_act(m, k, dtype=dtype, device="cuda") * 5
+    x[0, :7] = 0.0
+    if m > 2:
+        x[2] = 0.0  # an all-zero row
+    q, s = quantize_1x128_padded(x)
+    rq, rs = quantize_1x128(x)
+    kb = rs.shape[1]
+    assert torch.equal(q[:m, :k].view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(s[:m, :kb], rs)
+    assert int(q[m:].view(torch.uint8).sum()) == 0 and int(q[:, k:].view(torch.uint8).sum()) == 0
+    assert s.stride() == (1, q.shape[0])
+
+
+def _block_ref(x, q, s, quantize_x):
+    wd = reencode_block128(q, s).dequantize().double()
+    xe = dequantize_1x128(*quantize_1x128(x)).double() if quantize_x else x.double()
+    return xe @ wd.T
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 4096])
+@pytest.mark.parametrize("n", [130, 4160])
+@pytest.mark.parametrize("k", [96, 4160, 14336])
+def test_cublas_block_matches_twin(m, n, k):
+    q, s = random_mx_weight(n, k, seed=m + n + k, device="cuda")
+    x = random_act(m, k, seed=k, device="cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    w = mxgemm.prepare_weight(q, s, backend="cublas_block")
+    y = mxgemm.linear(x, w, bias)
+    assert y.shape == (m, n) and y.is_contiguous() and torch.isfinite(y).all()
+    assert sqnr_db(y, _block_ref(x, q, s, True) + bias.double()) >= 45
+    assert sqnr_db(y, x.double() @ mxgemm.dequantize(mxgemm.MXTensor(q, s)).double().T + bias.double()) >= 25
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, DEFAULT_CROSSOVER - 1, DEFAULT_CROSSOVER, 4096])
+@pytest.mark.parametrize("n,k", [(130, 96), (4160, 4160), (4096, 14336)])
+def test_hybrid_matches_twin(m, n, k):
+    q, s = random_mx_weight(n, k, seed=m + n, device="cuda")
+    x = random_act(m, k, seed=k + 1, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    y = mxgemm.linear(x, w)
+    ref = _block_ref(x, q, s, m >= DEFAULT_CROSSOVER)
+    assert sqnr_db(y, ref) >= 45 if m >= DEFAULT_CROSSOVER else sqnr_db(y, ref) >= 50
+    if m < DEFAULT_CROSSOVER:  # small M: exact w.r.t. the re-encoded weight, every output written
+        from mxgemm.backends.hybrid_sm90 import small_m_config
+        from mxgemm.kernels.w8a16 import w8a16_linear
+
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        w8a16_linear(x, w.tensors["qdata"][:n].view(torch.uint8), w.tensors["block_scale"], None, block_scaled=True,
+                     config=small_m_config(m, n), out=out)  # fmt: skip
+        assert torch.isfinite(out).all()
+
+
+def test_hybrid_fp16_activations():
+    q, s = random_mx_weight(4096, 4096, device="cuda")
+    for m in (2, 256):
+        x = random_act(m, 4096, dtype=torch.float16, device="cuda")
+        y = mxgemm.linear(x, mxgemm.prepare_weight(q, s, backend="hybrid_sm90"))
+        assert y.dtype == torch.float16 and sqnr_db(y, _block_ref(x, q, s, m >= DEFAULT_CROSSOVER)) >= 45
+
+
+def test_auto_is_the_hybrid_and_keeps_inexact_layers_exact(caplog):
+    q, s = random_mx_weight(512, 1024, device="cuda")
+    assert mxgemm.prepare_weight(q, s).backend == "hybrid_sm90"
+    s = s.clone()
+    s[0] += 12  # outlier row: re-encoding would change its neighbours
+    with caplog.at_level(logging.INFO, logger="mxgemm"):
+        w = mxgemm.prepare_weight(q, s)
+    assert w.backend == "triton" and "refused" in caplog.text
+    with pytest.raises(mxgemm.BackendUnavailableError, match="MXGEMM_REENCODE_MAX_ERROR"):
+        mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    assert mxgemm.prepare_weight(q, s, backend="cublas_block").info["reencode"].rel_error > 1e-5
+
+
+def test_layer_with_hybrid_on_gpu():
+    lin = torch.nn.Linear(4096, 6144, device="cuda", dtype=torch.bfloat16)
+    layer = mxgemm.MXFP8Linear.from_linear(lin)
+    assert layer.backend == "hybrid_sm90" and "recipe=hybrid-block128" in repr(layer)
+    with torch.no_grad():
+        for m in (1, 16, 300):
+            x = random_act(m, 4096, device="cuda")
+            assert sqnr_db(layer(x), lin(x)) >= 25
