@@ -10,7 +10,7 @@ import mxgemm
 from mxgemm.backends.base import UnsupportedWeightError
 from mxgemm.backends.cublas_block import prepare_block128
 from mxgemm.backends.emulation import EmulationBackend, emulate_linear
-from mxgemm.backends.hybrid_sm90 import DEFAULT_CROSSOVER, HybridSM90Backend
+from mxgemm.backends.hybrid_sm90 import HybridSM90Backend, crossover_for
 from mxgemm.block128 import dequantize_1x128, quantize_1x128, reencode_block128
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1")
@@ -45,21 +45,22 @@ def test_hybrid_refuses_weights_that_re_encoding_would_change(monkeypatch):
         HybridSM90Backend().prepare(q, s, "hybrid-block128")
     monkeypatch.setenv("MXGEMM_REENCODE_MAX_ERROR", "1")
     w = HybridSM90Backend().prepare(q, s, "hybrid-block128")
-    assert w.info["crossover"] == DEFAULT_CROSSOVER and w.info["reencode"] == report
+    assert w.info["crossover"] == crossover_for(256, 512) == 48 and w.info["reencode"] == report
     q2, s2 = random_mx_weight(256, 512)
     assert HybridSM90Backend().prepare(q2, s2, "hybrid-block128").info["reencode"].rel_error < 1e-5
 
 
-@pytest.mark.parametrize("m", [3, DEFAULT_CROSSOVER])
+@pytest.mark.parametrize("m", [3, crossover_for(256, 512)])
 def test_hybrid_twin_switches_recipe_at_the_crossover(m):
     q, s = random_mx_weight(256, 512)
     x = random_act(m, 512)
     w = EmulationBackend().prepare(q, s, "hybrid-block128")
     wd = reencode_block128(q, s).dequantize().double()
-    xe = x.double() if m < DEFAULT_CROSSOVER else dequantize_1x128(*quantize_1x128(x)).double()
+    small = m < crossover_for(256, 512)
+    xe = x.double() if small else dequantize_1x128(*quantize_1x128(x)).double()
     y = emulate_linear(x, w, None)
     assert sqnr_db(y, xe @ wd.T) > 45
-    other = dequantize_1x128(*quantize_1x128(x)).double() if m < DEFAULT_CROSSOVER else x.double()
+    other = dequantize_1x128(*quantize_1x128(x)).double() if small else x.double()
     assert sqnr_db(y, other @ wd.T) < 40  # the other regime's recipe is measurably different
 
 
@@ -93,6 +94,11 @@ def test_block_scaled_w8a16_kernel(cfg):
     assert sqnr_db(y, x.double() @ reencode_block128(q, s).dequantize().double().T) > 40  # interpreter truncates
     with pytest.raises(ValueError, match="BK=128"):
         w8a16_linear(x, q.view(torch.uint8), tensors["block_scale"], None, block_scaled=True, config=dict(cfg, BK=64))
+
+
+def test_crossover_rule():
+    assert crossover_for(28672, 4096) == 1  # large weights: cuBLASLt wins from the smallest M measured
+    assert crossover_for(4096, 14336) == 96 and crossover_for(4096, 4096) == 48
 
 
 def test_layer_recipes_and_emulation_of_the_new_recipe():

@@ -7,7 +7,6 @@ import torch
 from helpers import random_act, random_mx_weight, sqnr_db
 
 import mxgemm
-from mxgemm.backends.hybrid_sm90 import DEFAULT_CROSSOVER
 from mxgemm.block128 import dequantize_1x128, quantize_1x128, reencode_block128
 
 pytestmark = pytest.mark.gpu
@@ -58,16 +57,17 @@ def test_cublas_block_matches_twin(m, n, k):
     assert sqnr_db(y, x.double() @ mxgemm.dequantize(mxgemm.MXTensor(q, s)).double().T + bias.double()) >= 25
 
 
-@pytest.mark.parametrize("m", [1, 3, 5, DEFAULT_CROSSOVER - 1, DEFAULT_CROSSOVER, 4096])
-@pytest.mark.parametrize("n,k", [(130, 96), (4160, 4160), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 3, 5, 47, 48, 95, 96, 4096])
+@pytest.mark.parametrize("n,k", [(130, 96), (4160, 4160), (4096, 14336), (28672, 4096)])
 def test_hybrid_matches_twin(m, n, k):
     q, s = random_mx_weight(n, k, seed=m + n, device="cuda")
     x = random_act(m, k, seed=k + 1, device="cuda")
     w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
     y = mxgemm.linear(x, w)
-    ref = _block_ref(x, q, s, m >= DEFAULT_CROSSOVER)
-    assert sqnr_db(y, ref) >= 45 if m >= DEFAULT_CROSSOVER else sqnr_db(y, ref) >= 50
-    if m < DEFAULT_CROSSOVER:  # small M: exact w.r.t. the re-encoded weight, every output written
+    quantized = m >= w.info["crossover"]
+    ref = _block_ref(x, q, s, quantized)
+    assert sqnr_db(y, ref) >= (45 if quantized else 50)
+    if not quantized:  # small M: exact w.r.t. the re-encoded weight, every output written
         from mxgemm.backends.hybrid_sm90 import small_m_config
         from mxgemm.kernels.w8a16 import w8a16_linear
 
@@ -82,7 +82,7 @@ def test_hybrid_fp16_activations():
     for m in (2, 256):
         x = random_act(m, 4096, dtype=torch.float16, device="cuda")
         y = mxgemm.linear(x, mxgemm.prepare_weight(q, s, backend="hybrid_sm90"))
-        assert y.dtype == torch.float16 and sqnr_db(y, _block_ref(x, q, s, m >= DEFAULT_CROSSOVER)) >= 45
+        assert y.dtype == torch.float16 and sqnr_db(y, _block_ref(x, q, s, m >= 48)) >= 45
 
 
 def test_auto_is_the_hybrid_and_keeps_inexact_layers_exact(caplog):

@@ -8,7 +8,7 @@ from ..block128 import Block128Weight, dequantize_1x128, quantize_1x128, reencod
 from ..device import DeviceInfo
 from ..format import MXTensor, dequantize, quantize
 from .base import RECIPES, Availability, Backend, PreparedWeight
-from .hybrid_sm90 import DEFAULT_CROSSOVER
+from .hybrid_sm90 import crossover_for
 
 __all__ = ["EmulationBackend", "emulate_linear"]
 
@@ -49,14 +49,15 @@ class EmulationBackend(Backend):
         return Availability(True, "runs anywhere (plain torch, fp32); the reference, not fast")
 
     def prepare(
-        self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str, crossover: int = DEFAULT_CROSSOVER
+        self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str, crossover: int | None = None
     ) -> PreparedWeight:
-        """``crossover``: for ``hybrid-block128``, the M from which activations are quantized."""
+        """``crossover``: for ``hybrid-block128``, the M from which activations are quantized (default: as the
+        ``hybrid_sm90`` backend decides for this shape)."""
         n, k = qdata.shape
         if recipe in ("w8a8-block", "hybrid-block128"):
             block = reencode_block128(qdata, scale)
             tensors = {"qdata": block.qdata, "block_scale": block.scale}
-            info = {"reencode": block.report, "crossover": crossover}
+            info = {"reencode": block.report, "crossover": crossover or crossover_for(n, k)}
         else:
             tensors, info = {"qdata": qdata, "scale": scale}, {}
         return PreparedWeight(self.name, recipe, n, k, tensors, info)

@@ -19,10 +19,18 @@ from ..device import DeviceInfo
 from .base import Availability, Backend, PreparedWeight, UnsupportedWeightError
 from .cublas_block import blockwise_device_check, cublas_block_linear, prepare_block128
 
-__all__ = ["DEFAULT_CROSSOVER", "HybridSM90Backend", "reencode_max_error"]
+__all__ = ["HybridSM90Backend", "crossover_for", "reencode_max_error"]
 
-# Measured on the H200 (bench/NOTES.md): from this M on, quantize + cuBLASLt beats the Triton kernel.
-DEFAULT_CROSSOVER = 64
+
+def crossover_for(n: int, k: int) -> int:
+    """The M from which quantize + cuBLASLt beats the Triton kernel for an [n, k] weight.
+
+    Measured on the H200 (bench/NOTES.md, bench/crossover.py): cuBLASLt already wins at M=16 on weights of
+    117M and 470M elements, from M=48 on 16.7M-67M-element weights, and from M=96 on the K=14336 down projection.
+    """
+    if n * k >= 96 * 2**20:
+        return 1
+    return 96 if k >= 12288 else 48
 
 
 def reencode_max_error() -> float:
@@ -47,7 +55,7 @@ class HybridSM90Backend(Backend):
         answer = blockwise_device_check(device)
         if not answer:
             return answer
-        return Availability(True, f"Triton for M < {DEFAULT_CROSSOVER}, cuBLASLt blockwise FP8 above, one weight")
+        return Availability(True, "Triton below a measured crossover M, cuBLASLt blockwise FP8 above; one weight")
 
     def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
         if qdata.dtype != torch.float8_e4m3fn:
@@ -59,7 +67,7 @@ class HybridSM90Backend(Backend):
                 f"re-encoding to 128x128 blocks would change this weight by {report.rel_error:.3g} (relative), above "
                 f"MXGEMM_REENCODE_MAX_ERROR={limit:g} ({report})"
             )
-        info["crossover"] = DEFAULT_CROSSOVER
+        info["crossover"] = crossover_for(*qdata.shape)
         return PreparedWeight(self.name, recipe, *qdata.shape, tensors, info)
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
