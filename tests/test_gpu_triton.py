@@ -49,15 +49,17 @@ def test_fp16_activations(m, n, k):
     assert sqnr_db(y, _ref(x, q, s, None)) >= 55  # fp16 output: 3 more mantissa bits than bf16
 
 
-def test_layer_on_gpu_and_auto_picks_triton():
+def test_layer_on_gpu_with_triton_and_moves():
     lin = torch.nn.Linear(4096, 1024, device="cuda", dtype=torch.bfloat16)
-    layer = mxgemm.MXFP8Linear.from_linear(lin)
+    layer = mxgemm.MXFP8Linear.from_linear(lin, backend="triton")
     assert layer.backend == "triton"
     x = random_act(16, 4096, device="cuda").reshape(2, 8, 4096)
     with torch.no_grad():
         assert sqnr_db(layer(x), lin(x)) >= 25
-    cpu = layer.to("cpu")  # moving re-resolves for the new device
-    assert cpu.backend == "emulation"
+    with pytest.raises(mxgemm.BackendUnavailableError, match="triton"):
+        layer.to("cpu")  # a named backend that cannot run on the new device says so
+    auto = mxgemm.MXFP8Linear.from_linear(lin).to("cpu")  # auto re-resolves for the new device
+    assert auto.backend == "emulation"
 
 
 def test_e5m2_and_nan_blocks():

@@ -33,8 +33,11 @@ def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = -(-k // GROUP)
     xf = F.pad(x.float(), (0, groups * GROUP - k)).reshape(m, groups, GROUP)
     amax = xf.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    q = (xf * (FP8_MAX / amax).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(m, groups * GROUP)[:, :k], amax / FP8_MAX
+    # tensor / tensor: one IEEE division (torch turns `448 / t` into reciprocal * 448, and divides by a scalar via
+    # its reciprocal on CUDA: two roundings, which kernels do not reproduce)
+    fp8_max = torch.full_like(amax, FP8_MAX)
+    q = (xf * (fp8_max / amax).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(m, groups * GROUP)[:, :k], amax / fp8_max
 
 
 def dequantize_1x128(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
