@@ -105,3 +105,13 @@ def test_decode_is_exact_for_every_code(decode, tile, plain):
     y = w8a16_linear(x, w, s, None, plain_scales=plain, config=cfg)
     ref = mxgemm.dequantize(mxgemm.MXTensor(w.view(torch.float8_e4m3fn), s), torch.bfloat16)
     assert torch.equal(y.T.float(), ref.float())  # values: -0.0 from code 0x80 sums to +0.0
+
+
+@pytest.mark.parametrize("m", [1, 48, 300, 4096])
+def test_backend_fast_paths_match_twin(m):
+    """Through the backend: plain-scale decode for small M, the packed decoder for large M."""
+    q, s = random_mx_weight(4160, 4160, seed=m, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="triton")
+    assert w.info == {"plain_scales": True, "packed_decode": True}
+    x = random_act(m, 4160, device="cuda")
+    assert sqnr_db(mxgemm.linear(x, w), _ref(x, q, s, None)) >= 50

@@ -124,3 +124,26 @@ def test_fma_kernel(cfg, m):
     bias = torch.randn(130, dtype=torch.float16)
     y = w8a16_linear(x, q.view(torch.uint8), s, bias, config=cfg)
     assert sqnr_db(y, _twin(x, q, s, bias)) > 50
+
+
+def test_preparation_picks_fast_paths_only_when_safe():
+    from mxgemm.backends.triton_w8a16 import kernel_scales
+
+    q, s = random_mx_weight(64, 128)
+    w = mxgemm.prepare_weight(q, s, backend="triton")
+    assert w.info == {"plain_scales": True, "packed_decode": True}
+    q2, s2 = q.clone(), s.clone()
+    q2[0, :32] = 0.0
+    s2[0, 0] = 0  # an all-zero block with scale 0: harmless, rewritten to 127
+    s2[1, 1] = 140  # above DECODE=4's range
+    w2 = mxgemm.prepare_weight(q2, s2, backend="triton")
+    assert w2.tensors["scale"][0, 0].item() == 127 and w2.info == {"plain_scales": True, "packed_decode": False}
+    q3, s3 = q.clone(), s.clone()
+    q3[2, 3] = 0.5
+    s3[2, 0] = 0  # a real 2^-127 scale: the general decoder
+    assert mxgemm.prepare_weight(q3, s3, backend="triton").info["plain_scales"] is False
+    x = random_act(3, 128)
+    for qq, ss in ((q2, s2), (q3, s3)):
+        y = mxgemm.linear(x, mxgemm.prepare_weight(qq, ss, backend="triton"))
+        assert sqnr_db(y, _twin(x, qq, ss, None)) > MIN_SQNR
+    assert kernel_scales(q3, s3)[2, 0].item() == 0

@@ -11,20 +11,21 @@ from ..device import DeviceInfo
 from ..format import BLOCK_SIZE, E8M0_NAN
 from .base import Availability, Backend, PreparedWeight
 
-__all__ = ["TritonBackend", "nan_blocks_to_nan_scale"]
+__all__ = ["TritonBackend", "kernel_scales"]
 
 _MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor-core dots
 
 
-def nan_blocks_to_nan_scale(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Scales with 255 (NaN) wherever a 32-block holds a NaN element.
-
-    Dequantized outputs are unchanged by this: any NaN in a weight row already makes that whole output column NaN.
-    It lets kernels decode elements without a per-element NaN test.
-    """
+def kernel_scales(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The scales the kernel reads: 255 (NaN) wherever a 32-block holds a NaN element, and 127 instead of 0 on
+    all-zero blocks. Neither changes an output: a NaN weight already makes its whole output column NaN, and a zero
+    block is zero under any scale. It lets kernels decode without per-element NaN tests, and more often use the
+    plain-scale fast path."""
     n, k = qdata.shape
-    has_nan = torch.isnan(qdata.float()).reshape(n, k // BLOCK_SIZE, BLOCK_SIZE).any(dim=-1)
-    return torch.where(has_nan, torch.full_like(scale, E8M0_NAN), scale).contiguous()
+    blocks = qdata.float().reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
+    scale = torch.where(torch.isnan(blocks).any(dim=-1), E8M0_NAN, scale)
+    scale = torch.where((scale == 0) & (blocks == 0).all(dim=-1), 127, scale)
+    return scale.to(torch.uint8).contiguous()
 
 
 class TritonBackend(Backend):
@@ -47,11 +48,23 @@ class TritonBackend(Backend):
 
     def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
         n, k = qdata.shape
-        tensors = {"qdata": qdata.contiguous(), "scale": nan_blocks_to_nan_scale(qdata, scale)}
-        return PreparedWeight(self.name, recipe, n, k, tensors)
+        s = kernel_scales(qdata, scale)
+        plain = bool(((s >= 1) & (s <= 254)).all())  # no 2^-127, no NaN: the kernel's cheaper scale decode
+        packed = plain and qdata.dtype == torch.float8_e4m3fn and int(s.max()) <= 134  # DECODE=4's range
+        info = {"plain_scales": plain, "packed_decode": packed}
+        return PreparedWeight(self.name, recipe, n, k, {"qdata": qdata.contiguous(), "scale": s}, info)
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        from ..kernels.w8a16 import w8a16_linear
+        from ..kernels.w8a16 import default_config, w8a16_linear
 
         q = weight.tensors["qdata"]
-        return w8a16_linear(x, q.view(torch.uint8), weight.tensors["scale"], bias, e5m2=q.dtype == torch.float8_e5m2)
+        m, (n, k) = x.shape[0], q.shape
+        return w8a16_linear(
+            x,
+            q.view(torch.uint8),
+            weight.tensors["scale"],
+            bias,
+            e5m2=q.dtype == torch.float8_e5m2,
+            plain_scales=weight.info["plain_scales"],
+            config=default_config(m, n, k, packed_decode=weight.info["packed_decode"]),
+        )

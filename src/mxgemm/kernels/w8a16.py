@@ -273,19 +273,20 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
     return buf
 
 
-def default_config(m: int, n: int, k: int, multiprocessors: int = 132) -> dict[str, int]:
-    """A config that is always valid; the autotuner may find better ones."""
+def default_config(m: int, n: int, k: int, *, packed_decode: bool = False, multiprocessors: int = 132) -> dict:
+    """The best configs measured on the H200 (bench/NOTES.md); always valid. ``packed_decode``: the weight allows
+    DECODE=4 (E4M3, scales <= 134), the fastest decoder for large M."""
     if m <= 16:
-        bn, bm, bk, warps, stages = 64, 16, 256, 4, 4
+        bn, bm, bk, warps, stages, decode = 64, 16, 128, 4, 3, 1
     elif m <= 64:
-        bn, bm, bk, warps, stages = 64, 64, 128, 4, 4
+        bn, bm, bk, warps, stages, decode = 64, 64 if m > 32 else 32, 128, 4, 3, 1
     else:
-        bn, bm, bk, warps, stages = 128, 128, 64, 8, 4
+        bn, bm, bk, warps, stages, decode = 128, 128, 64, 8, 3, 4 if packed_decode else 1
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     split = 1
     while tiles * split < 2 * multiprocessors and k // (split * 2) >= 4 * bk:
         split *= 2
-    return dict(BN=bn, BM=bm, BK=bk, SPLIT_K=split, DECODE=2, num_warps=warps, num_stages=stages)
+    return dict(BN=bn, BM=bm, BK=bk, SPLIT_K=split, DECODE=decode, num_warps=warps, num_stages=stages)
 
 
 def w8a16_linear(
