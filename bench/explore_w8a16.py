@@ -135,13 +135,10 @@ def main():
         def split_for(bn, n=n):
             return max(1, min(8, 4096 // (n // bn))) if n <= 8192 else 1
 
-        cfgs = []
-        if m <= 4:
-            for bn, bk, w in itertools.product((16, 32, 64), (128, 256), (4, 8)):
-                cfgs.append(dict(FMA=True, BN=bn, BM=m if m in (1, 2, 4) else 4, BK=bk, SPLIT_K=split_for(bn),
-                                 num_warps=w, num_stages=3))  # fmt: skip
-        for d, bn, bk, st in itertools.product((1, 2), (32, 64), (128, 256), (3,)):
-            cfgs.append(dict(BN=bn, BM=16, BK=bk, SPLIT_K=split_for(bn), DECODE=d, num_warps=4, num_stages=st))
+        cfgs = [
+            dict(BN=bn, BM=16, BK=bk, SPLIT_K=split_for(bn), PACKED=packed, num_warps=4, num_stages=st)
+            for packed, bn, bk, st in itertools.product((False, True), (32, 64), (128, 256), (3,))
+        ]
         best = time_variants(m, n, k, cfgs, "small_sweep")
         record(label="small_best", M=m, N=n, K=k, best=best)
     with open(os.path.join(OUT, "explore.json"), "w") as f:

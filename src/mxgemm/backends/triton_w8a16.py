@@ -50,7 +50,7 @@ class TritonBackend(Backend):
         n, k = qdata.shape
         s = kernel_scales(qdata, scale)
         plain = bool(((s >= 1) & (s <= 254)).all())  # no 2^-127, no NaN: the kernel's cheaper scale decode
-        packed = plain and qdata.dtype == torch.float8_e4m3fn and int(s.max()) <= 134  # DECODE=4's range
+        packed = plain and qdata.dtype == torch.float8_e4m3fn and int(s.max()) <= 134  # the packed decoder's range
         info = {"plain_scales": plain, "packed_decode": packed}
         return PreparedWeight(self.name, recipe, n, k, {"qdata": qdata.contiguous(), "scale": s}, info)
 

@@ -10,16 +10,12 @@ tile is stored transposed. ``SPLIT_K > 1`` splits K across programs for small M;
 workspace and the last program of each output tile (an atomic counter says which) adds them in a fixed order, so
 results are deterministic, and resets the counter for the next launch.
 
-Decoding (``DECODE``):
- * 0, bits: an E4M3 byte ``seeeemmm`` placed as fp16 bits ``s0eeeemmm0000000`` is the value times 2^-8 (subnormals
-   included); E5M2 bytes are the high byte of their fp16. Then fp32 multiplies by 2^8 and by the scale.
- * 1, cvt32: the hardware fp8 -> fp32 conversion, then an fp32 multiply by the scale.
- * 2, cvt16: fp8 -> bf16 and a bf16 multiply by the scale (exact: a power of two).
- * 3, chunked: fp8 -> bf16 without the scale; each 32-wide chunk gets its own dot and the scale multiplies the
-   [BN, BM] partial sum instead (a power of two: exact).
- * 4, packed: inline PTX turns four E4M3 bytes into four bf16 (value x 2^-120) with 4 instructions per pair, then
-   one packed bf16 multiply by 2^(s-7) per pair. E4M3 with scales <= 134 only (2^(s-7) must be a finite bf16).
-NaN elements are handled at preparation (their 32-block's scale becomes NaN, which leaves every output unchanged).
+Decoding: by default the hardware fp8 -> fp32 conversion and an fp32 multiply by the scale (the fastest at small M
+on the H200). ``PACKED`` (E4M3 with scales <= 134, the fastest at large M): inline PTX turns four E4M3 bytes into
+four bf16 equal to the values times 2^-120, then one packed bf16 multiply by 2^(s-7) per pair. ``BLOCK_SCALED``:
+the weight has one fp32 power-of-two scale per 128x128 block instead (the ``w8a8-block`` weight). NaN elements are
+handled at preparation (their 32-block's scale becomes NaN, which leaves every output unchanged). bench/NOTES.md
+records the other decoders that were measured and lost.
 """
 
 from __future__ import annotations
@@ -91,27 +87,14 @@ def _scale_bf16_times_2_pow_120(s):
 
 
 @triton.jit
-def _decode(w, s, BN: tl.constexpr, BK: tl.constexpr, E5M2: tl.constexpr, DECODE: tl.constexpr,
+def _decode(w, s, BN: tl.constexpr, BK: tl.constexpr, E5M2: tl.constexpr, PACKED: tl.constexpr,
             PLAIN_SCALES: tl.constexpr):  # fmt: skip
-    """uint8 weights [BN, BK] and scales [BN, BK // 32] -> exact values [BN, BK] (fp32, or bf16 for DECODE 2, 4)."""
-    if DECODE == 4:  # E4M3 only, scales <= 134 (checked by the caller)
+    """uint8 weights [BN, BK] and scales [BN, BK // 32] -> exact values [BN, BK] (bf16 if PACKED, else fp32)."""
+    if PACKED:  # E4M3 only, scales <= 134 (checked at preparation)
         wb = tl.reshape(_e4m3x4_to_bf16_times_2_pow_m120(w), (BN, BK // 32, 32))
         wf = wb * _scale_bf16_times_2_pow_120(s)[:, :, None]
-    elif DECODE == 0:
-        w16 = w.to(tl.int16)
-        if E5M2:
-            wf = (w16 << 8).to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            bits = ((w16 & 0x80) << 8) | ((w16 & 0x7F) << 7)
-            wf = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-        wf = tl.reshape(wf, (BN, BK // 32, 32)) * _scale_f32(s, PLAIN_SCALES)[:, :, None]
-    elif DECODE == 1:
-        wf = tl.reshape(_fp8_to(w, tl.float32, E5M2), (BN, BK // 32, 32)) * _scale_f32(s, PLAIN_SCALES)[:, :, None]
     else:
-        wf = (
-            tl.reshape(_fp8_to(w, tl.bfloat16, E5M2), (BN, BK // 32, 32))
-            * _scale_f32(s, PLAIN_SCALES).to(tl.bfloat16)[:, :, None]
-        )
+        wf = tl.reshape(_fp8_to(w, tl.float32, E5M2), (BN, BK // 32, 32)) * _scale_f32(s, PLAIN_SCALES)[:, :, None]
     return tl.reshape(wf, (BN, BK))
 
 
@@ -132,8 +115,8 @@ def _w8a16_kernel(
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_xk, stride_wn, stride_sn, stride_ym,
     HAS_BIAS: tl.constexpr, E5M2: tl.constexpr, X_FP16: tl.constexpr, DOT_FP32: tl.constexpr,
-    DECODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TF32: tl.constexpr, PLAIN_SCALES: tl.constexpr,
-    BLOCK_SCALED: tl.constexpr,
+    PACKED: tl.constexpr, PLAIN_SCALES: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -145,52 +128,31 @@ def _w8a16_kernel(
     m_ok = rm < M
     k_begin = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    rk = tl.arange(0, BK)
+    rks = tl.arange(0, BK // 32)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    if DECODE == 3:
-        rc = tl.arange(0, 32)
-        for k0 in range(k_begin, k_end, BK):
-            for c in tl.static_range(BK // 32):
-                kc = k0 + c * 32
-                c_ok = kc < k_end
-                w = tl.load(w_ptr + rn[:, None] * stride_wn + (kc + rc)[None, :], mask=n_ok[:, None] & c_ok, other=0)
-                xt = tl.load(x_ptr + rm[None, :] * stride_xm + (kc + rc)[:, None] * stride_xk,
-                             mask=m_ok[None, :] & c_ok, other=0.0)  # fmt: skip
-                s = tl.load(s_ptr + rn * stride_sn + kc // 32, mask=n_ok & c_ok, other=127)
-                part = _dot(_fp8_to(w, tl.bfloat16, E5M2), xt, tl.zeros((BN, BM), dtype=tl.float32), X_FP16, DOT_FP32)
-                acc += part * _scale_f32(s, PLAIN_SCALES)[:, None]
-    else:
-        rk = tl.arange(0, BK)
-        rks = tl.arange(0, BK // 32)
-        for k0 in range(k_begin, k_end, BK):
-            w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :]
-            s_ptrs = s_ptr + rn[:, None] * stride_sn + (k0 // 32 + rks)[None, :]
-            x_ptrs = x_ptr + rm[None, :] * stride_xm + (k0 + rk)[:, None] * stride_xk
-            if EVEN_K:  # every K tile is whole: only the N and M edges need masks
-                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-                xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-                if not BLOCK_SCALED:
-                    s = tl.load(s_ptrs, mask=n_ok[:, None], other=127)
-            else:
-                k_ok = (k0 + rk) < k_end
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
-                xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-                if not BLOCK_SCALED:
-                    s = tl.load(s_ptrs, mask=n_ok[:, None] & ((k0 + rks * 32) < k_end)[None, :], other=127)
-            if BLOCK_SCALED:  # one fp32 power-of-two scale per 128x128 block: a scalar for this tile
-                sc = tl.load(s_ptr + (pid_n * BN // 128) * stride_sn + k0 // 128)
-                wv = _fp8_to(w, tl.float32, E5M2) * sc
-            else:
-                wv = _decode(w, s, BN, BK, E5M2, DECODE, PLAIN_SCALES)
-            acc = _dot(wv, xt, acc, X_FP16 or TF32, DOT_FP32)
+    for k0 in range(k_begin, k_end, BK):
+        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :]
+        s_ptrs = s_ptr + rn[:, None] * stride_sn + (k0 // 32 + rks)[None, :]
+        x_ptrs = x_ptr + rm[None, :] * stride_xm + (k0 + rk)[:, None] * stride_xk
+        if EVEN_K:  # every K tile is whole: only the N and M edges need masks
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+            if not BLOCK_SCALED:
+                s = tl.load(s_ptrs, mask=n_ok[:, None], other=127)
+        else:
+            k_ok = (k0 + rk) < k_end
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
+            xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            if not BLOCK_SCALED:
+                s = tl.load(s_ptrs, mask=n_ok[:, None] & ((k0 + rks * 32) < k_end)[None, :], other=127)
+        if BLOCK_SCALED:  # one fp32 power-of-two scale per 128x128 block: a scalar for this tile
+            sc = tl.load(s_ptr + (pid_n * BN // 128) * stride_sn + k0 // 128)
+            wv = _fp8_to(w, tl.float32, E5M2) * sc
+        else:
+            wv = _decode(w, s, BN, BK, E5M2, PACKED, PLAIN_SCALES)
+        acc = _dot(wv, xt, acc, X_FP16, DOT_FP32)
 
-    _epilogue(acc, b_ptr, y_ptr, ws_ptr, cnt_ptr, rn, rm, n_ok, m_ok, stride_ym, pid_n, pid_m, pid_k,
-              HAS_BIAS, SPLIT_K, BN, BM)  # fmt: skip
-
-
-@triton.jit
-def _epilogue(acc, b_ptr, y_ptr, ws_ptr, cnt_ptr, rn, rm, n_ok, m_ok, stride_ym, pid_n, pid_m, pid_k,
-              HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):  # fmt: skip
-    """Store acc[BN, BM] (+ bias) transposed into y; with SPLIT_K > 1 the last split to arrive reduces."""
     if SPLIT_K > 1:
         # publish this split's partial tile, count arrivals; the last program reduces in split order
         tile = pid_m * tl.num_programs(0) + pid_n
@@ -214,49 +176,6 @@ def _epilogue(acc, b_ptr, y_ptr, ws_ptr, cnt_ptr, rn, rm, n_ok, m_ok, stride_ym,
                  mask=m_ok[None, :] & n_ok[:, None])  # fmt: skip
 
 
-@triton.jit
-def _w8a16_fma_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-    M, N, K, K_PER_SPLIT,
-    stride_xm, stride_xk, stride_wn, stride_sn, stride_ym,
-    HAS_BIAS: tl.constexpr, E5M2: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PLAIN_SCALES: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-):  # fmt: skip
-    """Tiny M on CUDA cores: no tensor cores, no shared memory. Each thread reads 16 weight bytes at a time, decodes
-    them to exact fp32 values and accumulates products with every token element-wise in registers; the reduction
-    over K happens once, after the loop."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
-    n_ok = rn < N
-    m_ok = rm < M
-    k_begin = pid_k * K_PER_SPLIT
-    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    rk = tl.arange(0, BK)
-    rks = tl.arange(0, BK // 32)
-    acc = tl.zeros((BM, BN, BK), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BK):
-        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :]
-        s_ptrs = s_ptr + rn[:, None] * stride_sn + (k0 // 32 + rks)[None, :]
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :] * stride_xk
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-            s = tl.load(s_ptrs, mask=n_ok[:, None], other=127)
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        else:
-            k_ok = (k0 + rk) < k_end
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
-            s = tl.load(s_ptrs, mask=n_ok[:, None] & ((k0 + rks * 32) < k_end)[None, :], other=127)
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wf = _decode(w, s, BN, BK, E5M2, 1, PLAIN_SCALES)
-        acc += wf[None, :, :] * x.to(tl.float32)[:, None, :]
-    out = tl.trans(tl.sum(acc, axis=2))  # [BN, BM]
-    _epilogue(out, b_ptr, y_ptr, ws_ptr, cnt_ptr, rn, rm, n_ok, m_ok, stride_ym, pid_n, pid_m, pid_k,
-              HAS_BIAS, SPLIT_K, BN, BM)  # fmt: skip
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -275,18 +194,18 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
 
 def default_config(m: int, n: int, k: int, *, packed_decode: bool = False, multiprocessors: int = 132) -> dict:
     """The best configs measured on the H200 (bench/NOTES.md); always valid. ``packed_decode``: the weight allows
-    DECODE=4 (E4M3, scales <= 134), the fastest decoder for large M."""
+    the packed decoder (E4M3, scales <= 134), the fastest at large M."""
     if m <= 16:
-        bn, bm, bk, warps, stages, decode = 64, 16, 128, 4, 3, 1
+        bn, bm, bk, warps, packed = 64, 16, 128, 4, False
     elif m <= 64:
-        bn, bm, bk, warps, stages, decode = 64, 64 if m > 32 else 32, 128, 4, 3, 1
+        bn, bm, bk, warps, packed = 64, 64 if m > 32 else 32, 128, 4, False
     else:
-        bn, bm, bk, warps, stages, decode = 128, 128, 64, 8, 3, 4 if packed_decode else 1
+        bn, bm, bk, warps, packed = 128, 128, 64, 8, packed_decode
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     split = 1
     while tiles * split < 2 * multiprocessors and k // (split * 2) >= 4 * bk:
         split *= 2
-    return dict(BN=bn, BM=bm, BK=bk, SPLIT_K=split, DECODE=decode, num_warps=warps, num_stages=stages)
+    return dict(BN=bn, BM=bm, BK=bk, SPLIT_K=split, PACKED=packed, num_warps=warps, num_stages=3)
 
 
 def w8a16_linear(
@@ -298,7 +217,7 @@ def w8a16_linear(
     e5m2: bool = False,
     plain_scales: bool = False,
     block_scaled: bool = False,
-    config: dict[str, int] | None = None,
+    config: dict | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16, ``w_bytes`` uint8 [N, K], ``scale`` uint8 [N, K/32] -> [M, N] in ``x.dtype``.
@@ -306,6 +225,7 @@ def w8a16_linear(
     ``plain_scales``: the caller guarantees every scale is in 1..254 (no 2^-127, no NaN): cheaper decoding.
     ``block_scaled``: ``scale`` is instead fp32 ``[ceil(N/128), >= ceil(K/128)]``, one power of two per 128x128 block
     (the ``w8a8-block`` weight); tiles then use BK = 128 and a BN dividing 128.
+    ``config``: tile sizes, split-K and the packed decoder (see :func:`default_config`).
     ``out``: an [M, N] tensor of ``x.dtype`` with unit column stride to write into (else a new one).
     """
     m, k = x.shape
@@ -314,32 +234,22 @@ def w8a16_linear(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if y.shape != (m, n) or y.dtype != x.dtype or y.stride(1) != 1:
         raise ValueError(f"out must be a {x.dtype} [{m}, {n}] tensor with unit column stride")
-    if block_scaled:
-        if cfg.get("FMA") or cfg["BK"] != 128 or 128 % cfg["BN"]:
-            raise ValueError(f"block-scaled weights need the tensor-core kernel with BK=128 and BN dividing 128: {cfg}")
-        cfg.pop("DECODE", None)
-        cfg["DECODE"] = 1
+    if block_scaled and (cfg["BK"] != 128 or 128 % cfg["BN"]):
+        raise ValueError(f"block-scaled weights need BK=128 and a BN dividing 128, got {cfg}")
+    if block_scaled or e5m2 or _interpreting():  # the packed decoder: E4M3 MX scales, and inline PTX (no interpreter)
+        cfg["PACKED"] = False
     if _interpreting():
         cfg.pop("num_stages", None)
-        if cfg.get("DECODE") in (2, 3, 4):  # the interpreter's bf16 conversions are broken; fp32 decoding is exact too
-            cfg["DECODE"] = 1
     split = cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BK"]) * cfg["BK"]
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
     tiles = grid[0] * grid[1]
     ws = torch.empty(tiles * split * cfg["BN"] * cfg["BM"] if split > 1 else 1, dtype=torch.float32, device=x.device)
     cnt = _counters(x.device, tiles) if split > 1 else ws
-    args = (x, w_bytes, scale, bias if bias is not None else y, y, ws, cnt, m, n, k, k_per_split,
-            x.stride(0), x.stride(1), w_bytes.stride(0), scale.stride(0), y.stride(0))  # fmt: skip
-    if cfg.pop("FMA", False):
-        cfg.pop("DECODE", None)
-        _w8a16_fma_kernel[grid](
-            *args, HAS_BIAS=bias is not None, E5M2=e5m2, EVEN_K=k % cfg["BK"] == 0, PLAIN_SCALES=plain_scales, **cfg
-        )
-    else:
-        _w8a16_kernel[grid](
-            *args, HAS_BIAS=bias is not None, E5M2=e5m2, X_FP16=x.dtype == torch.float16, DOT_FP32=_interpreting(),
-            EVEN_K=k % cfg["BK"] == 0, TF32=cfg.pop("TF32", False), PLAIN_SCALES=plain_scales,
-            BLOCK_SCALED=block_scaled, **cfg,
-        )  # fmt: skip
+    _w8a16_kernel[grid](
+        x, w_bytes, scale, bias if bias is not None else y, y, ws, cnt, m, n, k, k_per_split,
+        x.stride(0), x.stride(1), w_bytes.stride(0), scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, E5M2=e5m2, X_FP16=x.dtype == torch.float16, DOT_FP32=_interpreting(),
+        PLAIN_SCALES=plain_scales, BLOCK_SCALED=block_scaled, EVEN_K=k % cfg["BK"] == 0, **cfg,
+    )  # fmt: skip
     return y
