@@ -27,6 +27,15 @@ def random_mx_weight(n: int, k: int, *, seed: int = 0, device="cpu", scale: floa
     return t.qdata, t.scale
 
 
+def skip_unless_backend_runs(name: str) -> None:
+    """Skip the calling test (or module fixture) with the backend's own reason when it cannot run here."""
+    import pytest
+
+    answer = mxgemm.backends.get_backend(name).check_device(mxgemm.describe_device())
+    if not answer.available:
+        pytest.skip(f"{name} unavailable: {answer.reason}")
+
+
 def random_act(m: int, k: int, *, seed: int = 1, dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(m, k, generator=g).to(device=device, dtype=dtype)

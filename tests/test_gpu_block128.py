@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from helpers import random_act, random_mx_weight, sqnr_db
+from helpers import random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
 
 import mxgemm
 from mxgemm.block128 import dequantize_1x128, quantize_1x128, reencode_block128
@@ -14,9 +14,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module", autouse=True)
 def _blockwise_runs_here():
-    answer = mxgemm.backends.get_backend("cublas_block").check_device(mxgemm.describe_device())
-    if not answer.available:
-        pytest.skip(f"cublas_block unavailable: {answer.reason}")
+    skip_unless_backend_runs("cublas_block")
 
 
 @pytest.mark.parametrize("m,k", [(1, 96), (3, 4160), (5, 128), (64, 14336), (4096, 4096), (130, 416)])

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import random_act, random_mx_weight, sqnr_db
+from helpers import random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
 
 import mxgemm
 from mxgemm.backends.emulation import emulate_linear
@@ -12,9 +12,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module", autouse=True)
 def _triton_runs_here():
-    answer = mxgemm.backends.get_backend("triton").check_device(mxgemm.describe_device())
-    if not answer.available:
-        pytest.skip(f"triton backend unavailable: {answer.reason}")
+    skip_unless_backend_runs("triton")
 
 
 def _ref(x, q, s, bias):
