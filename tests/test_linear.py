@@ -112,7 +112,9 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="in_features=96"):
         layer(random_act(2, 64))
     with pytest.raises(TypeError, match="bfloat16 or float16"):
-        layer(torch.randn(2, 96))
+        layer(torch.ones(2, 96, dtype=torch.int32))
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        mxgemm.linear(torch.randn(2, 96), layer.prepared)  # the functional form takes bf16/fp16 only
     with pytest.raises(ValueError, match="must be 2-D"):
         mxgemm.MXFP8Linear(torch.zeros(2, 2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 2, 1, dtype=torch.uint8))
     q, s = random_mx_weight(64, 96)
@@ -133,3 +135,11 @@ def test_explicit_backend_that_cannot_run_raises(monkeypatch):
 def test_extra_repr():
     layer = mxgemm.MXFP8Linear.from_linear(_linear(64, 96), backend="emulation")
     assert "in_features=96, out_features=64, bias=True, backend=emulation, recipe=w8a16" in repr(layer)
+
+
+def test_fp32_inputs_run_in_bf16():
+    layer = mxgemm.MXFP8Linear.from_linear(_linear(64, 96, dtype=torch.float32), backend="emulation")
+    x = torch.randn(3, 96)
+    y = layer(x)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, mxgemm.linear(x.bfloat16(), layer.prepared, layer.bias.bfloat16()).float())

@@ -7,6 +7,7 @@ from .device import DeviceInfo, describe_device
 from .errors import BackendUnavailableError, MXGemmError, UnknownBackendError
 from .format import BLOCK_SIZE, MXTensor, dequantize, quantize
 from .linear import MXFP8Linear
+from .models import QuantizeReport, quantize_model
 from .resolve import BackendStatus, available_backends, explain_auto, resolve_backend
 from .weights import linear, prepare_weight
 
@@ -25,6 +26,7 @@ __all__ = [
     "MXGemmError",
     "MXTensor",
     "PreparedWeight",
+    "QuantizeReport",
     "UnknownBackendError",
     "__version__",
     "available_backends",
@@ -34,5 +36,6 @@ __all__ = [
     "linear",
     "prepare_weight",
     "quantize",
+    "quantize_model",
     "resolve_backend",
 ]

@@ -19,7 +19,15 @@ import torch.nn.functional as F
 
 from .format import BLOCK_SIZE, E8M0_NAN, check_mx_pair, e8m0_to_float32
 
-__all__ = ["GROUP", "Block128Weight", "ReencodeReport", "dequantize_1x128", "quantize_1x128", "reencode_block128"]
+__all__ = [
+    "GROUP",
+    "Block128Weight",
+    "ReencodeReport",
+    "dequantize_1x128",
+    "dequantize_block128",
+    "quantize_1x128",
+    "reencode_block128",
+]
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -72,9 +80,13 @@ class Block128Weight:
     report: ReencodeReport
 
     def dequantize(self) -> torch.Tensor:
-        n, k = self.qdata.shape
-        s = self.scale.repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)[:n, :k]
-        return self.qdata.float() * s
+        return dequantize_block128(self.qdata, self.scale)
+
+
+def dequantize_block128(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 value of FP8 ``[N, K]`` with one fp32 scale per 128x128 block (``scale`` may have extra columns)."""
+    n, k = qdata.shape
+    return qdata.float() * scale.repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)[:n, :k]
 
 
 def reencode_block128(qdata: torch.Tensor, scale: torch.Tensor) -> Block128Weight:

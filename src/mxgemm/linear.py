@@ -16,7 +16,8 @@ class MXFP8Linear(nn.Module):
 
     The backend is resolved when the layer is built and again whenever it moves to another device; a named backend
     that cannot run there raises. Dtype casts of the module (``.half()``, ``.to(torch.bfloat16)``) leave the
-    quantized weight as it is and cast only the bias.
+    quantized weight as it is and cast only the bias. bf16/fp16 inputs run as they are; fp32/fp64 inputs (models
+    kept in fp32) are cast to bf16 for the GEMM and the result back to their dtype.
     """
 
     weight: torch.Tensor
@@ -114,6 +115,9 @@ class MXFP8Linear(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.float32, torch.float64):  # the kernels take bf16/fp16: run in bf16, answer in x.dtype
+            bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+            return linear(x.to(torch.bfloat16), self._prepared, bias).to(x.dtype)
         return linear(x, self._prepared, self.bias)
 
     def extra_repr(self) -> str:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .backends import PreparedWeight, get_backend
+from .backends import PreparedWeight
 from .format import check_mx_pair
+from .ops import linear_op
 from .resolve import resolve_and_prepare
 
 __all__ = ["ACTIVATION_DTYPES", "PreparedWeight", "linear", "prepare_weight"]
@@ -47,5 +48,5 @@ def linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None = 
     if x2.shape[0] == 0:
         y = x2.new_empty((0, weight.out_features))
     else:
-        y = get_backend(weight.backend).run(x2, weight, bias)
+        y = linear_op(x2, weight.op_tensors, bias, weight.backend, weight.op_meta)
     return y.reshape(*x.shape[:-1], weight.out_features)

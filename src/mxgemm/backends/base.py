@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -36,9 +37,16 @@ class Availability:
         return self.available
 
 
+_FP8 = {str(d): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
 @dataclass(frozen=True)
 class PreparedWeight:
-    """A weight prepared once for one backend: whatever layout, padding or re-encoding that backend runs from."""
+    """A weight prepared once for one backend: whatever layout, padding or re-encoding that backend runs from.
+
+    ``op_tensors`` and ``op_meta`` are how it crosses the ``mxgemm::linear`` op boundary, computed once: the tensors
+    (fp8 ones as uint8 views, which every op supports) and one JSON string with everything else the run needs.
+    """
 
     backend: str
     recipe: str
@@ -46,10 +54,32 @@ class PreparedWeight:
     in_features: int
     tensors: dict[str, torch.Tensor]
     info: dict[str, Any] = field(default_factory=dict)
+    op_tensors: list[torch.Tensor] = field(init=False, repr=False, compare=False)
+    op_meta: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fp8 = {name: str(t.dtype) for name, t in self.tensors.items() if str(t.dtype) in _FP8}
+        meta = {
+            "names": list(self.tensors),
+            "fp8": fp8,
+            "recipe": self.recipe,
+            "out_features": self.out_features,
+            "in_features": self.in_features,
+            "info": {k: v for k, v in self.info.items() if isinstance(v, (bool, int, float, str))},
+        }
+        views = [t.view(torch.uint8) if n in fp8 else t for n, t in self.tensors.items()]
+        object.__setattr__(self, "op_tensors", views)
+        object.__setattr__(self, "op_meta", json.dumps(meta, sort_keys=True))
 
     @property
     def device(self) -> torch.device:
         return next(iter(self.tensors.values())).device
+
+    @classmethod
+    def from_op_args(cls, backend: str, tensors: list[torch.Tensor], meta: str) -> PreparedWeight:
+        m = json.loads(meta)
+        named = {n: t.view(_FP8[m["fp8"][n]]) if n in m["fp8"] else t for n, t in zip(m["names"], tensors, strict=True)}
+        return cls(backend, m["recipe"], m["out_features"], m["in_features"], named, m["info"])
 
 
 class Backend(ABC):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..block128 import Block128Weight, dequantize_1x128, quantize_1x128, reencode_block128
+from ..block128 import dequantize_1x128, dequantize_block128, quantize_1x128, reencode_block128
 from ..device import DeviceInfo
 from ..format import MXTensor, dequantize, quantize
 from .base import RECIPES, Availability, Backend, PreparedWeight
@@ -19,7 +19,7 @@ ACT_SCALE_MODE = "floor"
 def _effective_weight(weight: PreparedWeight) -> torch.Tensor:
     t = weight.tensors
     if weight.recipe in ("w8a8-block", "hybrid-block128"):
-        return Block128Weight(t["qdata"], t["block_scale"], weight.info["reencode"]).dequantize()
+        return dequantize_block128(t["qdata"], t["block_scale"])
     return dequantize(MXTensor(t["qdata"], t["scale"]))
 
 
