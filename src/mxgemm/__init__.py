@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .backends import AUTO_PRIORITY, RECIPES, Availability, Backend, PreparedWeight
+from .checkpoints import CheckpointError, load_checkpoint, save_checkpoint
 from .device import DeviceInfo, describe_device
 from .errors import BackendUnavailableError, MXGemmError, UnknownBackendError
 from .format import BLOCK_SIZE, MXTensor, dequantize, quantize
@@ -21,6 +22,7 @@ __all__ = [
     "Backend",
     "BackendStatus",
     "BackendUnavailableError",
+    "CheckpointError",
     "DeviceInfo",
     "MXFP8Linear",
     "MXGemmError",
@@ -34,8 +36,10 @@ __all__ = [
     "describe_device",
     "explain_auto",
     "linear",
+    "load_checkpoint",
     "prepare_weight",
     "quantize",
     "quantize_model",
     "resolve_backend",
+    "save_checkpoint",
 ]

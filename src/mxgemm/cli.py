@@ -95,6 +95,41 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace, console: Console) -> int:
+    """Quantize a Hugging Face model folder to a compressed-tensors MXFP8 checkpoint."""
+    import shutil
+    from pathlib import Path
+
+    from rich.progress import track
+
+    from .checkpoints import save_checkpoint
+    from .models import quantize_model
+
+    try:
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    except ImportError:
+        console.print("[red]error:[/red] `mxgemm quantize` reads models with transformers: pip install 'mxgemm[hf]'")
+        return 2
+    src, out = Path(args.model_dir), Path(args.out_dir)
+    config = AutoConfig.from_pretrained(src)
+    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+    model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(src, dtype="auto")
+    report = quantize_model(model, backend="emulation", scale_mode=args.scale_mode, skip=args.skip)
+    save_checkpoint(
+        model,
+        out,
+        scheme=args.scheme,
+        config=config.to_dict(),
+        progress=lambda names: track(names, description="writing", console=console),
+    )
+    for f in src.iterdir():  # tokenizer and other side files
+        if f.is_file() and f.name != "config.json" and not f.name.startswith("model") and f.suffix != ".safetensors":
+            shutil.copy2(f, out / f.name)
+    console.print(str(report))
+    console.print(f"wrote {args.scheme} compressed-tensors checkpoint to {out}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mxgemm", description="MXFP8 GEMMs for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--baselines", nargs="*", default=list(BASELINES), choices=list(BASELINES), help="baselines besides mxgemm"
     )
+    quant = sub.add_parser("quantize", help="write a compressed-tensors MXFP8 checkpoint of a Hugging Face model")
+    quant.add_argument("model_dir", help="a model folder (config.json + safetensors)")
+    quant.add_argument("out_dir", help="where to write the MXFP8 checkpoint")
+    quant.add_argument("--scheme", choices=["MXFP8", "MXFP8A16"], default="MXFP8", help="activation scheme recorded")
+    quant.add_argument("--scale-mode", choices=["floor", "rceil"], default="floor", help="E8M0 scale rule")
+    quant.add_argument("--skip", nargs="*", default=["lm_head"], help="linear layers to keep (names or globs)")
     return parser
 
 
@@ -121,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "info":
             return _info(console)
+        if args.command == "quantize":
+            return _quantize(args, console)
         return _bench(args, console)
     except (MXGemmError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")

@@ -1,0 +1,148 @@
+"""MXFP8 checkpoints: mxgemm quantize -> compressed-tensors parses it -> load_checkpoint gives identical layers."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import mxgemm
+from mxgemm.checkpoints import read_format
+from mxgemm.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_llama_config(tie=False):
+    return transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_tiny_llama_config())
+    model.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def _linears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, mxgemm.MXFP8Linear))}
+
+
+@pytest.mark.parametrize("scheme", ["MXFP8", "MXFP8A16"])
+def test_round_trip_through_the_cli(llama_dir, tmp_path, scheme, capsys):
+    out = tmp_path / "mx"
+    assert main(["quantize", str(llama_dir), str(out), "--scheme", scheme]) == 0
+    assert "replaced 14 of 15 linear layers" in capsys.readouterr().out  # 2 x (q k v o gate up down); lm_head kept
+    fmt = read_format(out)
+    assert (fmt.kind, fmt.scheme, fmt.ignore) == ("compressed-tensors", scheme, ("lm_head",))
+
+    # the in-memory reference: the same model quantized online
+    ref = transformers.LlamaForCausalLM.from_pretrained(llama_dir)
+    mxgemm.quantize_model(ref, backend="emulation")
+    loaded = transformers.LlamaForCausalLM(_tiny_llama_config())
+    report = mxgemm.load_checkpoint(loaded, out, backend="emulation")
+    assert len(report.quantized) == 14 and report.format.scheme == scheme
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        for name, layer in _linears(loaded).items():
+            ref_layer = _linears(ref)[name]
+            assert type(layer) is type(ref_layer)
+            x = torch.randn(5, layer.in_features)
+            assert torch.equal(layer(x), ref_layer(x)), name  # bit-identical layer outputs
+        assert torch.equal(loaded(ids).logits, ref(ids).logits)
+
+
+def test_compressed_tensors_parses_and_decompresses_it(llama_dir, tmp_path):
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import MXFP8QuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    out = tmp_path / "mx"
+    assert main(["quantize", str(llama_dir), str(out), "--scheme", "MXFP8"]) == 0
+    qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    assert qc.format == "mxfp8-quantized" and qc.ignore == ["lm_head"]
+    scheme = qc.config_groups["group_0"]
+    preset = preset_name_to_scheme("MXFP8", ["Linear"])
+    assert scheme.weights.model_dump() == preset.weights.model_dump()
+    assert scheme.input_activations.model_dump() == preset.input_activations.model_dump()
+    assert ct.compressors.BaseCompressor.get_value_from_registry(qc.format) is MXFP8QuantizationCompressor
+    tensors = load_file(str(out / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj"
+    w, s = tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"]
+    theirs = MXFP8QuantizationCompressor.decompress({"weight": w, "weight_scale": s}, scheme)["weight"]
+    ours = mxgemm.dequantize(mxgemm.MXTensor(w, s))
+    assert torch.equal(theirs.float(), ours.to(theirs.dtype).float())
+
+
+def test_modelopt_layout_loads(llama_dir, tmp_path):
+    mx = tmp_path / "mx"
+    main(["quantize", str(llama_dir), str(mx)])
+    opt = tmp_path / "modelopt"
+    opt.mkdir()
+    cfg = json.loads((mx / "config.json").read_text())
+    del cfg["quantization_config"]
+    (opt / "config.json").write_text(json.dumps(cfg))
+    (opt / "hf_quant_config.json").write_text(
+        json.dumps(
+            {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "MXFP8", "exclude_modules": ["lm_head"]}}
+        )
+    )
+    save_file(load_file(str(mx / "model.safetensors")), str(opt / "model.safetensors"))
+    a = transformers.LlamaForCausalLM(_tiny_llama_config())
+    b = transformers.LlamaForCausalLM(_tiny_llama_config())
+    ra = mxgemm.load_checkpoint(a, mx, backend="emulation")
+    rb = mxgemm.load_checkpoint(b, opt, backend="emulation")
+    assert rb.format.kind == "modelopt" and rb.quantized == ra.quantized
+    ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_tied_embeddings_are_written_once_and_retied(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_tiny_llama_config(tie=True))
+    model.save_pretrained(tmp_path / "model")
+    assert main(["quantize", str(tmp_path / "model"), str(tmp_path / "mx")]) == 0
+    loaded = transformers.LlamaForCausalLM(_tiny_llama_config(tie=True))
+    report = mxgemm.load_checkpoint(loaded, tmp_path / "mx", backend="emulation")
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert len(report.quantized) == 14
+
+
+L0, O1 = "model.layers.0", "model.layers.1.self_attn.o_proj"
+
+
+def _set(key, fn):
+    return lambda t: t.update({key: fn(t[key])})
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_set(f"{L0}.mlp.up_proj.weight_scale", lambda v: v.float()), f"{L0}.mlp.up_proj.weight_scale has dtype"),
+        (lambda t: t.pop(f"{O1}.weight_scale"), f"{O1}.weight is float8 but {O1}.weight_scale is missing"),
+        (_set(f"{L0}.mlp.down_proj.weight_scale", lambda v: v[:, :2].contiguous()),
+         rf"{L0}.mlp.down_proj.weight_scale has shape \(64, 2\), expected \[64, 4\]"),
+        (_set(f"{L0}.mlp.gate_proj.weight", lambda v: v.bfloat16()), f"{L0}.mlp.gate_proj.weight has dtype"),
+        (lambda t: t.update({"model.extra.weight_scale": torch.zeros(2, 2, dtype=torch.uint8)}),
+         "model.extra.weight_scale belongs to no nn.Linear"),
+        (lambda t: t.pop("model.norm.weight"), "the checkpoint has no tensor for model.norm.weight"),
+    ],
+)  # fmt: skip
+def test_bad_checkpoints_name_the_tensor(llama_dir, tmp_path, damage, message):
+    mx = tmp_path / "mx"
+    main(["quantize", str(llama_dir), str(mx)])
+    tensors = load_file(str(mx / "model.safetensors"))
+    damage(tensors)
+    save_file(tensors, str(mx / "model.safetensors"))
+    with pytest.raises(mxgemm.CheckpointError, match=message):
+        mxgemm.load_checkpoint(transformers.LlamaForCausalLM(_tiny_llama_config()), mx, backend="emulation")
+
+
+def test_not_an_mxfp8_checkpoint(llama_dir):
+    with pytest.raises(mxgemm.CheckpointError, match="no MXFP8 quantization config"):
+        mxgemm.load_checkpoint(transformers.LlamaForCausalLM(_tiny_llama_config()), llama_dir)
