@@ -9,9 +9,11 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(autouse=True)
-def _no_backend_env(monkeypatch):
-    """Tests choose backends explicitly; a user's MXGEMM_BACKEND must not leak in."""
+def _isolated_env(monkeypatch, tmp_path_factory):
+    """Tests choose backends explicitly and never see (or write) a user's tuning cache."""
     monkeypatch.delenv("MXGEMM_BACKEND", raising=False)
+    monkeypatch.delenv("MXGEMM_AUTOTUNE", raising=False)
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path_factory.mktemp("mxgemm-cache")))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -36,3 +36,24 @@ def test_bad_shape_is_an_error(capsys):
 def test_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "mxgemm", "info"], capture_output=True, text=True, check=True)
     assert "backends" in out.stdout
+
+
+def test_tune_writes_the_cache_and_a_second_run_profiles_nothing(capsys, monkeypatch, tmp_path):
+    import os
+
+    import pytest
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("tunes the triton backend under the interpreter")
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
+    assert main(["tune", "--shapes", "3x64x256"]) == 0
+    out = capsys.readouterr().out
+    assert "triton" in out and "default µs" in out
+    (path,) = tmp_path.glob("tuning-*.json")
+    data = json.loads(path.read_text())
+    assert data["metadata"]["gpu"] == "cpu" and len(data["entries"]) == 1
+    (key,) = data["entries"]
+    assert key.startswith("linear|triton|m4|n64|k256|bfloat16")
+    assert main(["tune", "--shapes", "3x64x256"]) == 0
+    assert "1 problems already tuned" in capsys.readouterr().out
+    assert json.loads(path.read_text()) == data

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from collections.abc import Sequence
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -130,6 +132,59 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace, console: Console) -> int:
+    """Tune the resolved backend's tactics for a shape set on this device and write the cache."""
+    from rich.progress import Progress
+
+    from .autotune import Autotuner, TuneKey, bucket
+    from .backends import get_backend
+    from .bench import _mx_weights
+    from .weights import prepare_weight
+
+    device = describe_device()
+    problems: dict[tuple[int, int], set[int]] = {}
+    if args.shapes:
+        for m, n, k in parse_shapes(args.shapes):
+            problems.setdefault((n, k), set()).add(bucket(m))
+    else:
+        for model in args.model:
+            for n, k, _ in MODELS[model]:
+                problems.setdefault((n, k), set()).update(bucket(m) for m in (args.m or DEFAULT_M))
+    tuner = Autotuner.for_device(device)
+    rows, skipped, cached = [], set(), 0
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("tuning", total=sum(len(v) for v in problems.values()))
+        for (n, k), ms in problems.items():
+            ((q, s),) = _mx_weights(n, k, device.torch_device, 1)
+            weight = prepare_weight(q, s)
+            backend = get_backend(weight.backend)
+            for m in sorted(ms):
+                if not args.force and tuner.cache.get(TuneKey.of(backend.name, weight, m, torch.bfloat16)):
+                    cached += 1
+                    progress.advance(task)
+                    continue
+                result = tuner.tune(backend, weight, m, torch.bfloat16)
+                if result is None:
+                    skipped.add(backend.name)
+                else:
+                    rows.append((m, n, k, backend.name, result))
+                progress.advance(task)
+    if skipped:
+        console.print(f"nothing to tune for {', '.join(sorted(skipped))}: no tactics (or capturing)")
+    if cached:
+        console.print(f"{cached} problems already tuned in {tuner.cache.path} (--force re-tunes them)")
+    if rows:
+        table = Table(title=f"tuned on {device} -> {tuner.cache.path}")
+        for col in ("M", "N", "K", "backend", "default µs", "tuned µs", "speedup", "failed", "tactic"):
+            table.add_column(col, justify="right")
+        for m, n, k, name, r in rows:
+            tactic = "default" if r.is_default else json.dumps(r.tactic, separators=(",", ":"))
+            table.add_row(str(m), str(n), str(k), name, f"{r.default_us:.1f}", f"{r.best_us:.1f}",
+                          f"{r.speedup:.2f}", str(r.failed), tactic)  # fmt: skip
+        console.print(table)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mxgemm", description="MXFP8 GEMMs for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +206,11 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--scheme", choices=["MXFP8", "MXFP8A16"], default="MXFP8", help="activation scheme recorded")
     quant.add_argument("--scale-mode", choices=["floor", "rceil"], default="floor", help="E8M0 scale rule")
     quant.add_argument("--skip", nargs="*", default=["lm_head"], help="linear layers to keep (names or globs)")
+    tune = sub.add_parser("tune", help="tune the resolved backend's tactics for a shape set and cache them")
+    tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["llama3-8b"], help="shape sets")
+    tune.add_argument("--m", type=int, nargs="+", help="token counts (mapped up to tuning buckets)")
+    tune.add_argument("--shapes", help="explicit shapes MxNxK,MxNxK (overrides --model/--m)")
+    tune.add_argument("--force", action="store_true", help="re-tune problems the cache already has")
     return parser
 
 
@@ -164,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _info(console)
         if args.command == "quantize":
             return _quantize(args, console)
+        if args.command == "tune":
+            return _tune(args, console)
         return _bench(args, console)
     except (MXGemmError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")

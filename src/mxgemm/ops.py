@@ -22,8 +22,11 @@ __all__ = ["linear_op", "quantize_1x128_op", "quantize_mx_op"]
 @torch.library.custom_op("mxgemm::linear", mutates_args=())
 def linear_op(x: Tensor, tensors: list[Tensor], bias: Tensor | None, backend: str, meta: str) -> Tensor:
     """``x`` [M, K] -> [M, N] in ``x.dtype`` on ``backend``, for the prepared weight described by (tensors, meta)."""
+    from .autotune import tactic_for_call
+
     weight = PreparedWeight.from_op_args(backend, tensors, meta)
-    return get_backend(backend).run(x, weight, bias)
+    b = get_backend(backend)
+    return b.run(x, weight, bias, tactic=tactic_for_call(b, weight, x))
 
 
 @linear_op.register_fake

@@ -107,9 +107,13 @@ class Backend(ABC):
         """Turn checkpoint tensors (float8 [N, K], uint8 [N, K/32]) into this backend's prepared weight, once."""
 
     @abstractmethod
-    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x`` [M, K] -> [M, N] in ``x.dtype``; inputs are already validated."""
+    def run(
+        self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic: Any = None
+    ) -> torch.Tensor:
+        """``x`` [M, K] -> [M, N] in ``x.dtype``; inputs are already validated. ``tactic``: one of
+        :meth:`tactics`, or None for the default."""
 
     def tactics(self, m: int, weight: PreparedWeight) -> list[Any]:
-        """Tactics the autotuner may try; the first is the default and always valid."""
+        """Tactics the autotuner may try for M rows (JSON-serializable); the first is the default and always valid.
+        Backends with more than one set ``tunable = True``."""
         return [None]

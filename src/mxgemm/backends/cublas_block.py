@@ -107,5 +107,5 @@ class CublasBlockBackend(Backend):
         tensors, info = prepare_block128(qdata, scale)
         return PreparedWeight(self.name, recipe, *qdata.shape, tensors, info)
 
-    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return cublas_block_linear(x, weight, bias)

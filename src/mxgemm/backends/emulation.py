@@ -62,5 +62,5 @@ class EmulationBackend(Backend):
             tensors, info = {"qdata": qdata, "scale": scale}, {}
         return PreparedWeight(self.name, recipe, n, k, tensors, info)
 
-    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return emulate_linear(x, weight, bias)

@@ -49,6 +49,7 @@ def small_m_config(m: int, n: int, multiprocessors: int = 132) -> dict[str, int]
 class HybridSM90Backend(Backend):
     name = "hybrid_sm90"
     recipes = ("hybrid-block128",)
+    tunable = True
     summary = "one 128x128-block FP8 weight: Triton bf16 x FP8 kernel below the crossover M, cuBLASLt FP8 above"
 
     def check_device(self, device: DeviceInfo) -> Availability:
@@ -70,9 +71,15 @@ class HybridSM90Backend(Backend):
         info["crossover"] = crossover_for(*qdata.shape)
         return PreparedWeight(self.name, recipe, *qdata.shape, tensors, info)
 
-    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def tactics(self, m: int, weight: PreparedWeight) -> list[dict]:
+        """Which path runs this M: the crossover's choice first, then the other one."""
+        default = "cublas" if m >= weight.info["crossover"] else "triton"
+        return [{"path": default}, {"path": "triton" if default == "cublas" else "cublas"}]
+
+    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         m = x.shape[0]
-        if m >= weight.info["crossover"]:
+        path = tactic["path"] if tactic else ("cublas" if m >= weight.info["crossover"] else "triton")
+        if path == "cublas":
             return cublas_block_linear(x, weight, bias)
         from ..kernels.w8a16 import w8a16_linear
 

@@ -31,6 +31,7 @@ def kernel_scales(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class TritonBackend(Backend):
     name = "triton"
     recipes = ("w8a16",)
+    tunable = True
     summary = "exact w8a16 Triton kernel reading MX weights directly; any CUDA GPU of SM80+"
 
     def check_device(self, device: DeviceInfo) -> Availability:
@@ -54,7 +55,24 @@ class TritonBackend(Backend):
         info = {"plain_scales": plain, "packed_decode": packed}
         return PreparedWeight(self.name, recipe, n, k, {"qdata": qdata.contiguous(), "scale": s}, info)
 
-    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def tactics(self, m: int, weight: PreparedWeight) -> list[dict]:
+        """Kernel configs around the measured default: tile N, tile K, split-K, pipeline depth, decoder."""
+        from ..kernels.w8a16 import default_config
+
+        n, k = weight.out_features, weight.in_features
+        base = default_config(m, n, k, packed_decode=weight.info["packed_decode"])
+        out = [base]
+        variants = [{"BN": bn} for bn in (32, 64, 128)] + [{"BK": bk} for bk in (64, 128, 256)]
+        variants += [{"SPLIT_K": s} for s in (1, 2, 4, 8)] + [{"num_stages": 4}]
+        if weight.info["packed_decode"]:
+            variants.append({"PACKED": not base["PACKED"]})
+        for v in variants:
+            cfg = {**base, **v}
+            if cfg not in out and k >= cfg["SPLIT_K"] * cfg["BK"]:
+                out.append(cfg)
+        return out
+
+    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         from ..kernels.w8a16 import default_config, w8a16_linear
 
         q = weight.tensors["qdata"]
@@ -66,5 +84,5 @@ class TritonBackend(Backend):
             bias,
             e5m2=q.dtype == torch.float8_e5m2,
             plain_scales=weight.info["plain_scales"],
-            config=default_config(m, n, k, packed_decode=weight.info["packed_decode"]),
+            config=tactic or default_config(m, n, k, packed_decode=weight.info["packed_decode"]),
         )

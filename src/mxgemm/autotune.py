@@ -1,0 +1,280 @@
+"""Autotuning: which tactic of the resolved backend runs a problem, kept in an on-disk JSON cache.
+
+* Only the backend that was resolved is tuned, and only if it has tactics (``Backend.tunable``). Its first tactic is
+  the default and always valid; a tactic that fails or is invalid scores infinity, is counted, and is never chosen.
+* Key: op, backend, M bucket (a runtime M maps *up* to the next bucket), N, K, activation dtype, weight layout,
+  recipe. The file records mxgemm, torch, triton and CUDA versions and the GPU; a file whose record differs is not
+  used and not overwritten (said once, on logger ``mxgemm``).
+* The cache is ``$MXGEMM_CACHE_DIR/tuning-<gpu>.json`` (default ``~/.cache/mxgemm``); writes merge under a file lock
+  and replace the file atomically, so several processes may tune at once. Files shipped in ``mxgemm/tuned/`` are
+  read when the user's cache has no entry.
+* Determinism: a tactic replaces the default only when it is faster by ``margin`` (above the timing noise); ties
+  keep the earlier tactic. For a given cache the same tactic runs every time.
+* Never during CUDA-graph capture; on the hot path only with ``MXGEMM_AUTOTUNE=1``; otherwise lookups only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .backends import Backend, PreparedWeight
+from .device import DeviceInfo, describe_device
+
+__all__ = ["BUCKETS", "Autotuner", "TuneKey", "TuneResult", "TuningCache", "bucket", "environment_metadata"]
+
+logger = logging.getLogger("mxgemm")
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_MARGIN = 0.03  # a tactic must be 3% faster than the default: above the spread of repeated timings
+
+
+def bucket(m: int) -> int:
+    """The tuned bucket a runtime M maps to: the smallest bucket >= M (the largest bucket beyond it)."""
+    return next((b for b in BUCKETS if b >= m), BUCKETS[-1])
+
+
+@dataclass(frozen=True)
+class TuneKey:
+    op: str
+    backend: str
+    m_bucket: int
+    n: int
+    k: int
+    x_dtype: str
+    layout: str
+    recipe: str
+
+    @classmethod
+    def of(cls, backend: str, weight: PreparedWeight, m: int, x_dtype: torch.dtype) -> TuneKey:
+        layout = ",".join(f"{name}:{str(t.dtype).removeprefix('torch.')}" for name, t in weight.tensors.items())
+        return cls("linear", backend, bucket(m), weight.out_features, weight.in_features,
+                   str(x_dtype).removeprefix("torch."), layout, weight.recipe)  # fmt: skip
+
+    def __str__(self) -> str:
+        return "|".join(str(v) for v in (self.op, self.backend, f"m{self.m_bucket}", f"n{self.n}", f"k{self.k}",
+                                           self.x_dtype, self.layout, self.recipe))  # fmt: skip
+
+
+def environment_metadata(device: DeviceInfo) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    from . import __version__
+
+    try:
+        triton_version = md.version("triton")
+    except md.PackageNotFoundError:
+        triton_version = None
+    return {
+        "mxgemm": __version__,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "gpu": device.name or device.type,
+        "sm": device.sm,
+    }
+
+
+def _slug(device: DeviceInfo) -> str:
+    name = (device.name or device.type).lower().replace("nvidia ", "")
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-") + (f"-sm{device.sm}" if device.sm else "")
+
+
+def default_cache_path(device: DeviceInfo) -> Path:
+    root = os.environ.get("MXGEMM_CACHE_DIR") or Path.home() / ".cache" / "mxgemm"
+    return Path(root) / f"tuning-{_slug(device)}.json"
+
+
+def shipped_cache_path(device: DeviceInfo) -> Path:
+    return Path(__file__).parent / "tuned" / f"tuning-{_slug(device)}.json"
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(path.suffix + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class TuningCache:
+    """One tuning file: entries keyed by :class:`TuneKey` strings, under an environment record."""
+
+    def __init__(self, path: Path, metadata: dict[str, Any]):
+        self.path = Path(path)
+        self.metadata = metadata
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.usable = True
+        self._load()
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError) as exc:
+            logger.warning("mxgemm: ignoring unreadable tuning file %s: %s", self.path, exc)
+            return None
+
+    def _load(self) -> None:
+        data = self._read()
+        if data is None:
+            return
+        if data.get("metadata") != self.metadata:
+            self.usable = False
+            logger.warning(
+                "mxgemm: tuning file %s was made for %s, not %s: not used, not overwritten",
+                self.path, data.get("metadata"), self.metadata,
+            )  # fmt: skip
+            return
+        self.entries = dict(data.get("entries", {}))
+
+    def get(self, key: TuneKey) -> dict[str, Any] | None:
+        return self.entries.get(str(key)) if self.usable else None
+
+    def put(self, records: dict[str, dict[str, Any]]) -> None:
+        """Merge records into the file (re-read under the lock, so other writers' entries survive)."""
+        if not self.usable:
+            return
+        with _locked(self.path):
+            data = self._read()
+            if data is not None and data.get("metadata") != self.metadata:
+                self.usable = False
+                return
+            entries = dict((data or {}).get("entries", {}))
+            entries.update(records)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"metadata": self.metadata, "entries": entries}, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+            self.entries = entries
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    key: TuneKey
+    tactic: Any  # the chosen tactic (the default when none beats it by the margin)
+    default_us: float
+    best_us: float
+    failed: int
+    timed: int
+    is_default: bool
+
+    @property
+    def speedup(self) -> float:
+        return self.default_us / self.best_us if self.best_us else float("nan")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Autotuner:
+    """Chooses tactics from the cache (user file, then shipped file) and tunes on request."""
+
+    def __init__(
+        self,
+        cache: TuningCache,
+        *,
+        shipped: TuningCache | None = None,
+        timer: Callable[[Callable[[], object]], float] | None = None,
+        margin: float = DEFAULT_MARGIN,
+    ):
+        self.cache = cache
+        self.shipped = shipped
+        self.timer = timer
+        self.margin = margin
+
+    @classmethod
+    def for_device(cls, device: DeviceInfo | None = None) -> Autotuner:
+        device = device or describe_device()
+        meta = environment_metadata(device)
+        shipped_path = shipped_cache_path(device)
+        shipped = TuningCache(shipped_path, meta) if shipped_path.exists() else None
+        return cls(TuningCache(default_cache_path(device), meta), shipped=shipped)
+
+    def lookup(self, backend: Backend, weight: PreparedWeight, m: int, x_dtype: torch.dtype) -> Any:
+        """The cached tactic for this problem, or None (the backend's default)."""
+        if not backend.tunable:
+            return None
+        key = TuneKey.of(backend.name, weight, m, x_dtype)
+        for cache in (self.cache, self.shipped):
+            record = cache.get(key) if cache is not None else None
+            if record is not None:
+                return record["tactic"]
+        return None
+
+    def tune(
+        self, backend: Backend, weight: PreparedWeight, m: int, x_dtype: torch.dtype, *, write: bool = True
+    ) -> TuneResult | None:
+        """Time every tactic of ``backend`` for this problem at its M bucket and record the choice.
+
+        Returns None (and times nothing) for backends without tactics or during CUDA-graph capture.
+        """
+        if not backend.tunable or _capturing():
+            return None
+        key = TuneKey.of(backend.name, weight, m, x_dtype)
+        mb = key.m_bucket
+        x = torch.randn(mb, weight.in_features, device=weight.device).to(x_dtype)
+        tactics: Sequence[Any] = backend.tactics(mb, weight)
+        timer = self.timer or _default_timer
+        times, failed = [], 0
+        for tactic in tactics:
+            try:
+                times.append(timer(lambda t=tactic: backend.run(x, weight, None, tactic=t)))
+            except Exception as exc:  # an invalid tactic scores infinity and is counted, never chosen
+                logger.debug("mxgemm: tactic %s failed for %s: %s", tactic, key, exc)
+                times.append(math.inf)
+                failed += 1
+        best = min(range(len(times)), key=lambda i: (times[i], i))
+        chosen = best if times[best] < times[0] * (1 - self.margin) else 0
+        result = TuneResult(key, tactics[chosen], times[0], times[chosen], failed, len(tactics), chosen == 0)
+        if write:
+            record = {"tactic": result.tactic, "us": result.best_us, "default_us": result.default_us, "failed": failed}
+            self.cache.put({str(key): record})
+        return result
+
+
+def _default_timer(fn: Callable[[], object]) -> float:
+    from .timing import time_cpu, time_cuda
+
+    if torch.cuda.is_available():
+        return time_cuda([fn], replays=10, replay_ms=1.0)
+    return time_cpu(fn, repeats=3)
+
+
+_TUNERS: dict[Any, Autotuner] = {}
+
+
+def tuner_for(device: torch.device) -> Autotuner:
+    """The process-wide tuner of a device (created on first use: reads the cache files once)."""
+    key = (device.type, device.index)
+    if key not in _TUNERS:
+        _TUNERS[key] = Autotuner.for_device(describe_device(device))
+    return _TUNERS[key]
+
+
+def tactic_for_call(backend: Backend, weight: PreparedWeight, x: torch.Tensor) -> Any:
+    """The tactic a call runs with: cached, or tuned now when ``MXGEMM_AUTOTUNE=1`` (never during capture)."""
+    if not backend.tunable:
+        return None
+    tuner = tuner_for(x.device)
+    tactic = tuner.lookup(backend, weight, x.shape[0], x.dtype)
+    if tactic is None and os.environ.get("MXGEMM_AUTOTUNE") == "1" and not _capturing():
+        result = tuner.tune(backend, weight, x.shape[0], x.dtype)
+        tactic = result.tactic if result else None
+    return tactic

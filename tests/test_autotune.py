@@ -1,0 +1,159 @@
+"""The autotuner with a fake tunable backend whose tactics have known costs and known failures."""
+
+import json
+import logging
+import multiprocessing as mp
+from typing import ClassVar
+
+import pytest
+import torch
+from helpers import random_mx_weight
+
+import mxgemm
+from mxgemm import autotune
+from mxgemm.autotune import Autotuner, TuneKey, TuningCache, bucket
+from mxgemm.backends.emulation import EmulationBackend
+
+META = {"mxgemm": "test", "torch": "x", "triton": None, "cuda": None, "gpu": "pretend", "sm": 90}
+
+
+class FakeTunable(EmulationBackend):
+    """Tactics with known costs (µs); one always fails; one is within the margin of the default."""
+
+    name = "fake_tunable"
+    tunable = True
+    COSTS: ClassVar[dict] = {"default": 10.0, "fast": 6.0, "broken": None, "near": 9.9, "also_fast": 6.0}
+
+    def __init__(self):
+        self.calls = []
+
+    def tactics(self, m, weight):
+        return [{"name": n} for n in self.COSTS]
+
+    def run(self, x, weight, bias, tactic=None):
+        name = (tactic or {"name": "default"})["name"]
+        self.calls.append(name)
+        if self.COSTS[name] is None:
+            raise RuntimeError("invalid config for this bucket")
+        self.last_cost = self.COSTS[name]
+        return super().run(x, weight, bias)
+
+
+def _tuner(tmp_path, backend, meta=META, **kw):
+    return Autotuner(TuningCache(tmp_path / "tuning.json", meta), timer=lambda fn: (fn(), backend.last_cost)[1], **kw)
+
+
+@pytest.fixture
+def weight():
+    q, s = random_mx_weight(64, 128)
+    return mxgemm.prepare_weight(q, s, backend="emulation")
+
+
+def test_buckets_map_up():
+    assert [bucket(m) for m in (1, 3, 16, 17, 4000, 5000, 100000)] == [1, 4, 16, 32, 4096, 8192, 16384]
+
+
+def test_best_valid_tactic_chosen_failures_counted(tmp_path, weight):
+    b = FakeTunable()
+    result = _tuner(tmp_path, b).tune(b, weight, 9, torch.bfloat16)
+    assert result.tactic == {"name": "fast"}  # first of the two equally fast ones: a stable tie-break
+    assert result.failed == 1 and result.timed == 5
+    assert result.default_us == 10.0 and result.best_us == 6.0 and result.key.m_bucket == 16
+    record = json.loads((tmp_path / "tuning.json").read_text())["entries"][str(result.key)]
+    assert record == {"tactic": {"name": "fast"}, "us": 6.0, "default_us": 10.0, "failed": 1}
+
+
+def test_a_tactic_within_the_margin_keeps_the_default(tmp_path, weight, monkeypatch):
+    monkeypatch.setattr(FakeTunable, "COSTS", {"default": 10.0, "near": 9.9, "broken": None})
+    b = FakeTunable()
+    assert _tuner(tmp_path, b).tune(b, weight, 4, torch.bfloat16).tactic == {"name": "default"}
+
+
+def test_warm_restart_times_nothing_and_buckets_share_entries(tmp_path, weight):
+    b = FakeTunable()
+    _tuner(tmp_path, b).tune(b, weight, 16, torch.bfloat16)
+
+    def no_timing(fn):
+        raise AssertionError("a warm restart must not time anything")
+
+    warm = Autotuner(TuningCache(tmp_path / "tuning.json", META), timer=no_timing)
+    for m in (9, 12, 16):
+        assert warm.lookup(b, weight, m, torch.bfloat16) == {"name": "fast"}
+    assert warm.lookup(b, weight, 17, torch.bfloat16) is None  # another bucket: the default
+    assert warm.lookup(b, weight, 16, torch.float16) is None  # another dtype: another key
+
+
+def test_metadata_mismatch_is_not_used_nor_overwritten(tmp_path, weight, caplog):
+    b = FakeTunable()
+    _tuner(tmp_path, b).tune(b, weight, 16, torch.bfloat16)
+    before = (tmp_path / "tuning.json").read_text()
+    other = dict(META, torch="9.9")
+    with caplog.at_level(logging.WARNING, logger="mxgemm"):
+        tuner = _tuner(tmp_path, b, meta=other)
+    assert "not used, not overwritten" in caplog.text
+    assert tuner.lookup(b, weight, 16, torch.bfloat16) is None
+    tuner.tune(b, weight, 16, torch.bfloat16)
+    assert (tmp_path / "tuning.json").read_text() == before
+
+
+def test_untunable_backend_is_never_timed(tmp_path, weight):
+    def no_timing(fn):
+        raise AssertionError("emulation has no tactics")
+
+    tuner = Autotuner(TuningCache(tmp_path / "t.json", META), timer=no_timing)
+    emulation = mxgemm.backends.get_backend("emulation")
+    assert tuner.tune(emulation, weight, 16, torch.bfloat16) is None
+    assert tuner.lookup(emulation, weight, 16, torch.bfloat16) is None
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_never_tunes_during_graph_capture(tmp_path, weight, monkeypatch):
+    monkeypatch.setattr(autotune, "_capturing", lambda: True)
+    b = FakeTunable()
+    assert _tuner(tmp_path, b).tune(b, weight, 16, torch.bfloat16) is None and b.calls == []
+
+
+def _writer(path, prefix, count):
+    cache = TuningCache(path, META)
+    for i in range(count):
+        cache.put({f"{prefix}{i}": {"tactic": {"i": i}, "us": 1.0, "default_us": 1.0, "failed": 0}})
+
+
+def test_concurrent_writers_leave_a_valid_file(tmp_path):
+    path = tmp_path / "shared.json"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(path, p, 30)) for p in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    entries = json.loads(path.read_text())["entries"]
+    assert len(entries) == 60 and {k[0] for k in entries} == {"a", "b"}
+
+
+def test_key_names_everything_that_matters(weight):
+    key = TuneKey.of("triton", weight, 20, torch.float16)
+    assert str(key) == "linear|triton|m32|n64|k128|float16|qdata:float8_e4m3fn,scale:uint8|w8a16"
+
+
+def test_hot_path_lookup_and_opt_in_tuning(weight, monkeypatch):
+    """Through the op: lookups by default; tuning on a miss only with MXGEMM_AUTOTUNE=1."""
+    from mxgemm.backends import _REGISTRY
+
+    b = FakeTunable()
+    monkeypatch.setitem(_REGISTRY, b.name, b)
+    w = mxgemm.PreparedWeight(b.name, weight.recipe, 64, 128, weight.tensors, {})
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(autotune, "_TUNERS", {})
+    mxgemm.linear(x, w)
+    assert b.calls == ["default"]
+    monkeypatch.setenv("MXGEMM_AUTOTUNE", "1")
+    tuner = autotune.tuner_for(x.device)
+    tuner.timer = lambda fn: (fn(), b.last_cost)[1]
+    b.calls.clear()
+    mxgemm.linear(x, w)
+    assert b.calls[:5] == ["default", "fast", "broken", "near", "also_fast"] and b.calls[-1] == "fast"
+    b.calls.clear()
+    mxgemm.linear(x, w)  # tuned now: straight to the chosen tactic
+    assert b.calls == ["fast"]
