@@ -12,8 +12,7 @@ import torch
 
 import mxgemm
 from mxgemm.backends.cublas_block import cublas_block_linear
-from mxgemm.backends.hybrid_sm90 import small_m_config
-from mxgemm.kernels.w8a16 import w8a16_linear
+from mxgemm.kernels.w8a16 import default_config, w8a16_linear
 from mxgemm.timing import copies_for_cold_l2, time_cuda
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (57344, 8192)]
@@ -31,11 +30,10 @@ def main() -> None:
         for m in MS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
-            def triton_call(w, x=x, m=m, n=n):
+            def triton_call(w, x=x, m=m, n=n, k=k):
                 q = w.tensors["qdata"][:n].view(torch.uint8)
-                return w8a16_linear(
-                    x, q, w.tensors["block_scale"], None, block_scaled=True, config=small_m_config(m, n)
-                )
+                cfg = default_config(m, n, k, block_scaled=True)
+                return w8a16_linear(x, q, w.tensors["block_scale"], None, block_scaled=True, config=cfg)
 
             t_triton = time_cuda([lambda w=w: triton_call(w) for w in weights])
             t_cublas = time_cuda([lambda w=w, x=x: cublas_block_linear(x, w, None) for w in weights])

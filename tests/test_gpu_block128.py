@@ -66,12 +66,11 @@ def test_hybrid_matches_twin(m, n, k):
     ref = _block_ref(x, q, s, quantized)
     assert sqnr_db(y, ref) >= (45 if quantized else 50)
     if not quantized:  # small M: exact w.r.t. the re-encoded weight, every output written
-        from mxgemm.backends.hybrid_sm90 import small_m_config
-        from mxgemm.kernels.w8a16 import w8a16_linear
+        from mxgemm.kernels.w8a16 import default_config, w8a16_linear
 
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         w8a16_linear(x, w.tensors["qdata"][:n].view(torch.uint8), w.tensors["block_scale"], None, block_scaled=True,
-                     config=small_m_config(m, n), out=out)  # fmt: skip
+                     config=default_config(m, n, k, block_scaled=True), out=out)  # fmt: skip
         assert torch.isfinite(out).all()
 
 

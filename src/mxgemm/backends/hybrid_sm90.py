@@ -37,15 +37,6 @@ def reencode_max_error() -> float:
     return float(os.environ.get("MXGEMM_REENCODE_MAX_ERROR", "1e-5"))
 
 
-def small_m_config(m: int, n: int, multiprocessors: int = 132) -> dict[str, int]:
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    tiles = -(-n // 64) * -(-m // bm)
-    split = 1
-    while tiles * split < 2 * multiprocessors and split < 8:
-        split *= 2
-    return dict(BN=64, BM=bm, BK=128, SPLIT_K=split, num_warps=4, num_stages=3)
-
-
 class HybridSM90Backend(Backend):
     name = "hybrid_sm90"
     recipes = ("hybrid-block128",)
@@ -81,9 +72,9 @@ class HybridSM90Backend(Backend):
         path = tactic["path"] if tactic else ("cublas" if m >= weight.info["crossover"] else "triton")
         if path == "cublas":
             return cublas_block_linear(x, weight, bias)
-        from ..kernels.w8a16 import w8a16_linear
+        from ..kernels.w8a16 import default_config, w8a16_linear
 
-        n = weight.out_features
+        n, k = weight.out_features, weight.in_features
         q = weight.tensors["qdata"][:n].view(torch.uint8)
-        cfg = small_m_config(m, n)
+        cfg = default_config(m, n, k, block_scaled=True)
         return w8a16_linear(x, q, weight.tensors["block_scale"], bias, block_scaled=True, config=cfg)

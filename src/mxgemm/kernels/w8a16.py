@@ -192,12 +192,15 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
     return buf
 
 
-def default_config(m: int, n: int, k: int, *, packed_decode: bool = False, multiprocessors: int = 132) -> dict:
+def default_config(
+    m: int, n: int, k: int, *, packed_decode: bool = False, block_scaled: bool = False, multiprocessors: int = 132
+) -> dict:
     """The best configs measured on the H200 (bench/NOTES.md); always valid. ``packed_decode``: the weight allows
-    the packed decoder (E4M3, scales <= 134), the fastest at large M."""
+    the packed decoder (E4M3, scales <= 134), the fastest at large M. ``block_scaled``: a 128x128-block weight, whose
+    tiles must be 128 deep and at most 128 wide (small-M tiles at every M)."""
     if m <= 16:
         bn, bm, bk, warps, packed = 64, 16, 128, 4, False
-    elif m <= 64:
+    elif m <= 64 or block_scaled:
         bn, bm, bk, warps, packed = 64, 64 if m > 32 else 32, 128, 4, False
     else:
         bn, bm, bk, warps, packed = 128, 128, 64, 8, packed_decode
