@@ -18,7 +18,7 @@ CPU = DeviceInfo(type="cpu")
 
 def test_unknown_backend_lists_valid_names():
     with pytest.raises(
-        mxgemm.UnknownBackendError, match=r"'cutlass'.*auto, hybrid_sm90, cublas_block, triton, emulation"
+        mxgemm.UnknownBackendError, match=r"'cutlass'; valid names: auto, flashinfer_cutedsl, .*, emulation"
     ):
         mxgemm.resolve_backend("cutlass", device=CPU)
 
@@ -43,12 +43,12 @@ def test_auto_order_on_pretended_devices(monkeypatch, caplog):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     res = mxgemm.explain_auto(H200)  # no CUDA runtime here: the cuBLASLt probe cannot run, so Triton
     assert res.backend.name == "triton"
-    assert res.skipped[0][0] == "hybrid_sm90" and "CUDA" in res.skipped[0][1]
+    assert "CUDA" in dict(res.skipped)["hybrid_sm90"]
     with caplog.at_level(logging.INFO, logger="mxgemm"):
         assert mxgemm.resolve_backend("auto", device=T4).name == "emulation"
     assert "auto chose 'emulation'" in caplog.text and "triton (needs compute capability" in caplog.text
     res = mxgemm.explain_auto(CPU)
-    assert res.backend.name == "emulation" and [n for n, _ in res.skipped] == ["hybrid_sm90", "triton"]
+    assert res.backend.name == "emulation" and [n for n, _ in res.skipped] == list(mxgemm.AUTO_PRIORITY[:-1])
 
 
 def test_auto_filters_by_recipe():
@@ -113,7 +113,10 @@ def test_env_sets_default_request(monkeypatch):
 def test_available_backends_rows(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rows = {r.name: r for r in mxgemm.available_backends(CPU)}
-    assert set(rows) == {"hybrid_sm90", "cublas_block", "triton", "emulation"}
+    assert set(rows) == {
+        "flashinfer_cutedsl", "flashinfer_cutlass", "flashinfer_trtllm", "cublas_mx", "hybrid_sm90", "cublas_block",
+        "triton", "emulation",
+    }  # fmt: skip
     assert not rows["cublas_block"].available and "CUDA GPU" in rows["cublas_block"].reason
     assert not rows["triton"].available and "CUDA" in rows["triton"].reason
     assert rows["emulation"].available and rows["emulation"].recipes == tuple(mxgemm.RECIPES)
@@ -151,7 +154,7 @@ def test_hopper_picks_the_hybrid(pretend_cuda_runtime):
     assert mxgemm.resolve_backend("cublas_block", device=H200).name == "cublas_block"
     pretend_cuda_runtime[0] = Availability(False, "cuBLASLt blockwise FP8 GEMM failed a probe: NOT_SUPPORTED")
     res = mxgemm.explain_auto(H200)
-    assert res.backend.name == "triton" and "NOT_SUPPORTED" in res.skipped[0][1]
+    assert res.backend.name == "triton" and "NOT_SUPPORTED" in dict(res.skipped)["hybrid_sm90"]
 
 
 def test_blockwise_needs_hopper_and_new_cuda(pretend_cuda_runtime, monkeypatch):

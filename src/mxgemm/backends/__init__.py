@@ -9,7 +9,9 @@ from __future__ import annotations
 from ..errors import UnknownBackendError
 from .base import RECIPES, Availability, Backend, PreparedWeight, UnsupportedWeightError
 from .cublas_block import CublasBlockBackend
+from .cublas_mx import CublasMXBackend
 from .emulation import EmulationBackend
+from .flashinfer_mx import FlashInferCuteDSL, FlashInferCutlass, FlashInferTRTLLM
 from .hybrid_sm90 import HybridSM90Backend
 from .triton_w8a16 import TritonBackend
 
@@ -25,12 +27,32 @@ __all__ = [
 ]
 
 _REGISTRY: dict[str, Backend] = {
-    b.name: b for b in (HybridSM90Backend(), CublasBlockBackend(), TritonBackend(), EmulationBackend())
+    b.name: b
+    for b in (
+        FlashInferCuteDSL(),
+        FlashInferCutlass(),
+        CublasMXBackend(),
+        HybridSM90Backend(),
+        FlashInferTRTLLM(),
+        CublasBlockBackend(),
+        TritonBackend(),
+        EmulationBackend(),
+    )
 }
 
-# The order `auto` tries backends in, fastest first; each joins only if its own checks pass. `cublas_block` runs
-# only when named: on SM90 `hybrid_sm90` serves its regime from the same stored weight and also covers small M.
-AUTO_PRIORITY: tuple[str, ...] = ("hybrid_sm90", "triton", "emulation")
+# The order `auto` tries backends in, fastest first; each joins only if its own checks pass (FlashInfer's answer,
+# a cuBLAS probe, ...), so one list serves every GPU. `flashinfer_trtllm` comes last before `triton`, as the engines
+# keep it (its weights must be shuffled); `cublas_block` runs only when named: on SM90 `hybrid_sm90` serves its
+# regime from the same stored weight and also covers small M.
+AUTO_PRIORITY: tuple[str, ...] = (
+    "flashinfer_cutedsl",
+    "flashinfer_cutlass",
+    "cublas_mx",
+    "hybrid_sm90",
+    "flashinfer_trtllm",
+    "triton",
+    "emulation",
+)
 
 
 def backend_names() -> list[str]:

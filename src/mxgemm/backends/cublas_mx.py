@@ -1,0 +1,88 @@
+"""``cublas_mx``: the ``w8a8-mx`` recipe through ``torch._scaled_mm`` with float8_e8m0fnu scales in 128x4 layout.
+
+cuBLAS offers no capability query for block-scaled MX GEMMs, so availability is probed once per device with a tiny
+problem (compared with its emulated twin) and cached; the error text is the reason (on an H200 cuBLAS answers
+CUBLAS_STATUS_NOT_SUPPORTED). Not run on Blackwell by this project yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from ..device import DeviceInfo
+from ..layouts import round_up, to_128x4
+from .base import Availability, Backend, PreparedWeight
+
+__all__ = ["CublasMXBackend", "probe_cublas_mx"]
+
+N_ALIGN = 16
+
+
+def cublas_mx_linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    from ..kernels.mx_quant import mx_quantize
+    from .flashinfer_mx import ACT_SCALE_MODE
+
+    xq, xs = mx_quantize(x, scale_mode=ACT_SCALE_MODE, layout="128x4")
+    t = weight.tensors
+    e8m0 = torch.float8_e8m0fnu
+    y = torch._scaled_mm(xq, t["qdata"].t(), xs.view(e8m0), t["scale"].view(e8m0), out_dtype=torch.bfloat16)
+    y = y[:, : weight.out_features]
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype).contiguous()
+
+
+@functools.cache
+def probe_cublas_mx(index: int) -> Availability:
+    """One small MX GEMM on CUDA device ``index``, compared with its emulated twin (cached per device)."""
+    try:
+        from .. import format as mxformat
+
+        dev = torch.device("cuda", index)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        w = (torch.randn(128, 256, generator=g) * 0.02).to(dev)
+        x = torch.randn(32, 256, generator=g).to(dev, torch.bfloat16)
+        t = mxformat.quantize(w)
+        pw = CublasMXBackend().prepare(t.qdata, t.scale, "w8a8-mx")
+        y = cublas_mx_linear(x, pw, None).float()
+        xd = mxformat.dequantize(mxformat.quantize(x))
+        ref = xd @ mxformat.dequantize(t).T
+        err = ((y - ref).norm() / ref.norm()).item()
+    except Exception as exc:
+        return Availability(False, f"cuBLAS MX GEMM failed a probe: {str(exc).splitlines()[0][:200]}")
+    if not err < 1e-2:
+        return Availability(False, f"cuBLAS MX GEMM gave wrong results in a probe (relative error {err:.2g})")
+    return Availability(True, "cuBLAS block-scaled MXFP8 GEMM (probed)")
+
+
+class CublasMXBackend(Backend):
+    name = "cublas_mx"
+    recipes = ("w8a8-mx",)
+    summary = "torch._scaled_mm with E8M0 128x4 scales (cuBLAS block-scaled MXFP8, Blackwell)"
+
+    def check_device(self, device: DeviceInfo) -> Availability:
+        if device.type != "cuda":
+            return Availability(False, f"needs a CUDA GPU; this device is {device.type}")
+        if not hasattr(torch, "float8_e8m0fnu"):
+            return Availability(False, f"torch {torch.__version__} has no float8_e8m0fnu dtype")
+        if importlib.util.find_spec("triton") is None:
+            return Availability(False, "the activation quantizer needs 'triton' (pip install 'mxgemm[triton]')")
+        if device.index is None or not torch.cuda.is_available():
+            return Availability(False, "cannot probe cuBLAS: no CUDA device is visible to this process")
+        return probe_cublas_mx(device.index)
+
+    def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
+        if qdata.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"cublas_mx takes E4M3 weights; got {qdata.dtype}")
+        n, k = qdata.shape
+        pad = round_up(n, N_ALIGN) - n
+        q = F.pad(qdata.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+        s = to_128x4(F.pad(scale, (0, 0, 0, pad)))
+        return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": s})
+
+    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
+        return cublas_mx_linear(x, weight, bias)

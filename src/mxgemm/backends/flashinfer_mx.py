@@ -1,0 +1,133 @@
+"""``flashinfer_cutlass``, ``flashinfer_cutedsl``, ``flashinfer_trtllm``: FlashInfer's MXFP8 GEMMs (``w8a8-mx``).
+
+Availability is FlashInfer's own answer, asked at run time: ``mm_mxfp8.is_backend_supported(<backend>, <cc>)`` with
+the device's compute capability as an integer (100, 103, 107, 120, ...), plus the problem constraints FlashInfer
+documents (N >= 128, K >= 128; trtllm: K % 256 == 0). mxgemm keeps no list of SM numbers for these backends.
+
+Weights are prepared once: cutlass and cute-dsl take the weight as is and its scales in the 128x4 layout; trtllm
+takes N padded to a multiple of 128, rows shuffled by FlashInfer's ``shuffle_matrix_a`` / ``shuffle_matrix_sf_a``
+(epilogue tile 128, 32 elements per scale), and 8x4 activation scales; the output is sliced back to the logical N.
+Activations are quantized by mxgemm's own Triton kernel (:mod:`mxgemm.kernels.mx_quant`), never by FlashInfer's
+``mxfp8_quantize``, whose kernel is compiled for SM100+ only and silently does nothing elsewhere.
+
+These backends have not been run on Blackwell by this project: no such GPU has been available to it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ..device import DeviceInfo
+from ..layouts import round_up, to_128x4
+from .base import Availability, Backend, PreparedWeight
+
+__all__ = ["FlashInferCuteDSL", "FlashInferCutlass", "FlashInferTRTLLM"]
+
+ACT_SCALE_MODE = "floor"  # as the w8a8-mx emulated twin quantizes activations
+TRTLLM_TILE = 128
+
+
+def _flashinfer():
+    import flashinfer
+
+    return flashinfer
+
+
+class _FlashInferMX(Backend):
+    recipes = ("w8a8-mx",)
+    tunable = False  # FlashInfer tunes its own tactics (its autotuner); mxgemm's tuner leaves these alone
+    fi_backend: ClassVar[str]
+
+    def check_device(self, device: DeviceInfo) -> Availability:
+        if importlib.util.find_spec("flashinfer") is None:
+            return Availability(
+                False, "the 'flashinfer-python' package is not installed (pip install 'mxgemm[flashinfer]')"
+            )
+        if device.type != "cuda" or device.sm is None:
+            return Availability(False, f"needs a CUDA GPU; this device is {device.type}")
+        try:
+            supported = _flashinfer().mm_mxfp8.is_backend_supported(self.fi_backend, device.sm)
+        except Exception as exc:  # FlashInfer's own error is the reason
+            return Availability(False, f"FlashInfer could not answer for '{self.fi_backend}': {exc}")
+        if not supported:
+            return Availability(
+                False,
+                f"FlashInfer says mm_mxfp8 backend '{self.fi_backend}' does not support compute capability {device.sm}",
+            )
+        return Availability(True, f"FlashInfer mm_mxfp8 '{self.fi_backend}' on SM{device.sm}")
+
+    def check_problem(self, out_features: int, in_features: int) -> Availability:
+        if out_features < 128 or in_features < 128:
+            return Availability(
+                False, f"FlashInfer mm_mxfp8 needs N >= 128 and K >= 128, got N={out_features}, K={in_features}"
+            )
+        return Availability(True, "shape fits")
+
+    def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
+        if qdata.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{self.name} takes E4M3 weights; got {qdata.dtype}")
+        n, k = qdata.shape
+        return PreparedWeight(self.name, recipe, n, k, {"qdata": qdata.contiguous(), "scale": to_128x4(scale)})
+
+    def _mm(self, xq, xs, weight: PreparedWeight) -> torch.Tensor:
+        t = weight.tensors
+        return _flashinfer().mm_mxfp8(
+            xq, t["qdata"].t(), xs, t["scale"], out_dtype=torch.bfloat16, backend=self.fi_backend
+        )
+
+    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
+        from ..kernels.mx_quant import mx_quantize
+
+        xq, xs = mx_quantize(x, scale_mode=ACT_SCALE_MODE, layout=self.act_layout)
+        y = self._mm(xq, xs, weight)[:, : weight.out_features]
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.to(x.dtype).contiguous()
+
+    act_layout: ClassVar[str] = "128x4"
+
+
+class FlashInferCutlass(_FlashInferMX):
+    name = "flashinfer_cutlass"
+    fi_backend = "cutlass"
+    summary = "FlashInfer CUTLASS MXFP8 GEMM (Blackwell block-scaled tensor cores)"
+
+
+class FlashInferCuteDSL(_FlashInferMX):
+    name = "flashinfer_cutedsl"
+    fi_backend = "cute-dsl"
+    summary = "FlashInfer CuTe-DSL MXFP8 GEMM (Blackwell block-scaled tensor cores)"
+
+
+class FlashInferTRTLLM(_FlashInferMX):
+    name = "flashinfer_trtllm"
+    fi_backend = "trtllm"
+    act_layout = "8x4"
+    summary = "FlashInfer TRT-LLM MXFP8 GEMM: shuffled weights, 8x4 activation scales, bf16 output"
+
+    def check_problem(self, out_features: int, in_features: int) -> Availability:
+        answer = super().check_problem(out_features, in_features)
+        if answer and in_features % 256:
+            return Availability(False, f"flashinfer_trtllm needs K % 256 == 0, got K={in_features}")
+        return answer
+
+    def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
+        if qdata.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{self.name} takes E4M3 weights; got {qdata.dtype}")
+        fi = _flashinfer()
+        n, k = qdata.shape
+        pad = round_up(n, TRTLLM_TILE) - n
+        q = F.pad(qdata.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+        s = F.pad(scale, (0, 0, 0, pad))
+        q = fi.shuffle_matrix_a(q, TRTLLM_TILE)
+        s = fi.shuffle_matrix_sf_a(s, TRTLLM_TILE, num_elts_per_sf=32).reshape(-1)
+        return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": s.contiguous()})
+
+    def _mm(self, xq, xs, weight: PreparedWeight) -> torch.Tensor:
+        t = weight.tensors
+        return _flashinfer().mm_mxfp8(xq, t["qdata"].t(), xs, t["scale"], out_dtype=torch.bfloat16,
+                                      backend=self.fi_backend, use_8x4_sf_layout=True)  # fmt: skip

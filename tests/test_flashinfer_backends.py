@@ -1,0 +1,154 @@
+"""FlashInfer / cuBLAS MX backends on CPU: selection by FlashInfer's own answer, reasons, weight preparation."""
+
+import importlib.machinery
+import sys
+import types
+
+import pytest
+import torch
+from helpers import random_mx_weight
+
+import mxgemm
+from mxgemm import layouts
+from mxgemm.device import DeviceInfo
+
+B200 = DeviceInfo(type="cuda", name="B200", capability=(10, 0), index=0)
+SM107 = DeviceInfo(type="cuda", name="pretend", capability=(10, 7), index=0)
+H200 = DeviceInfo(type="cuda", name="NVIDIA H200", capability=(9, 0), index=0)
+
+# trtllm-gen's row order within 32-row blocks for epilogue tile 128 (its srcToDstBlk32RowMap)
+ROW_MAP_32 = [0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27, 4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30,
+              7, 15, 23, 31]  # fmt: skip
+
+
+def reference_shuffle_rows(t: torch.Tensor) -> torch.Tensor:
+    """Plain-torch shuffleMatrixA for epilogue tile 128: source row r goes to (r // 32) * 32 + ROW_MAP_32[r % 32]."""
+    m = t.shape[0]
+    dst = torch.empty(m, dtype=torch.long)
+    for r in range(m):
+        dst[(r // 32) * 32 + ROW_MAP_32[r % 32]] = r
+    return t[dst]
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """A pretended FlashInfer: records what it is asked; supports cute-dsl and cutlass on SM100 only."""
+    fi = types.ModuleType("flashinfer")
+    fi.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
+    fi.asked = []
+    fi.supported = {("cute-dsl", 100), ("cutlass", 100), ("cutlass", 103), ("trtllm", 100)}
+
+    def is_backend_supported(backend, cc):
+        fi.asked.append((backend, cc))
+        return (backend, cc) in fi.supported
+
+    fi.mm_mxfp8 = types.SimpleNamespace(is_backend_supported=is_backend_supported)
+    fi.shuffle_calls = []
+
+    def shuffle_matrix_a(t, tile):
+        fi.shuffle_calls.append(("a", tuple(t.shape), tile))
+        return reference_shuffle_rows(t)
+
+    def shuffle_matrix_sf_a(t, tile, num_elts_per_sf=16):
+        fi.shuffle_calls.append(("sf", tuple(t.shape), tile, num_elts_per_sf))
+        return layouts.to_128x4(reference_shuffle_rows(t))
+
+    fi.shuffle_matrix_a, fi.shuffle_matrix_sf_a = shuffle_matrix_a, shuffle_matrix_sf_a
+    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return fi
+
+
+def test_sm100_picks_cutedsl(fake_flashinfer):
+    assert mxgemm.resolve_backend("auto", device=B200).name == "flashinfer_cutedsl"
+    assert ("cute-dsl", 100) in fake_flashinfer.asked
+
+
+def test_sm107_falls_back_and_asked_with_107(fake_flashinfer):
+    res = mxgemm.explain_auto(SM107)
+    assert res.backend.name == "triton"
+    assert ("cute-dsl", 107) in fake_flashinfer.asked and ("cutlass", 107) in fake_flashinfer.asked
+    skipped = dict(res.skipped)
+    assert "does not support compute capability 107" in skipped["flashinfer_cutedsl"]
+    assert "cannot probe cuBLAS" in skipped["cublas_mx"] and "Hopper" in skipped["hybrid_sm90"]
+
+
+def test_sm103_gets_cutlass_when_only_it_is_supported(fake_flashinfer):
+    sm103 = DeviceInfo(type="cuda", name="B300", capability=(10, 3), index=0)
+    assert mxgemm.resolve_backend("auto", device=sm103).name == "flashinfer_cutlass"
+
+
+def test_explicit_trtllm_on_hopper_raises_with_reason(fake_flashinfer):
+    with pytest.raises(mxgemm.BackendUnavailableError, match="'trtllm' does not support compute capability 90"):
+        mxgemm.resolve_backend("flashinfer_trtllm", device=H200)
+
+
+def test_trtllm_shape_constraints(fake_flashinfer):
+    with pytest.raises(mxgemm.BackendUnavailableError, match="K % 256 == 0, got K=4160"):
+        mxgemm.resolve_backend("flashinfer_trtllm", device=B200, shape=(4096, 4160))
+    with pytest.raises(mxgemm.BackendUnavailableError, match="N >= 128 and K >= 128, got N=64"):
+        mxgemm.resolve_backend("flashinfer_cutlass", device=B200, shape=(64, 4096))
+    res = mxgemm.explain_auto(B200, shape=(64, 4096))  # too small for FlashInfer: auto moves on
+    assert res.backend.name == "triton"
+
+
+def test_missing_flashinfer_names_the_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a))
+    with pytest.raises(mxgemm.BackendUnavailableError, match="'flashinfer-python' package is not installed"):
+        mxgemm.resolve_backend("flashinfer_cutedsl", device=B200)
+
+
+def test_flashinfer_answer_errors_become_reasons(fake_flashinfer):
+    def broken(backend, cc):
+        raise RuntimeError("no such backend")
+
+    fake_flashinfer.mm_mxfp8.is_backend_supported = broken
+    answer = mxgemm.backends.get_backend("flashinfer_cutlass").check_device(B200)
+    assert not answer and "FlashInfer could not answer for 'cutlass': no such backend" in answer.reason
+
+
+def test_cutlass_preparation_swizzles_scales(fake_flashinfer):
+    q, s = random_mx_weight(256, 512)
+    w = mxgemm.backends.get_backend("flashinfer_cutlass").prepare(q, s, "w8a8-mx")
+    assert torch.equal(w.tensors["scale"], layouts.to_128x4(s))
+    assert torch.equal(w.tensors["qdata"].view(torch.uint8), q.view(torch.uint8))
+
+
+def test_trtllm_preparation_pads_shuffles_and_remembers_n(fake_flashinfer):
+    q, s = random_mx_weight(130, 512)
+    backend = mxgemm.backends.get_backend("flashinfer_trtllm")
+    w = backend.prepare(q, s, "w8a8-mx")
+    assert w.out_features == 130 and w.tensors["qdata"].shape == (256, 512)
+    assert fake_flashinfer.shuffle_calls == [("a", (256, 512), 128), ("sf", (256, 16), 128, 32)]
+    qp = torch.nn.functional.pad(q.view(torch.uint8), (0, 0, 0, 126))
+    assert torch.equal(w.tensors["qdata"].view(torch.uint8), reference_shuffle_rows(qp))
+    assert torch.equal(
+        w.tensors["scale"], layouts.to_128x4(reference_shuffle_rows(torch.nn.functional.pad(s, (0, 0, 0, 126))))
+    )
+    again = backend.prepare(q, s, "w8a8-mx")  # re-preparing (a weight refit) gives the same bytes
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(w.op_tensors, again.op_tensors, strict=True)
+    )
+
+
+def test_reference_shuffle_is_a_permutation_within_blocks():
+    rows = torch.arange(64).unsqueeze(1)
+    out = reference_shuffle_rows(rows).squeeze(1)
+    assert sorted(out.tolist()) == list(range(64))
+    assert out[:4].tolist() == [0, 4, 8, 12] and out[32:36].tolist() == [32, 36, 40, 44]
+
+
+def test_flashinfer_backends_are_not_tuned_by_mxgemm():
+    for name in ("flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_trtllm"):
+        assert mxgemm.backends.get_backend(name).tunable is False
+
+
+def test_cublas_mx_preparation(fake_flashinfer):
+    q, s = random_mx_weight(130, 256)
+    w = mxgemm.backends.get_backend("cublas_mx").prepare(q, s, "w8a8-mx")
+    assert w.tensors["qdata"].shape == (144, 256) and w.out_features == 130
+    assert torch.equal(w.tensors["scale"], layouts.to_128x4(torch.nn.functional.pad(s, (0, 0, 0, 14))))
