@@ -57,3 +57,13 @@ def test_tune_writes_the_cache_and_a_second_run_profiles_nothing(capsys, monkeyp
     assert main(["tune", "--shapes", "3x64x256"]) == 0
     assert "1 problems already tuned" in capsys.readouterr().out
     assert json.loads(path.read_text()) == data
+
+
+def test_info_prints_reasons_verbatim(capsys, monkeypatch):
+    """Reasons hold brackets (pip extras): the table must not eat them as markup."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a))
+    assert main(["info"]) == 0
+    assert "pip install 'mxgemm[flashinfer]'" in capsys.readouterr().out.replace("\n", "")

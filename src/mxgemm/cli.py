@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .backends import AUTO_PRIORITY, get_backend
@@ -44,13 +45,13 @@ def _info(console: Console) -> int:
         table.add_column(col)
     for row in available_backends(device):
         tunable = "yes" if get_backend(row.name).tunable else "no"
-        table.add_row(row.name, "yes" if row.available else "no", ", ".join(row.recipes), tunable, row.reason)
+        table.add_row(row.name, "yes" if row.available else "no", ", ".join(row.recipes), tunable, escape(row.reason))
     console.print(table)
     console.print(f"auto priority: {' > '.join(AUTO_PRIORITY)}")
     res = explain_auto(device)
     console.print(f"[bold]auto[/bold] resolves to: {res.backend.name} ({res.recipe})")
     for name, reason in res.skipped:
-        console.print(f"  skipped {name}: {reason}")
+        console.print(f"  skipped {name}: {escape(reason)}")
     console.print(f"default request (MXGEMM_BACKEND): {default_request()}")
     return 0
 
@@ -110,7 +111,8 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     try:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     except ImportError:
-        console.print("[red]error:[/red] `mxgemm quantize` reads models with transformers: pip install 'mxgemm[hf]'")
+        hint = escape("`mxgemm quantize` reads models with transformers: pip install 'mxgemm[hf]'")
+        console.print(f"[red]error:[/red] {hint}")
         return 2
     src, out = Path(args.model_dir), Path(args.out_dir)
     config = AutoConfig.from_pretrained(src)
@@ -127,8 +129,8 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     for f in src.iterdir():  # tokenizer and other side files
         if f.is_file() and f.name != "config.json" and not f.name.startswith("model") and f.suffix != ".safetensors":
             shutil.copy2(f, out / f.name)
-    console.print(str(report))
-    console.print(f"wrote {args.scheme} compressed-tensors checkpoint to {out}")
+    console.print(escape(str(report)))
+    console.print(escape(f"wrote {args.scheme} compressed-tensors checkpoint to {out}"))
     return 0
 
 
@@ -228,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _tune(args, console)
         return _bench(args, console)
     except (MXGemmError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
 
 
