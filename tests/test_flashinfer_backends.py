@@ -142,9 +142,35 @@ def test_reference_shuffle_is_a_permutation_within_blocks():
     assert out[:4].tolist() == [0, 4, 8, 12] and out[32:36].tolist() == [32, 36, 40, 44]
 
 
-def test_flashinfer_backends_are_not_tuned_by_mxgemm():
-    for name in ("flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_trtllm"):
-        assert mxgemm.backends.get_backend(name).tunable is False
+def test_tuning_a_flashinfer_backend_runs_flashinfers_autotuner(fake_flashinfer, monkeypatch, tmp_path):
+    import contextlib
+    import os
+
+    from mxgemm.autotune import Autotuner, TuningCache
+
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the activation quantizer runs under the interpreter here
+    state = {"tuning": False, "runs_while_tuning": 0}
+
+    @contextlib.contextmanager
+    def autotune(on):
+        state["tuning"] = on
+        yield
+        state["tuning"] = False
+
+    def mm_mxfp8(a, b, a_scale, b_scale, out_dtype, backend, **kw):
+        state["runs_while_tuning"] += state["tuning"]
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    backend = mxgemm.backends.get_backend("flashinfer_cutlass")
+    assert backend.tunable
+    fi = types.SimpleNamespace(autotuner=types.SimpleNamespace(autotune=autotune), mm_mxfp8=mm_mxfp8)
+    monkeypatch.setattr("mxgemm.backends.flashinfer_mx._flashinfer", lambda: fi)
+    q, s = random_mx_weight(256, 256)
+    w = backend.prepare(q, s, "w8a8-mx")
+    tuner = Autotuner(TuningCache(tmp_path / "t.json", {"test": 1}), timer=lambda fn: (fn(), 1.0)[1])
+    result = tuner.tune(backend, w, 8, torch.bfloat16)
+    assert result is not None and state["runs_while_tuning"] == 1 and not state["tuning"]
 
 
 def test_cublas_mx_preparation(fake_flashinfer):

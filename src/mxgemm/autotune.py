@@ -233,13 +233,14 @@ class Autotuner:
         tactics: Sequence[Any] = backend.tactics(mb, weight)
         timer = self.timer or _default_timer
         times, failed = [], 0
-        for tactic in tactics:
-            try:
-                times.append(timer(lambda t=tactic: backend.run(x, weight, None, tactic=t)))
-            except Exception as exc:  # an invalid tactic scores infinity and is counted, never chosen
-                logger.debug("mxgemm: tactic %s failed for %s: %s", tactic, key, exc)
-                times.append(math.inf)
-                failed += 1
+        with backend.tuning_context():
+            for tactic in tactics:
+                try:
+                    times.append(timer(lambda t=tactic: backend.run(x, weight, None, tactic=t)))
+                except Exception as exc:  # an invalid tactic scores infinity and is counted, never chosen
+                    logger.debug("mxgemm: tactic %s failed for %s: %s", tactic, key, exc)
+                    times.append(math.inf)
+                    failed += 1
         best = min(range(len(times)), key=lambda i: (times[i], i))
         chosen = best if times[best] < times[0] * (1 - self.margin) else 0
         result = TuneResult(key, tactics[chosen], times[0], times[chosen], failed, len(tactics), chosen == 0)

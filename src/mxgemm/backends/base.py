@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -112,6 +113,11 @@ class Backend(ABC):
     ) -> torch.Tensor:
         """``x`` [M, K] -> [M, N] in ``x.dtype``; inputs are already validated. ``tactic``: one of
         :meth:`tactics`, or None for the default."""
+
+    def tuning_context(self) -> contextlib.AbstractContextManager:
+        """Entered while the autotuner times this backend: a backend whose library tunes itself (FlashInfer)
+        switches that library's tuning on here."""
+        return contextlib.nullcontext()
 
     def tactics(self, m: int, weight: PreparedWeight) -> list[Any]:
         """Tactics the autotuner may try for M rows (JSON-serializable); the first is the default and always valid.

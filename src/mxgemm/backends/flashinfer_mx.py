@@ -39,8 +39,14 @@ def _flashinfer():
 
 class _FlashInferMX(Backend):
     recipes = ("w8a8-mx",)
-    tunable = False  # FlashInfer tunes its own tactics (its autotuner); mxgemm's tuner leaves these alone
+    tunable = True  # by FlashInfer's own autotuner, switched on while mxgemm's tuner runs (tuning_context)
     fi_backend: ClassVar[str]
+
+    def tuning_context(self):
+        import contextlib
+
+        autotune = getattr(getattr(_flashinfer(), "autotuner", None), "autotune", None)
+        return autotune(True) if autotune is not None else contextlib.nullcontext()
 
     def check_device(self, device: DeviceInfo) -> Availability:
         if importlib.util.find_spec("flashinfer") is None:
