@@ -40,7 +40,7 @@ DEFAULT_MARGIN = 0.03  # a tactic must be 3% faster than the default: above the 
 
 def bucket(m: int) -> int:
     """The tuned bucket a runtime M maps to: the smallest bucket >= M (the largest bucket beyond it)."""
-    return next((b for b in BUCKETS if b >= m), BUCKETS[-1])
+    return min(1 << max(m - 1, 0).bit_length(), BUCKETS[-1])  # the buckets are the powers of two
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,7 @@ class Autotuner:
         self.shipped = shipped
         self.timer = timer
         self.margin = margin
+        self._memo: dict[tuple, Any] = {}  # lookups by (backend, weight meta, bucket, dtype); cleared on tuning
 
     @classmethod
     def for_device(cls, device: DeviceInfo | None = None) -> Autotuner:
@@ -208,15 +209,15 @@ class Autotuner:
         return cls(TuningCache(default_cache_path(device), meta), shipped=shipped)
 
     def lookup(self, backend: Backend, weight: PreparedWeight, m: int, x_dtype: torch.dtype) -> Any:
-        """The cached tactic for this problem, or None (the backend's default)."""
+        """The cached tactic for this problem, or None (the backend's default); memoized, as calls ask every time."""
         if not backend.tunable:
             return None
-        key = TuneKey.of(backend.name, weight, m, x_dtype)
-        for cache in (self.cache, self.shipped):
-            record = cache.get(key) if cache is not None else None
-            if record is not None:
-                return record["tactic"]
-        return None
+        memo_key = (backend.name, weight.op_meta, bucket(m), x_dtype)
+        if memo_key not in self._memo:
+            key = TuneKey.of(backend.name, weight, m, x_dtype)
+            records = (c.get(key) for c in (self.cache, self.shipped) if c is not None)
+            self._memo[memo_key] = next((r["tactic"] for r in records if r is not None), None)
+        return self._memo[memo_key]
 
     def tune(
         self, backend: Backend, weight: PreparedWeight, m: int, x_dtype: torch.dtype, *, write: bool = True
@@ -247,6 +248,7 @@ class Autotuner:
         if write:
             record = {"tactic": result.tactic, "us": result.best_us, "default_us": result.default_us, "failed": failed}
             self.cache.put({str(key): record})
+            self._memo.clear()
         return result
 
 

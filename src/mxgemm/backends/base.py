@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -41,6 +42,11 @@ class Availability:
 _FP8 = {str(d): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
+@functools.lru_cache(maxsize=4096)
+def _parse_meta(meta: str) -> dict[str, Any]:
+    return json.loads(meta)
+
+
 @dataclass(frozen=True)
 class PreparedWeight:
     """A weight prepared once for one backend: whatever layout, padding or re-encoding that backend runs from.
@@ -55,10 +61,12 @@ class PreparedWeight:
     in_features: int
     tensors: dict[str, torch.Tensor]
     info: dict[str, Any] = field(default_factory=dict)
-    op_tensors: list[torch.Tensor] = field(init=False, repr=False, compare=False)
-    op_meta: str = field(init=False, repr=False, compare=False)
+    op_tensors: list[torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    op_meta: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.op_meta is not None:  # rebuilt from op arguments: nothing to compute
+            return
         fp8 = {name: str(t.dtype) for name, t in self.tensors.items() if str(t.dtype) in _FP8}
         meta = {
             "names": list(self.tensors),
@@ -78,9 +86,11 @@ class PreparedWeight:
 
     @classmethod
     def from_op_args(cls, backend: str, tensors: list[torch.Tensor], meta: str) -> PreparedWeight:
-        m = json.loads(meta)
-        named = {n: t.view(_FP8[m["fp8"][n]]) if n in m["fp8"] else t for n, t in zip(m["names"], tensors, strict=True)}
-        return cls(backend, m["recipe"], m["out_features"], m["in_features"], named, m["info"])
+        """Inverse of (``op_tensors``, ``op_meta``); cheap, since it runs on every call of the op."""
+        m = _parse_meta(meta)
+        fp8 = m["fp8"]
+        named = {n: t.view(_FP8[fp8[n]]) if n in fp8 else t for n, t in zip(m["names"], tensors, strict=True)}
+        return cls(backend, m["recipe"], m["out_features"], m["in_features"], named, m["info"], tensors, meta)
 
 
 class Backend(ABC):
