@@ -1,6 +1,8 @@
 """H200 exploration: w8a16 kernel variants vs bf16 / FP8 baselines, and the cuBLASLt blockwise API.
 
-Run on the device: PYTHONPATH=src python3 bench/explore_w8a16.py [--quick]; writes $OUT/explore.json.
+Run on the device: PYTHONPATH=src python3 bench/explore_w8a16.py [--probe]; writes $OUT/explore.json.
+``--probe`` also checks which scale layouts cuBLASLt's blockwise GEMM accepts, and times it (GEMM only) and FP8
+rowwise at large M (bench/NOTES.md, version 5).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 import time
 
 import torch
@@ -127,6 +130,12 @@ def time_scaled_mm(m, n, k):
 
 def main():
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if "--probe" in sys.argv:
+        probe_scaled_mm()
+        for m, n, k in [(256, 28672, 4096), (4096, 28672, 4096), (4096, 4096, 14336)]:
+            blk, row = time_scaled_mm(m, n, k)
+            record(label="scaled_mm_block", M=m, N=n, K=k, us=blk)
+            record(label="scaled_mm_rowwise", M=m, N=n, K=k, us=row)
     small = [(1, 28672, 4096), (4, 28672, 4096), (16, 28672, 4096), (1, 4096, 14336), (16, 4096, 14336)]
     for m, n, k in small:
         record(label="bf16", M=m, N=n, K=k, us=time_bf16(m, n, k), floor=floor_us(m, n, k))
