@@ -31,6 +31,17 @@ __all__ = [
 
 GROUP = 128
 FP8_MAX = 448.0
+# cuBLASLt's blockwise GEMM (measured on the H200): M in multiples of 4 (the 1x128 scales' leading dimension must be
+# 16-byte aligned) and K in multiples of 512 (K blocks in fours; other counts give wrong results or errors).
+CUBLASLT_M_ALIGN = 4
+CUBLASLT_K_ALIGN = 512
+
+
+def padded_1x128_shape(m: int, k: int) -> tuple[int, int]:
+    """(Mp, Kp): the activation shape the 1x128 quantizer writes for cuBLASLt, padded with zeros."""
+    return -(-m // CUBLASLT_M_ALIGN) * CUBLASLT_M_ALIGN, -(-k // CUBLASLT_K_ALIGN) * CUBLASLT_K_ALIGN
+
+
 AMAX_FLOOR = 2.0**-64
 _SCALES_PER_GROUP = GROUP // BLOCK_SIZE
 

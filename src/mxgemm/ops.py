@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .backends import PreparedWeight, get_backend
+from .block128 import padded_1x128_shape
 from .format import BLOCK_SIZE, quantize
 
 __all__ = ["linear_op", "quantize_1x128_op", "quantize_mx_op"]
@@ -48,12 +49,6 @@ def _(x: Tensor, scale_mode: str, elem_dtype: torch.dtype) -> tuple[Tensor, Tens
     )
 
 
-def _padded_1x128_shapes(m: int, k: int) -> tuple[int, int]:
-    from .backends.cublas_block import K_ALIGN
-
-    return -(-m // 4) * 4, -(-k // K_ALIGN) * K_ALIGN
-
-
 @torch.library.custom_op("mxgemm::quantize_1x128", mutates_args=())
 def quantize_1x128_op(x: Tensor) -> tuple[Tensor, Tensor]:
     """The Triton 1x128 activation quantizer: (float8_e4m3fn [Mp, Kp], fp32 scales [Mp, Kp/128] strides (1, Mp))."""
@@ -64,6 +59,6 @@ def quantize_1x128_op(x: Tensor) -> tuple[Tensor, Tensor]:
 
 @quantize_1x128_op.register_fake
 def _(x: Tensor) -> tuple[Tensor, Tensor]:
-    mp, kp = _padded_1x128_shapes(*x.shape)
+    mp, kp = padded_1x128_shape(*x.shape)
     q = x.new_empty((mp, kp), dtype=torch.float8_e4m3fn)
     return q, x.new_empty_strided((mp, kp // 128), (1, mp), dtype=torch.float32)

@@ -14,7 +14,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from ..block128 import reencode_block128
+from ..block128 import CUBLASLT_K_ALIGN, reencode_block128
 from ..device import DeviceInfo
 from ..layouts import round_up
 from .base import Availability, Backend, PreparedWeight
@@ -22,14 +22,13 @@ from .base import Availability, Backend, PreparedWeight
 __all__ = ["CublasBlockBackend", "cublas_block_linear", "prepare_block128", "probe_cublas_blockwise"]
 
 N_ALIGN = 16
-K_ALIGN = 512  # keep in step with kernels.act_quant.K_ALIGN (that module imports Triton, so it is not imported here)
 
 
 def prepare_block128(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:
     """Re-encode an MX weight for cuBLASLt: fp8 ``[Np, Kp]`` (zero padded), fp32 block scales ``[Np/128, Kp/128]``."""
     block = reencode_block128(qdata, scale)
     n, k = qdata.shape
-    np_, kp = round_up(n, N_ALIGN), round_up(k, K_ALIGN)
+    np_, kp = round_up(n, N_ALIGN), round_up(k, CUBLASLT_K_ALIGN)
     q = F.pad(block.qdata.view(torch.uint8), (0, kp - k, 0, np_ - n)).view(torch.float8_e4m3fn)
     nb = -(-np_ // 128)
     s = F.pad(block.scale, (0, kp // 128 - block.scale.shape[1], 0, nb - block.scale.shape[0]), value=1.0)

@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["K_ALIGN", "M_ALIGN", "quantize_1x128_padded"]
+from ..block128 import padded_1x128_shape
 
-M_ALIGN = 4  # cuBLASLt: the scale's leading dimension (M) must be 16-byte aligned
-K_ALIGN = 512  # cuBLASLt: K blocks in multiples of 4 (measured: other counts give wrong results or errors)
+__all__ = ["quantize_1x128_padded"]
+
 _AMAX_FLOOR = tl.constexpr(2.0**-64)
 
 
@@ -60,8 +60,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, Mp, Kp, stride_xm, stride_xk, BLOCK
 def quantize_1x128_padded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] bf16/fp16 -> (float8_e4m3fn [Mp, Kp], fp32 scale view [Mp, Kp/128] with strides (1, Mp))."""
     m, k = x.shape
-    mp = triton.cdiv(m, M_ALIGN) * M_ALIGN
-    kp = triton.cdiv(k, K_ALIGN) * K_ALIGN
+    mp, kp = padded_1x128_shape(m, k)
     q = torch.empty((mp, kp), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((kp // 128, mp), dtype=torch.float32, device=x.device)
     block_m = 16
