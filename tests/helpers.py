@@ -36,6 +36,14 @@ def skip_unless_backend_runs(name: str) -> None:
         pytest.skip(f"{name} unavailable: {answer.reason}")
 
 
+def hide_package(monkeypatch, name: str) -> None:
+    """Make ``importlib.util.find_spec(name)`` answer None, as for a package that is not installed."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == name else real(n, *a))
+
+
 def random_act(m: int, k: int, *, seed: int = 1, dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(m, k, generator=g).to(device=device, dtype=dtype)

@@ -61,9 +61,8 @@ def test_tune_writes_the_cache_and_a_second_run_profiles_nothing(capsys, monkeyp
 
 def test_info_prints_reasons_verbatim(capsys, monkeypatch):
     """Reasons hold brackets (pip extras): the table must not eat them as markup."""
-    import importlib.util
+    from helpers import hide_package
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a))
+    hide_package(monkeypatch, "flashinfer")
     assert main(["info"]) == 0
     assert "pip install 'mxgemm[flashinfer]'" in capsys.readouterr().out.replace("\n", "")

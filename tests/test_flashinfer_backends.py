@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from helpers import random_mx_weight
+from helpers import hide_package, random_mx_weight
 
 import mxgemm
 from mxgemm import layouts
@@ -93,10 +93,7 @@ def test_trtllm_shape_constraints(fake_flashinfer):
 
 
 def test_missing_flashinfer_names_the_package(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a))
+    hide_package(monkeypatch, "flashinfer")
     with pytest.raises(mxgemm.BackendUnavailableError, match="'flashinfer-python' package is not installed"):
         mxgemm.resolve_backend("flashinfer_cutedsl", device=B200)
 

@@ -4,6 +4,7 @@ import logging
 
 import pytest
 import torch
+from helpers import hide_package
 
 import mxgemm
 from mxgemm import backends as registry
@@ -58,10 +59,7 @@ def test_auto_filters_by_recipe():
 
 
 def test_triton_package_missing(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    hide_package(monkeypatch, "triton")
     with pytest.raises(mxgemm.BackendUnavailableError, match="'triton' package is not installed"):
         mxgemm.resolve_backend("triton", device=H200)
 
@@ -192,3 +190,4 @@ def test_a_refused_weight_goes_to_the_next_backend(monkeypatch, caplog):
     assert "'picky' refused a [64, 64] weight: first element is negative" in caplog.text
     with pytest.raises(mxgemm.BackendUnavailableError, match="'picky' cannot run here: this weight: first element"):
         mxgemm.prepare_weight(q_neg, s, backend="picky")
+
