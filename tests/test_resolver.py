@@ -191,3 +191,19 @@ def test_a_refused_weight_goes_to_the_next_backend(monkeypatch, caplog):
     with pytest.raises(mxgemm.BackendUnavailableError, match="'picky' cannot run here: this weight: first element"):
         mxgemm.prepare_weight(q_neg, s, backend="picky")
 
+
+def test_probe_against_twin_reasons():
+    from mxgemm.backends.base import probe_against_twin
+
+    ok = torch.ones(4)
+
+    def fails():
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore detail")
+
+    assert probe_against_twin("a GEMM", lambda: (ok, ok)) == Availability(True, "a GEMM (probed)")
+    answer = probe_against_twin("a GEMM", fails)
+    assert (
+        not answer and answer.reason == "a GEMM failed a probe: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"
+    )
+    wrong = probe_against_twin("a GEMM", lambda: (ok * 2, ok))
+    assert not wrong and "gave wrong results in a probe (relative error 1)" in wrong.reason

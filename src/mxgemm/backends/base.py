@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -91,6 +92,27 @@ class PreparedWeight:
         fp8 = m["fp8"]
         named = {n: t.view(_FP8[fp8[n]]) if n in fp8 else t for n, t in zip(m["names"], tensors, strict=True)}
         return cls(backend, m["recipe"], m["out_features"], m["in_features"], named, m["info"], tensors, meta)
+
+
+def finish_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """A library GEMM's (possibly padded, bf16) output -> [M, n] in ``x.dtype``, bias added, contiguous."""
+    y = y[:, :n]
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype).contiguous()
+
+
+def probe_against_twin(what: str, run: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Availability:
+    """Availability of a library GEMM that has no capability query: ``run`` computes (output, emulated twin) on a
+    small problem; an exception's text or a wrong result is the reason."""
+    try:
+        y, ref = run()
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+    except Exception as exc:  # the error text is the reason
+        return Availability(False, f"{what} failed a probe: {str(exc).splitlines()[0][:200]}")
+    if not err < 1e-2:
+        return Availability(False, f"{what} gave wrong results in a probe (relative error {err:.3g})")
+    return Availability(True, f"{what} (probed)")
 
 
 class Backend(ABC):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..block128 import CUBLASLT_K_ALIGN, reencode_block128
 from ..device import DeviceInfo
 from ..layouts import round_up
-from .base import Availability, Backend, PreparedWeight
+from .base import Availability, Backend, PreparedWeight, finish_output, probe_against_twin
 
 __all__ = ["CublasBlockBackend", "cublas_block_linear", "prepare_block128", "probe_cublas_blockwise"]
 
@@ -43,16 +43,15 @@ def cublas_block_linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Ten
     xq, xs = quantize_1x128_padded(x)
     q, s = weight.tensors["qdata"], weight.tensors["block_scale"]
     # cuBLASLt writes bf16 for block scaling; fp16 callers get it converted
-    y = torch._scaled_mm(xq, q.t(), xs, s.t(), out_dtype=torch.bfloat16)[:m, :n]
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.to(x.dtype).contiguous()
+    y = torch._scaled_mm(xq, q.t(), xs, s.t(), out_dtype=torch.bfloat16)[:m]
+    return finish_output(y, x, bias, n)
 
 
 @functools.cache
 def probe_cublas_blockwise(index: int) -> Availability:
     """Run one small blockwise GEMM on CUDA device ``index`` and compare it with its emulated twin (cached)."""
-    try:
+
+    def run():
         from .. import format as mxformat
         from ..block128 import dequantize_1x128, quantize_1x128
 
@@ -63,17 +62,10 @@ def probe_cublas_blockwise(index: int) -> Availability:
         t = mxformat.quantize(w)
         tensors, info = prepare_block128(t.qdata, t.scale)
         pw = PreparedWeight("cublas_block", "w8a8-block", 256, 512, tensors, info)
-        y = cublas_block_linear(x, pw, None).float()
-        block = reencode_block128(t.qdata, t.scale)
-        ref = dequantize_1x128(*quantize_1x128(x)) @ block.dequantize().T
-        err = ((y - ref).norm() / ref.norm()).item()
-    except Exception as exc:  # the error text is the reason
-        return Availability(False, f"cuBLASLt blockwise FP8 GEMM failed a probe: {str(exc).splitlines()[0][:200]}")
-    if not err < 1e-2:
-        return Availability(
-            False, f"cuBLASLt blockwise FP8 GEMM gave wrong results in a probe (relative error {err:.3g})"
-        )
-    return Availability(True, "cuBLASLt 1x128 x 128x128 blockwise FP8 (probed)")
+        ref = dequantize_1x128(*quantize_1x128(x)) @ reencode_block128(t.qdata, t.scale).dequantize().T
+        return cublas_block_linear(x, pw, None), ref
+
+    return probe_against_twin("cuBLASLt 1x128 x 128x128 blockwise FP8 GEMM", run)
 
 
 def blockwise_device_check(device: DeviceInfo) -> Availability:

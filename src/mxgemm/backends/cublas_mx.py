@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..device import DeviceInfo
 from ..layouts import round_up, to_128x4
-from .base import Availability, Backend, PreparedWeight
+from .base import Availability, Backend, PreparedWeight, finish_output, probe_against_twin
 
 __all__ = ["CublasMXBackend", "probe_cublas_mx"]
 
@@ -30,16 +30,14 @@ def cublas_mx_linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor
     t = weight.tensors
     e8m0 = torch.float8_e8m0fnu
     y = torch._scaled_mm(xq, t["qdata"].t(), xs.view(e8m0), t["scale"].view(e8m0), out_dtype=torch.bfloat16)
-    y = y[:, : weight.out_features]
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.to(x.dtype).contiguous()
+    return finish_output(y, x, bias, weight.out_features)
 
 
 @functools.cache
 def probe_cublas_mx(index: int) -> Availability:
     """One small MX GEMM on CUDA device ``index``, compared with its emulated twin (cached per device)."""
-    try:
+
+    def run():
         from .. import format as mxformat
 
         dev = torch.device("cuda", index)
@@ -48,15 +46,10 @@ def probe_cublas_mx(index: int) -> Availability:
         x = torch.randn(32, 256, generator=g).to(dev, torch.bfloat16)
         t = mxformat.quantize(w)
         pw = CublasMXBackend().prepare(t.qdata, t.scale, "w8a8-mx")
-        y = cublas_mx_linear(x, pw, None).float()
-        xd = mxformat.dequantize(mxformat.quantize(x))
-        ref = xd @ mxformat.dequantize(t).T
-        err = ((y - ref).norm() / ref.norm()).item()
-    except Exception as exc:
-        return Availability(False, f"cuBLAS MX GEMM failed a probe: {str(exc).splitlines()[0][:200]}")
-    if not err < 1e-2:
-        return Availability(False, f"cuBLAS MX GEMM gave wrong results in a probe (relative error {err:.2g})")
-    return Availability(True, "cuBLAS block-scaled MXFP8 GEMM (probed)")
+        ref = mxformat.dequantize(mxformat.quantize(x)) @ mxformat.dequantize(t).T
+        return cublas_mx_linear(x, pw, None), ref
+
+    return probe_against_twin("cuBLAS block-scaled MXFP8 GEMM", run)
 
 
 class CublasMXBackend(Backend):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..device import DeviceInfo
 from ..layouts import round_up, to_128x4
-from .base import Availability, Backend, PreparedWeight
+from .base import Availability, Backend, PreparedWeight, finish_output
 
 __all__ = ["FlashInferCuteDSL", "FlashInferCutlass", "FlashInferTRTLLM"]
 
@@ -89,10 +89,7 @@ class _FlashInferMX(Backend):
         from ..kernels.mx_quant import mx_quantize
 
         xq, xs = mx_quantize(x, scale_mode=ACT_SCALE_MODE, layout=self.act_layout)
-        y = self._mm(xq, xs, weight)[:, : weight.out_features]
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        return y.to(x.dtype).contiguous()
+        return finish_output(self._mm(xq, xs, weight), x, bias, weight.out_features)
 
     act_layout: ClassVar[str] = "128x4"
 
