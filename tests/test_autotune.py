@@ -157,3 +157,52 @@ def test_hot_path_lookup_and_opt_in_tuning(weight, monkeypatch):
     b.calls.clear()
     mxgemm.linear(x, w)  # tuned now: straight to the chosen tactic
     assert b.calls == ["fast"]
+
+
+def test_choice_names_its_source_user_cache_before_shipped_file(tmp_path, weight):
+    b = FakeTunable()
+    shipped = TuningCache(tmp_path / "shipped.json", META)
+    shipped.put({str(TuneKey.of(b.name, weight, 4, torch.bfloat16)): {"tactic": {"name": "near"}}})
+    shipped.put({str(TuneKey.of(b.name, weight, 64, torch.bfloat16)): {"tactic": {"name": "near"}}})
+    tuner = Autotuner(TuningCache(tmp_path / "user.json", META), shipped=shipped, timer=_tuner(tmp_path, b).timer)
+    tuner.tune(b, weight, 4, torch.bfloat16)
+    assert tuner.choice(b, weight, 3, torch.bfloat16) == ({"name": "fast"}, "cache")
+    assert tuner.choice(b, weight, 50, torch.bfloat16) == ({"name": "near"}, "shipped")
+    assert tuner.choice(b, weight, 200, torch.bfloat16) == (None, "default")
+
+
+def test_hybrid_tactics_default_first_and_every_triton_config_valid():
+    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
+
+    b = HybridSM90Backend()
+    for n, k, crossover in ((4096, 14336, 96), (6144, 4096, 48), (28672, 4096, 1)):
+        w = mxgemm.PreparedWeight(b.name, "hybrid-block128", n, k, {"qdata": torch.empty(0)}, {"crossover": crossover})
+        for m in (1, 16, 64, 256, 4096):
+            tactics = b.tactics(m, w)
+            assert tactics[0]["path"] == ("cublas" if m >= crossover else "triton")
+            assert {t["path"] for t in tactics} == {"cublas", "triton"}
+            configs = [t["config"] for t in tactics if t["path"] == "triton"]
+            assert len(configs) == len({json.dumps(c, sort_keys=True) for c in configs})  # no repeats
+            for c in configs:  # block-scaled tiles: 128 deep, a width dividing 128, whole K blocks per split
+                assert c["BK"] == 128 and 128 % c["BN"] == 0 and k >= c["SPLIT_K"] * c["BK"]
+            assert (len(configs) == 1) if m > 512 else (len(configs) > 3)
+
+
+def test_shipped_h200_file_is_found_and_names_tactics_the_backends_offer():
+    """The tuning file in the package: found for an H200, and each entry a tactic its backend would offer."""
+    from mxgemm.backends.hybrid_sm90 import crossover_for
+    from mxgemm.device import DeviceInfo
+
+    h200 = DeviceInfo(type="cuda", name="NVIDIA H200", capability=(9, 0), index=0)
+    data = json.loads(autotune.shipped_cache_path(h200).read_text())
+    assert data["metadata"]["gpu"] == "NVIDIA H200" and data["metadata"]["sm"] == 90
+    assert len(data["entries"]) >= 60  # the llama3-8b set: 4 shapes x 15 buckets
+    for key, record in data["entries"].items():
+        op, backend, m, n, k, *_ = key.split("|")
+        assert op == "linear" and backend == "hybrid_sm90", key
+        m, n, k = int(m[1:]), int(n[1:]), int(k[1:])
+        b = mxgemm.backends.get_backend(backend)
+        w = mxgemm.PreparedWeight(backend, "hybrid-block128", n, k, {"qdata": torch.empty(0)},
+                                  {"crossover": crossover_for(n, k)})  # fmt: skip
+        assert record["tactic"] in b.tactics(m, w), key
+        assert record["us"] <= record["default_us"] and record["failed"] == 0

@@ -21,10 +21,13 @@ import json
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .autotune import tuner_for
+from .backends import get_backend
 from .device import DeviceInfo, describe_device
 from .format import MXTensor, dequantize, quantize
 from .resolve import available_backends
@@ -73,6 +76,8 @@ class BenchRow:
     name: str
     backend: str  # what `auto` chose for this weight
     floor_us: float | None
+    tactic: Any = None  # the tactic auto's calls ran with (None: the backend's default)
+    tactic_source: str = "default"  # where it came from: "cache" (the user's), "shipped" (the package's), "default"
     us: dict[str, float | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -226,6 +231,7 @@ def run_bench(
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             auto = [prepare_weight(q, s) for q, s in weights]
             row = BenchRow(m, n, k, name, auto[0].backend, floor_us(p, device))
+            row.tactic, row.tactic_source = tuner_for(dev).choice(get_backend(row.backend), auto[0], m, x.dtype)
             row.us["mxgemm"] = _time([lambda w=w, x=x: linear(x, w) for w in auto], device)
             del auto
             for b in wanted:
@@ -264,13 +270,13 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 def table_rows(rows: Sequence[BenchRow]) -> tuple[list[str], list[list[str]]]:
     """Header and cells: µs of each contender, then mxgemm's TFLOP/s, GB/s, speedup over bf16, % of floor."""
     contenders = list(dict.fromkeys(c for r in rows for c in r.us))
-    header = ["M", "N", "K", "shape", "auto", "floor µs", *[f"{c} µs" for c in contenders]]
+    header = ["M", "N", "K", "shape", "auto", "tactic", "floor µs", *[f"{c} µs" for c in contenders]]
     header += ["TFLOP/s", "GB/s", "x bf16", "x dot_scaled", "% floor"]
     out = []
     for r in rows:
         p = Problem(r.M, r.N, r.K)
         t = r.us.get("mxgemm")
-        cells = [str(r.M), str(r.N), str(r.K), r.name, r.backend, _fmt(r.floor_us)]
+        cells = [str(r.M), str(r.N), str(r.K), r.name, r.backend, r.tactic_source, _fmt(r.floor_us)]
         cells += [_fmt(r.us.get(c)) for c in contenders]
         if t:
             bf16, ds = r.us.get("bf16"), r.us.get("dot_scaled")

@@ -138,7 +138,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     """Tune the resolved backend's tactics for a shape set on this device and write the cache."""
     from rich.progress import Progress
 
-    from .autotune import Autotuner, TuneKey, bucket
+    from .autotune import BUCKETS, Autotuner, TuneKey, bucket
     from .backends import get_backend
     from .bench import _mx_weights
     from .weights import prepare_weight
@@ -151,7 +151,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     else:
         for model in args.model:
             for n, k, _ in MODELS[model]:
-                problems.setdefault((n, k), set()).update(bucket(m) for m in (args.m or DEFAULT_M))
+                problems.setdefault((n, k), set()).update(bucket(m) for m in (args.m or BUCKETS))
     tuner = Autotuner.for_device(device)
     rows, skipped, cached = [], set(), 0
     with Progress(console=console, transient=True) as progress:
@@ -210,7 +210,7 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--skip", nargs="*", default=["lm_head"], help="linear layers to keep (names or globs)")
     tune = sub.add_parser("tune", help="tune the resolved backend's tactics for a shape set and cache them")
     tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["llama3-8b"], help="shape sets")
-    tune.add_argument("--m", type=int, nargs="+", help="token counts (mapped up to tuning buckets)")
+    tune.add_argument("--m", type=int, nargs="+", help="token counts (default: every tuning bucket)")
     tune.add_argument("--shapes", help="explicit shapes MxNxK,MxNxK (overrides --model/--m)")
     tune.add_argument("--force", action="store_true", help="re-tune problems the cache already has")
     return parser

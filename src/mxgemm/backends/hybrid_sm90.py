@@ -33,6 +33,10 @@ def crossover_for(n: int, k: int) -> int:
     return 96 if k >= 12288 else 48
 
 
+# Above this M the Triton path is far from competitive (bench/results/crossover-h200.json): one config is enough.
+_TRITON_VARIANTS_MAX_M = 512
+
+
 def reencode_max_error() -> float:
     return float(os.environ.get("MXGEMM_REENCODE_MAX_ERROR", "1e-5"))
 
@@ -63,9 +67,23 @@ class HybridSM90Backend(Backend):
         return PreparedWeight(self.name, recipe, *qdata.shape, tensors, info)
 
     def tactics(self, m: int, weight: PreparedWeight) -> list[dict]:
-        """Which path runs this M: the crossover's choice first, then the other one."""
-        default = "cublas" if m >= weight.info["crossover"] else "triton"
-        return [{"path": default}, {"path": "triton" if default == "cublas" else "cublas"}]
+        """The crossover's path first (the default), then the other path; below the large-M regime the Triton
+        path also offers kernel configs around its measured default (tile N, split-K, pipeline depth)."""
+        from ..kernels.w8a16 import default_config
+
+        n, k = weight.out_features, weight.in_features
+        base = default_config(m, n, k, block_scaled=True)
+        triton = [{"path": "triton", "config": base}]
+        if m <= _TRITON_VARIANTS_MAX_M:
+            split = base["SPLIT_K"]
+            variants = [{"BN": 32}, {"BN": 128}, {"SPLIT_K": split * 2}, {"SPLIT_K": max(split // 2, 1)}]
+            variants.append({"num_stages": 4})
+            for v in variants:
+                cfg = {**base, **v}
+                if k >= cfg["SPLIT_K"] * cfg["BK"] and all(t["config"] != cfg for t in triton):
+                    triton.append({"path": "triton", "config": cfg})
+        cublas = [{"path": "cublas"}]
+        return cublas + triton if m >= weight.info["crossover"] else triton + cublas
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         m = x.shape[0]
@@ -76,5 +94,5 @@ class HybridSM90Backend(Backend):
 
         n, k = weight.out_features, weight.in_features
         q = weight.tensors["qdata"][:n].view(torch.uint8)
-        cfg = default_config(m, n, k, block_scaled=True)
+        cfg = (tactic or {}).get("config") or default_config(m, n, k, block_scaled=True)
         return w8a16_linear(x, q, weight.tensors["block_scale"], bias, block_scaled=True, config=cfg)
