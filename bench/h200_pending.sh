@@ -2,6 +2,8 @@
 # The H200 checks still pending (see the issues' notes), in stages; several stages may run in one device call.
 # Usage on the device: bash bench/h200_pending.sh STAGE [STAGE ...]   (outputs under $OUT, or ./out when OUT is unset)
 #   tune    `mxgemm tune --model llama3-8b` twice, timed (the second must profile nothing); the tuning file
+#   gate    the GPU tests of the small-M kernel, hybrid, graphs, autotuning; stops the run when one fails
+#   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
 #   tune-more  the llama3-70b and hidden-7168 shape sets added to the same tuning file
 #   e2e     8B-dimension Llama prefill/decode, bf16 vs mxgemm, compiled + CUDA graphs
@@ -25,6 +27,13 @@ for stage in "$@"; do
       ( time python3 -m mxgemm tune --model llama3-8b ) > "$out/tune2.txt" 2>&1
       tail -5 "$out/tune1.txt" "$out/tune2.txt"
       unset MXGEMM_CACHE_DIR ;;
+    gate)  # the GPU tests of what changed; stop here if any fails
+      timeout 200 python3 -m pytest tests -q -p no:warnings -m gpu --tb=short -x \
+        -k "small_m or hybrid or graphs or autotune or block128" 2>&1 | tail -15 > "$out/pytest_gate.txt"
+      cat "$out/pytest_gate.txt"; grep -q " passed" "$out/pytest_gate.txt" && ! grep -q "failed\|error" "$out/pytest_gate.txt" \
+        || { echo "gate failed"; exit 1; } ;;
+    ship)  # the tuning file just made replaces the package's copy here, for the benchmarks that follow
+      cp "$out"/cache/tuning-*.json src/mxgemm/tuned/ ;;
     tune-more)
       MXGEMM_CACHE_DIR="$out/cache" timeout "${TUNE_MORE_S:-200}" python3 -m mxgemm tune --model llama3-70b hidden-7168 \
         > "$out/tune3.txt" 2>&1; tail -3 "$out/tune3.txt" ;;
@@ -39,7 +48,7 @@ for stage in "$@"; do
           --markdown e2e-llama8b-dims.md ) > "$out/e2e.log" 2>&1; tail -8 "$out/e2e.log" ;;
     bench-8b) bench llama3-8b 300 ;;
     bench-more) bench llama3-70b 280; bench hidden-7168 280 ;;
-    *) echo "usage: $0 tune|tests|tune-more|e2e|bench-8b|bench-more ..." >&2; exit 2 ;;
+    *) echo "usage: $0 gate|tune|tests|tune-more|ship|e2e|bench-8b|bench-more ..." >&2; exit 2 ;;
   esac
 done
 # at most 8 files come back: the tuning file moves up, the cache folders (lock files) go

@@ -202,7 +202,8 @@ def test_shipped_h200_file_is_found_and_names_tactics_the_backends_offer():
         assert op == "linear" and backend == "hybrid_sm90", key
         m, n, k = int(m[1:]), int(n[1:]), int(k[1:])
         b = mxgemm.backends.get_backend(backend)
-        w = mxgemm.PreparedWeight(backend, "hybrid-block128", n, k, {"qdata": torch.empty(0)},
-                                  {"crossover": crossover_for(n, k)})  # fmt: skip
+        padded = (-(-n // 16) * 16, -(-k // 512) * 512)
+        w = mxgemm.PreparedWeight(backend, "hybrid-block128", n, k, {"qdata": torch.empty(padded, dtype=torch.uint8)},
+                                  {"crossover": crossover_for(n, k), "small_m": True})  # fmt: skip
         assert record["tactic"] in b.tactics(m, w), key
         assert record["us"] <= record["default_us"] and record["failed"] == 0

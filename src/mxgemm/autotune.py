@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from .backends import Backend, PreparedWeight
+from .cache import cache_root, locked
 from .device import DeviceInfo, describe_device
 
 __all__ = ["BUCKETS", "Autotuner", "TuneKey", "TuneResult", "TuningCache", "bucket", "environment_metadata"]
@@ -91,25 +91,11 @@ def _slug(device: DeviceInfo) -> str:
 
 
 def default_cache_path(device: DeviceInfo) -> Path:
-    root = os.environ.get("MXGEMM_CACHE_DIR") or Path.home() / ".cache" / "mxgemm"
-    return Path(root) / f"tuning-{_slug(device)}.json"
+    return cache_root() / f"tuning-{_slug(device)}.json"
 
 
 def shipped_cache_path(device: DeviceInfo) -> Path:
     return Path(__file__).parent / "tuned" / f"tuning-{_slug(device)}.json"
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(path.suffix + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 class TuningCache:
@@ -151,7 +137,7 @@ class TuningCache:
         """Merge records into the file (re-read under the lock, so other writers' entries survive)."""
         if not self.usable:
             return
-        with _locked(self.path):
+        with locked(self.path):
             data = self._read()
             if data is not None and data.get("metadata") != self.metadata:
                 self.usable = False

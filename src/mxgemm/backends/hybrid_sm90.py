@@ -1,12 +1,14 @@
 """``hybrid_sm90``: one stored weight for both regimes on Hopper.
 
 The weight is stored once, re-encoded to FP8 with power-of-two 128x128 block scales (as ``cublas_block`` stores it).
-Below a crossover M (memory-bound decode) our Triton kernel reads that weight and multiplies it with the bf16/fp16
-activations as given; at and above it (compute-bound prefill) activations are quantized per 1x128 and cuBLASLt runs
-the blockwise FP8 GEMM. Recipe ``hybrid-block128``: the first regime is exact with respect to the re-encoded weight,
-which itself differs from the MX weight only as its exactness report says; a weight whose re-encoding error exceeds
-``MXGEMM_REENCODE_MAX_ERROR`` (relative, default 1e-5) is refused, and ``auto`` then gives that layer to the next
-backend (the exact ``triton`` one).
+Below a crossover M (memory-bound decode) our kernels read that weight and multiply it with the bf16/fp16
+activations as given: up to M = 16 a hand-written CUDA kernel (``kernels/csrc/small_m.cu``, built with nvcc on first
+use; without nvcc the Triton kernel takes its place), above that a Triton kernel; at and above the crossover
+(compute-bound prefill) activations are quantized per 1x128 and cuBLASLt runs the blockwise FP8 GEMM. Recipe
+``hybrid-block128``: the first regime is exact with respect to the re-encoded weight (the CUDA kernel for
+``|x| < 2^64``), which itself differs from the MX weight only as its exactness report says; a weight whose
+re-encoding error exceeds ``MXGEMM_REENCODE_MAX_ERROR`` (relative, default 1e-5) is refused, and ``auto`` then gives
+that layer to the next backend (the exact ``triton`` one).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import os
 import torch
 
 from ..device import DeviceInfo
-from .base import Availability, Backend, PreparedWeight, UnsupportedWeightError
+from ..kernels.small_m import MAX_M, small_m_linear, small_m_status
+from ..kernels.small_m import default_config as small_m_default
+from ..kernels.small_m import valid_config as valid_small_m
+from .base import Availability, Backend, PreparedWeight, UnsupportedWeightError, finish_output
 from .cublas_block import blockwise_device_check, cublas_block_linear, prepare_block128
 
 __all__ = ["HybridSM90Backend", "crossover_for", "reencode_max_error"]
@@ -41,17 +46,30 @@ def reencode_max_error() -> float:
     return float(os.environ.get("MXGEMM_REENCODE_MAX_ERROR", "1e-5"))
 
 
+def _cuda_ready(x: torch.Tensor) -> bool:
+    """Whether these activations suit the small-M CUDA kernel (bf16, contiguous rows, 16-byte aligned)."""
+    return x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0
+
+
 class HybridSM90Backend(Backend):
     name = "hybrid_sm90"
     recipes = ("hybrid-block128",)
     tunable = True
-    summary = "one 128x128-block FP8 weight: Triton bf16 x FP8 kernel below the crossover M, cuBLASLt FP8 above"
+    summary = (
+        "one 128x128-block FP8 weight: a CUDA mma kernel for M <= 16 and a Triton kernel below the crossover M "
+        "(activations as given), cuBLASLt FP8 above"
+    )
 
     def check_device(self, device: DeviceInfo) -> Availability:
         answer = blockwise_device_check(device)
         if not answer:
             return answer
-        return Availability(True, "Triton below a measured crossover M, cuBLASLt blockwise FP8 above; one weight")
+        small = small_m_status(device.capability)
+        return Availability(
+            True,
+            f"{'CUDA kernel for M <= 16, ' if small else ''}Triton below a measured crossover M, cuBLASLt blockwise "
+            f"FP8 above; one weight{'' if small else f' ({small.reason})'}",
+        )
 
     def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
         if qdata.dtype != torch.float8_e4m3fn:
@@ -64,35 +82,57 @@ class HybridSM90Backend(Backend):
                 f"MXGEMM_REENCODE_MAX_ERROR={limit:g} ({report})"
             )
         info["crossover"] = crossover_for(*qdata.shape)
+        capability = torch.cuda.get_device_capability(qdata.device) if qdata.is_cuda else None
+        info["small_m"] = bool(small_m_status(capability))
         return PreparedWeight(self.name, recipe, *qdata.shape, tensors, info)
 
+    @staticmethod
+    def _default_path(m: int, weight: PreparedWeight) -> str:
+        if m >= weight.info["crossover"]:
+            return "cublas"
+        return "cuda" if m <= MAX_M and weight.info.get("small_m") else "triton"
+
     def tactics(self, m: int, weight: PreparedWeight) -> list[dict]:
-        """The crossover's path first (the default), then the other path; below the large-M regime the Triton
-        path also offers kernel configs around its measured default (tile N, split-K, pipeline depth)."""
+        """The default path first (cuBLASLt from the crossover M; else the CUDA kernel up to M = 16 where it is
+        built; else Triton), then the others: up to M = 16 the CUDA kernel's row tiles and K splits around its
+        default, and below the large-M regime Triton configs around its measured default (tile N, split-K, pipeline
+        depth)."""
         from ..kernels.w8a16 import default_config
 
         n, k = weight.out_features, weight.in_features
         base = default_config(m, n, k, block_scaled=True)
-        triton = [{"path": "triton", "config": base}]
+        paths = {"cublas": [{"path": "cublas"}], "triton": [{"path": "triton", "config": base}], "cuda": []}
         if m <= _TRITON_VARIANTS_MAX_M:
             split = base["SPLIT_K"]
             variants = [{"BN": 32}, {"BN": 128}, {"SPLIT_K": split * 2}, {"SPLIT_K": max(split // 2, 1)}]
             variants.append({"num_stages": 4})
             for v in variants:
                 cfg = {**base, **v}
-                if k >= cfg["SPLIT_K"] * cfg["BK"] and all(t["config"] != cfg for t in triton):
-                    triton.append({"path": "triton", "config": cfg})
-        cublas = [{"path": "cublas"}]
-        return cublas + triton if m >= weight.info["crossover"] else triton + cublas
+                if k >= cfg["SPLIT_K"] * cfg["BK"] and all(t["config"] != cfg for t in paths["triton"]):
+                    paths["triton"].append({"path": "triton", "config": cfg})
+        if m <= MAX_M and weight.info.get("small_m"):
+            np_, kp = weight.tensors["qdata"].shape
+            base_cfg = small_m_default(np_, kp)
+            sp = base_cfg["SPLITS"]
+            configs = [base_cfg, {"RT": 2, "SPLITS": sp}, {"RT": 1, "SPLITS": sp * 2}, {"RT": 1, "SPLITS": sp // 2}]
+            for cfg in configs:
+                if valid_small_m(cfg, np_, kp) and {"path": "cuda", "config": cfg} not in paths["cuda"]:
+                    paths["cuda"].append({"path": "cuda", "config": cfg})
+        first = self._default_path(m, weight)
+        return paths[first] + [t for name, ts in paths.items() if name != first for t in ts]
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         m = x.shape[0]
-        path = tactic["path"] if tactic else ("cublas" if m >= weight.info["crossover"] else "triton")
+        path = tactic["path"] if tactic else self._default_path(m, weight)
+        config = (tactic or {}).get("config")
         if path == "cublas":
             return cublas_block_linear(x, weight, bias)
+        n, k = weight.out_features, weight.in_features
+        if path == "cuda" and m <= MAX_M and _cuda_ready(x):
+            y = small_m_linear(x, weight.tensors["qdata"], weight.tensors["block_scale"], n, config)
+            return finish_output(y, x, bias, n)
         from ..kernels.w8a16 import default_config, w8a16_linear
 
-        n, k = weight.out_features, weight.in_features
         q = weight.tensors["qdata"][:n].view(torch.uint8)
-        cfg = (tactic or {}).get("config") or default_config(m, n, k, block_scaled=True)
+        cfg = config if path == "triton" and config else default_config(m, n, k, block_scaled=True)
         return w8a16_linear(x, q, weight.tensors["block_scale"], bias, block_scaled=True, config=cfg)

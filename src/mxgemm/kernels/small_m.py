@@ -1,0 +1,130 @@
+"""The hand-written CUDA kernel for small M (``csrc/small_m.cu``): built with nvcc on first use, loaded with ctypes.
+
+It runs the ``hybrid_sm90`` weight (FP8 E4M3 ``[Np, Kp]`` with fp32 128x128 block scales) against bf16 activations
+for M <= 16 on ``mma.sync`` tensor cores, decoding the weight in registers; exact with respect to that weight for
+``|x| < 2^64``. The library is compiled once per source, nvcc version and GPU architecture into
+``$MXGEMM_CACHE_DIR/kernels`` (a few seconds) under a file lock; nothing is built or loaded at import time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..backends.base import Availability
+from ..cache import cache_root, locked
+
+logger = logging.getLogger("mxgemm")
+
+__all__ = ["MAX_M", "default_config", "find_nvcc", "library", "small_m_linear", "small_m_status", "valid_config"]
+
+MAX_M = 16
+_SOURCE = Path(__file__).parent / "csrc" / "small_m.cu"
+_ROWS_PER_CTA_TILE = 16
+_K_PER_CTA = 512  # 4 warps x 128
+
+
+def find_nvcc() -> str | None:
+    """nvcc from ``$CUDA_HOME``/``$CUDA_PATH``, ``PATH``, or ``/usr/local/cuda``; None if there is none."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if root and (Path(root) / "bin" / "nvcc").exists():
+            return str(Path(root) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+@functools.cache
+def library(capability: tuple[int, int]) -> ctypes.CDLL:
+    """Build (once, cached on disk) and load the kernel library for a GPU architecture. Raises RuntimeError with
+    nvcc's message when it cannot be built."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc was not found (set CUDA_HOME or put the CUDA toolkit's bin folder on PATH)")
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    arch = f"{capability[0]}{capability[1]}"
+    digest = hashlib.sha256(_SOURCE.read_bytes() + version.encode() + arch.encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"small_m-sm{arch}-{digest}.so"
+    with locked(target):
+        if not target.exists():
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                out = Path(tmp) / target.name
+                cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+                       "-o", str(out), str(_SOURCE)]  # fmt: skip
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"nvcc failed to build {_SOURCE.name}: {done.stderr.strip()[-500:]}")
+                os.replace(out, target)
+    lib = ctypes.CDLL(str(target))
+    lib.mxgemm_small_m.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def small_m_status(capability: tuple[int, int] | None) -> Availability:
+    """Whether the kernel is built and loaded for this architecture (built here on first call); the reason if not."""
+    if capability is None or capability < (8, 0):
+        return Availability(False, "the small-M CUDA kernel needs a GPU of SM80+")
+    try:
+        library(capability)
+    except (RuntimeError, OSError) as exc:
+        reason = f"small-M CUDA kernel unavailable: {exc}"
+        logger.info("mxgemm: %s; the Triton kernel runs M <= 16 instead", reason)
+        return Availability(False, reason)
+    return Availability(True, f"small-M CUDA kernel built for sm_{capability[0]}{capability[1]}")
+
+
+def default_config(n_padded: int, k_padded: int) -> dict:
+    """Row tiles per CTA and K splits measured best on the H200 (bench/NOTES.md): one row tile, and the fewest
+    splits that give about 1024 CTAs."""
+    ctas = n_padded // _ROWS_PER_CTA_TILE
+    splits = 1
+    while ctas * splits < 1024 and k_padded % (_K_PER_CTA * splits * 2) == 0:
+        splits *= 2
+    return {"RT": 1, "SPLITS": splits}
+
+
+def valid_config(cfg: dict, n_padded: int, k_padded: int) -> bool:
+    rt, splits = cfg["RT"], cfg["SPLITS"]
+    return (
+        rt in (1, 2)
+        and splits >= 1
+        and n_padded % (_ROWS_PER_CTA_TILE * rt) == 0
+        and k_padded % (_K_PER_CTA * splits) == 0
+    )
+
+
+def small_m_linear(
+    x: torch.Tensor, qdata: torch.Tensor, block_scale: torch.Tensor, n: int, config: dict | None = None
+) -> torch.Tensor:
+    """``x`` bf16 [M, K] (M <= 16, contiguous, K % 16 == 0), ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32
+    [>= Np/128, Kp/128] -> bf16 [M, n]."""
+    m, k = x.shape
+    np_, kp = qdata.shape
+    cfg = config or default_config(np_, kp)
+    if not valid_config(cfg, np_, kp):
+        raise ValueError(f"config {cfg} does not tile a [{np_}, {kp}] weight")
+    lib = library(torch.cuda.get_device_capability(x.device))
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    splits = cfg["SPLITS"]
+    ws = torch.empty((splits, m, np_) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    p = ctypes.c_void_p
+    err = lib.mxgemm_small_m(
+        p(qdata.data_ptr()), p(block_scale.data_ptr()), block_scale.stride(0), p(x.data_ptr()), p(y.data_ptr()),
+        y.stride(0), p(ws.data_ptr()), m, k, n, np_, kp, cfg["RT"], splits,
+        p(torch.cuda.current_stream(x.device).cuda_stream),
+    )  # fmt: skip
+    if err:
+        raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {cfg}")
+    return y
