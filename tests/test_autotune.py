@@ -171,7 +171,7 @@ def test_choice_names_its_source_user_cache_before_shipped_file(tmp_path, weight
     assert tuner.choice(b, weight, 200, torch.bfloat16) == (None, "default")
 
 
-def test_hybrid_tactics_default_first_and_every_triton_config_valid():
+def test_hybrid_triton_configs_are_valid_block_scaled_tiles():
     from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
 
     b = HybridSM90Backend()
@@ -179,13 +179,13 @@ def test_hybrid_tactics_default_first_and_every_triton_config_valid():
         w = mxgemm.PreparedWeight(b.name, "hybrid-block128", n, k, {"qdata": torch.empty(0)}, {"crossover": crossover})
         for m in (1, 16, 64, 256, 4096):
             tactics = b.tactics(m, w)
-            assert tactics[0]["path"] == ("cublas" if m >= crossover else "triton")
-            assert {t["path"] for t in tactics} == {"cublas", "triton"}
+            if m >= crossover:
+                assert tactics == [{"path": "cublas"}]
+                continue
             configs = [t["config"] for t in tactics if t["path"] == "triton"]
-            assert len(configs) == len({json.dumps(c, sort_keys=True) for c in configs})  # no repeats
+            assert len(configs) > 3 and len(configs) == len({json.dumps(c, sort_keys=True) for c in configs})
             for c in configs:  # block-scaled tiles: 128 deep, a width dividing 128, whole K blocks per split
                 assert c["BK"] == 128 and 128 % c["BN"] == 0 and k >= c["SPLIT_K"] * c["BK"]
-            assert (len(configs) == 1) if m > 512 else (len(configs) > 3)
 
 
 def test_shipped_h200_file_is_found_and_names_tactics_the_backends_offer():

@@ -9,13 +9,14 @@ from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
 from mxgemm.kernels import small_m
 
 
-@pytest.mark.parametrize("np_,kp", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (144, 512)])
-def test_default_config_tiles_the_weight_and_aims_at_1024_ctas(np_, kp):
+@pytest.mark.parametrize(
+    "np_,kp,expected",
+    [(6144, 4096, (2, 4)), (4096, 4096, (2, 4)), (28672, 4096, (2, 1)), (4096, 14336, (2, 4)), (144, 512, (1, 1))],
+)
+def test_default_config_is_the_measured_best_and_tiles_the_weight(np_, kp, expected):
+    """The llama3-8b projections' best configs in the exploration (bench/results/explore-mma-small-m-h200.json)."""
     cfg = small_m.default_config(np_, kp)
-    assert small_m.valid_config(cfg, np_, kp) and cfg["RT"] == 1
-    ctas = np_ // 16 * cfg["SPLITS"]
-    assert ctas >= 1024 or kp % (512 * cfg["SPLITS"] * 2) != 0  # more splits would not divide K
-    assert cfg["SPLITS"] == 1 or ctas // 2 < 1024
+    assert (cfg["RT"], cfg["SPLITS"]) == expected and small_m.valid_config(cfg, np_, kp)
 
 
 def test_invalid_configs_are_refused():
@@ -63,14 +64,30 @@ def _weight(n, k, crossover, small):
 
 
 @pytest.mark.parametrize("small", [True, False])
-def test_hybrid_defaults_to_the_cuda_kernel_up_to_m16_where_it_is_built(small):
+def test_hybrid_tactics_keep_the_regime_and_default_to_the_cuda_kernel_up_to_m8(small):
     b = HybridSM90Backend()
     w = _weight(4096, 14336, 96, small)
-    for m in (1, 16, 17, 95, 96):
+    for m in (1, 8, 9, 16, 17, 95, 96, 4096):
         tactics = b.tactics(m, w)
-        expected = "cublas" if m >= 96 else ("cuda" if small and m <= 16 else "triton")
-        assert tactics[0]["path"] == expected
+        if m >= 96:  # quantized activations from the crossover: one path, whatever a cache says
+            assert tactics == [{"path": "cublas"}]
+            continue
+        assert tactics[0]["path"] == ("cuda" if small and m <= 8 else "triton")
+        assert {t["path"] for t in tactics} == ({"cuda", "triton"} if small and m <= 16 else {"triton"})
         cuda = [t["config"] for t in tactics if t["path"] == "cuda"]
-        assert bool(cuda) == (small and m <= 16)
         assert all(small_m.valid_config(c, 4096, 14336) for c in cuda)
         assert len(cuda) == len({tuple(sorted(c.items())) for c in cuda})
+
+
+def test_a_cached_tactic_of_the_other_regime_is_not_followed(monkeypatch):
+    """M=95 maps to the M=128 bucket, tuned above the crossover (96): its cuBLASLt tactic must not quantize the
+    activations of an M below the crossover."""
+    b = HybridSM90Backend()
+    ran = []
+    monkeypatch.setattr("mxgemm.backends.hybrid_sm90.cublas_block_linear", lambda *a: ran.append("cublas"))
+    monkeypatch.setattr("mxgemm.kernels.w8a16.w8a16_linear", lambda *a, **k: ran.append("triton"))
+    w = _weight(4096, 14336, 96, False)
+    w.tensors["block_scale"] = torch.ones(32, 28)
+    b.run(torch.zeros(95, 14336, dtype=torch.bfloat16), w, None, tactic={"path": "cublas"})
+    b.run(torch.zeros(96, 14336, dtype=torch.bfloat16), w, None, tactic={"path": "triton", "config": {}})
+    assert ran == ["triton", "cublas"]

@@ -256,7 +256,10 @@ def _cold_copies(weight: PreparedWeight) -> list[PreparedWeight]:
 
     nbytes = sum(t.numel() * t.element_size() for t in weight.tensors.values())
     count = copies_for_cold_l2(nbytes, describe_device(weight.device).l2_bytes)
-    clone = lambda: replace(weight, tensors={n: t.clone() for n, t in weight.tensors.items()})  # noqa: E731
+
+    def clone() -> PreparedWeight:  # op tensors and meta recomputed from the cloned tensors
+        return replace(weight, tensors={n: t.clone() for n, t in weight.tensors.items()}, op_tensors=None, op_meta=None)
+
     return [weight] + [clone() for _ in range(count - 1)]
 
 

@@ -18,6 +18,7 @@ import os
 import torch
 
 from ..device import DeviceInfo
+from ..kernels.small_m import DEFAULT_MAX_M as SMALL_M_DEFAULT_MAX
 from ..kernels.small_m import MAX_M, small_m_linear, small_m_status
 from ..kernels.small_m import default_config as small_m_default
 from ..kernels.small_m import valid_config as valid_small_m
@@ -90,18 +91,20 @@ class HybridSM90Backend(Backend):
     def _default_path(m: int, weight: PreparedWeight) -> str:
         if m >= weight.info["crossover"]:
             return "cublas"
-        return "cuda" if m <= MAX_M and weight.info.get("small_m") else "triton"
+        return "cuda" if m <= SMALL_M_DEFAULT_MAX and weight.info.get("small_m") else "triton"
 
     def tactics(self, m: int, weight: PreparedWeight) -> list[dict]:
-        """The default path first (cuBLASLt from the crossover M; else the CUDA kernel up to M = 16 where it is
-        built; else Triton), then the others: up to M = 16 the CUDA kernel's row tiles and K splits around its
-        default, and below the large-M regime Triton configs around its measured default (tile N, split-K, pipeline
-        depth)."""
+        """Paths and configs that compute this M's regime of the recipe, so that no tactic changes the numerics:
+        from the crossover M only cuBLASLt; below it the default first (the CUDA kernel up to M = 8 where it is
+        built, else Triton), then the CUDA kernel's row tiles and K splits (up to M = 16) and Triton configs around
+        its measured default (tile N, split-K, pipeline depth)."""
+        if m >= weight.info["crossover"]:
+            return [{"path": "cublas"}]
         from ..kernels.w8a16 import default_config
 
         n, k = weight.out_features, weight.in_features
         base = default_config(m, n, k, block_scaled=True)
-        paths = {"cublas": [{"path": "cublas"}], "triton": [{"path": "triton", "config": base}], "cuda": []}
+        paths = {"triton": [{"path": "triton", "config": base}], "cuda": []}
         if m <= _TRITON_VARIANTS_MAX_M:
             split = base["SPLIT_K"]
             variants = [{"BN": 32}, {"BN": 128}, {"SPLIT_K": split * 2}, {"SPLIT_K": max(split // 2, 1)}]
@@ -113,8 +116,9 @@ class HybridSM90Backend(Backend):
         if m <= MAX_M and weight.info.get("small_m"):
             np_, kp = weight.tensors["qdata"].shape
             base_cfg = small_m_default(np_, kp)
-            sp = base_cfg["SPLITS"]
-            configs = [base_cfg, {"RT": 2, "SPLITS": sp}, {"RT": 1, "SPLITS": sp * 2}, {"RT": 1, "SPLITS": sp // 2}]
+            rt, sp = base_cfg["RT"], base_cfg["SPLITS"]
+            configs = [base_cfg, {"RT": 3 - rt, "SPLITS": sp}]
+            configs += [{"RT": rt, "SPLITS": sp * 2}, {"RT": rt, "SPLITS": sp // 2}]
             for cfg in configs:
                 if valid_small_m(cfg, np_, kp) and {"path": "cuda", "config": cfg} not in paths["cuda"]:
                     paths["cuda"].append({"path": "cuda", "config": cfg})
@@ -123,7 +127,10 @@ class HybridSM90Backend(Backend):
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         m = x.shape[0]
-        path = tactic["path"] if tactic else self._default_path(m, weight)
+        default = self._default_path(m, weight)
+        if tactic and (tactic["path"] == "cublas") != (default == "cublas"):
+            tactic = None  # a cached tactic of another regime (its M bucket spans the crossover): the numerics stay
+        path = tactic["path"] if tactic else default
         config = (tactic or {}).get("config")
         if path == "cublas":
             return cublas_block_linear(x, weight, bias)

@@ -25,9 +25,19 @@ from ..cache import cache_root, locked
 
 logger = logging.getLogger("mxgemm")
 
-__all__ = ["MAX_M", "default_config", "find_nvcc", "library", "small_m_linear", "small_m_status", "valid_config"]
+__all__ = [
+    "DEFAULT_MAX_M",
+    "MAX_M",
+    "default_config",
+    "find_nvcc",
+    "library",
+    "small_m_linear",
+    "small_m_status",
+    "valid_config",
+]
 
-MAX_M = 16
+MAX_M = 16  # the kernel's limit (two 8-token MMA tiles)
+DEFAULT_MAX_M = 8  # where it is the default path: measured faster than the Triton kernel up to M = 8 (one tile)
 _SOURCE = Path(__file__).parent / "csrc" / "small_m.cu"
 _ROWS_PER_CTA_TILE = 16
 _K_PER_CTA = 512  # 4 warps x 128
@@ -86,13 +96,14 @@ def small_m_status(capability: tuple[int, int] | None) -> Availability:
 
 
 def default_config(n_padded: int, k_padded: int) -> dict:
-    """Row tiles per CTA and K splits measured best on the H200 (bench/NOTES.md): one row tile, and the fewest
-    splits that give about 1024 CTAs."""
-    ctas = n_padded // _ROWS_PER_CTA_TILE
+    """Two row tiles per CTA where the rows allow, and the fewest K splits that give at least 512 CTAs: the best
+    configs measured on the H200 for the llama3-8b projections (bench/results/explore-mma-small-m-h200.json)."""
+    rt = 2 if n_padded % (2 * _ROWS_PER_CTA_TILE) == 0 else 1
+    ctas = n_padded // (_ROWS_PER_CTA_TILE * rt)
     splits = 1
-    while ctas * splits < 1024 and k_padded % (_K_PER_CTA * splits * 2) == 0:
+    while ctas * splits < 512 and k_padded % (_K_PER_CTA * splits * 2) == 0:
         splits *= 2
-    return {"RT": 1, "SPLITS": splits}
+    return {"RT": rt, "SPLITS": splits}
 
 
 def valid_config(cfg: dict, n_padded: int, k_padded: int) -> bool:
