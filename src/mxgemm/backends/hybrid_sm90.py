@@ -115,10 +115,7 @@ class HybridSM90Backend(Backend):
                     paths["triton"].append({"path": "triton", "config": cfg})
         if m <= MAX_M and weight.info.get("small_m"):
             np_, kp = weight.tensors["qdata"].shape
-            base_cfg = small_m_default(np_, kp)
-            rt, sp = base_cfg["RT"], base_cfg["SPLITS"]
-            configs = [base_cfg, {"RT": 3 - rt, "SPLITS": sp}]
-            configs += [{"RT": rt, "SPLITS": sp * 2}, {"RT": rt, "SPLITS": sp // 2}]
+            configs = [small_m_default(np_, kp)] + [{"RT": r, "SPLITS": sp} for r in (1, 2) for sp in (1, 2, 4, 8)]
             for cfg in configs:
                 if valid_small_m(cfg, np_, kp) and {"path": "cuda", "config": cfg} not in paths["cuda"]:
                     paths["cuda"].append({"path": "cuda", "config": cfg})

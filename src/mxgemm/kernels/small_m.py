@@ -96,14 +96,13 @@ def small_m_status(capability: tuple[int, int] | None) -> Availability:
 
 
 def default_config(n_padded: int, k_padded: int) -> dict:
-    """Two row tiles per CTA where the rows allow, and the fewest K splits that give at least 512 CTAs: the best
-    configs measured on the H200 for the llama3-8b projections (bench/results/explore-mma-small-m-h200.json)."""
-    rt = 2 if n_padded % (2 * _ROWS_PER_CTA_TILE) == 0 else 1
-    ctas = n_padded // (_ROWS_PER_CTA_TILE * rt)
+    """One row tile per CTA and the fewest K splits that give about 1024 CTAs: the best config the library build
+    measured on the H200 for the o and down projections of llama3-8b (bench/NOTES.md); the tuner picks per shape."""
+    ctas = n_padded // _ROWS_PER_CTA_TILE
     splits = 1
-    while ctas * splits < 512 and k_padded % (_K_PER_CTA * splits * 2) == 0:
+    while ctas * splits < 1024 and k_padded % (_K_PER_CTA * splits * 2) == 0:
         splits *= 2
-    return {"RT": rt, "SPLITS": splits}
+    return {"RT": 1, "SPLITS": splits}
 
 
 def valid_config(cfg: dict, n_padded: int, k_padded: int) -> bool:
