@@ -2,11 +2,11 @@
 
 The weight is stored once, re-encoded to FP8 with power-of-two 128x128 block scales (as ``cublas_block`` stores it).
 Below a crossover M (memory-bound decode) our kernels read that weight and multiply it with the bf16/fp16
-activations as given: up to M = 16 a hand-written CUDA kernel (``kernels/csrc/small_m.cu``, built with nvcc on first
-use; without nvcc the Triton kernel takes its place), above that a Triton kernel; at and above the crossover
-(compute-bound prefill) activations are quantized per 1x128 and cuBLASLt runs the blockwise FP8 GEMM. Recipe
-``hybrid-block128``: the first regime is exact with respect to the re-encoded weight (the CUDA kernel for
-``|x| < 2^64``), which itself differs from the MX weight only as its exactness report says; a weight whose
+activations as given: up to M = 8 a hand-written CUDA kernel (``kernels/csrc/small_m.cu``, built with nvcc on first
+use, a tactic up to M = 16; without nvcc the Triton kernel takes its place), above that a Triton kernel; at and
+above the crossover (compute-bound prefill) activations are quantized per 1x128 and cuBLASLt runs the blockwise FP8
+GEMM. Recipe ``hybrid-block128``: the first regime is exact with respect to the re-encoded weight (the CUDA kernel
+for ``|x| < 2^64``), which itself differs from the MX weight only as its exactness report says; a weight whose
 re-encoding error exceeds ``MXGEMM_REENCODE_MAX_ERROR`` (relative, default 1e-5) is refused, and ``auto`` then gives
 that layer to the next backend (the exact ``triton`` one).
 """
@@ -57,7 +57,7 @@ class HybridSM90Backend(Backend):
     recipes = ("hybrid-block128",)
     tunable = True
     summary = (
-        "one 128x128-block FP8 weight: a CUDA mma kernel for M <= 16 and a Triton kernel below the crossover M "
+        "one 128x128-block FP8 weight: a CUDA mma kernel for small M and a Triton kernel below the crossover M "
         "(activations as given), cuBLASLt FP8 above"
     )
 
@@ -68,7 +68,7 @@ class HybridSM90Backend(Backend):
         small = small_m_status(device.capability)
         return Availability(
             True,
-            f"{'CUDA kernel for M <= 16, ' if small else ''}Triton below a measured crossover M, cuBLASLt blockwise "
+            f"{'CUDA kernel up to M = 8, ' if small else ''}Triton below a measured crossover M, cuBLASLt blockwise "
             f"FP8 above; one weight{'' if small else f' ({small.reason})'}",
         )
 
@@ -126,7 +126,7 @@ class HybridSM90Backend(Backend):
         m = x.shape[0]
         default = self._default_path(m, weight)
         if tactic and (tactic["path"] == "cublas") != (default == "cublas"):
-            tactic = None  # a cached tactic of another regime (its M bucket spans the crossover): the numerics stay
+            tactic = None  # a cached tactic of the other regime (its bucket spans the crossover) would change numerics
         path = tactic["path"] if tactic else default
         config = (tactic or {}).get("config")
         if path == "cublas":
