@@ -36,7 +36,7 @@ for stage in "$@"; do
       rc=$?; tail -15 /tmp/gate.log > "$out/pytest_gate.txt"; cat "$out/pytest_gate.txt"
       [ "$rc" -eq 0 ] || { echo "gate failed (rc $rc)"; exit 1; } ;;
     ship)  # the tuning file just made replaces the package's copy here, for the benchmarks that follow
-      cp "$out"/cache/tuning-*.json src/mxgemm/tuned/ ;;
+      mkdir -p src/mxgemm/tuned && cp "$out"/cache/tuning-*.json src/mxgemm/tuned/ ;;
     tune-more)
       MXGEMM_CACHE_DIR="$out/cache" timeout "${TUNE_MORE_S:-200}" python3 -m mxgemm tune --model llama3-70b hidden-7168 \
         >> "$out/tune.txt" 2>&1; tail -3 "$out/tune.txt" ;;

@@ -68,6 +68,7 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL:
     target = cache_root() / "kernels" / f"small_m-sm{arch}-{digest}.so"
     with locked(target):
         if not target.exists():
+            logger.info("mxgemm: building the small-M CUDA kernel for sm_%s into %s (once)", arch, target.parent)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 out = Path(tmp) / target.name
                 cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}",
