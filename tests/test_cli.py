@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from mxgemm.cli import main
 
 
@@ -66,3 +68,34 @@ def test_info_prints_reasons_verbatim(capsys, monkeypatch):
     hide_package(monkeypatch, "flashinfer")
     assert main(["info"]) == 0
     assert "pip install 'mxgemm[flashinfer]'" in capsys.readouterr().out.replace("\n", "")
+
+
+def test_tune_model_dir_tunes_the_models_linear_shapes(capsys, monkeypatch, tmp_path):
+    """`mxgemm tune --model-dir`: the distinct shapes of the model's linear layers (built on the meta device from its
+    config alone), lm_head left out."""
+    import os
+
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from mxgemm.models import linear_shapes
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    cfg.save_pretrained(tmp_path / "model")  # config.json only: no weights needed
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    shapes = linear_shapes(model)
+    assert [(n, k) for n, k, _ in shapes] == [(64, 64), (32, 64), (128, 64), (64, 128)]
+    assert shapes[0][2] == "model.layers.0.self_attn.q_proj"
+    assert linear_shapes(model, skip=())[-1] == (96, 64, "lm_head")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("tunes the triton backend under the interpreter")
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["tune", "--model-dir", str(tmp_path / "model"), "--m", "3"]) == 0
+    assert "4 distinct linear shapes" in capsys.readouterr().out
+    (path,) = (tmp_path / "cache").glob("tuning-*.json")
+    keys = sorted(json.loads(path.read_text())["entries"])
+    assert [k.split("|")[3:5] for k in keys] == [["n128", "k64"], ["n32", "k64"], ["n64", "k128"], ["n64", "k64"]]

@@ -98,6 +98,20 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _hf_model_class(model_dir: str, console: Console, command: str):
+    """(transformers model class, config) for a Hugging Face model folder; None (error printed) without
+    transformers."""
+    try:
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    except ImportError:
+        hint = escape(f"`mxgemm {command}` reads models with transformers: pip install 'mxgemm[hf]'")
+        console.print(f"[red]error:[/red] {hint}")
+        return None
+    config = AutoConfig.from_pretrained(model_dir)
+    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+    return (AutoModelForCausalLM if causal else AutoModel), config
+
+
 def _quantize(args: argparse.Namespace, console: Console) -> int:
     """Quantize a Hugging Face model folder to a compressed-tensors MXFP8 checkpoint."""
     import shutil
@@ -108,16 +122,12 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     from .checkpoints import save_checkpoint
     from .models import quantize_model
 
-    try:
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-    except ImportError:
-        hint = escape("`mxgemm quantize` reads models with transformers: pip install 'mxgemm[hf]'")
-        console.print(f"[red]error:[/red] {hint}")
+    found = _hf_model_class(args.model_dir, console, "quantize")
+    if found is None:
         return 2
+    cls, config = found
     src, out = Path(args.model_dir), Path(args.out_dir)
-    config = AutoConfig.from_pretrained(src)
-    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
-    model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(src, dtype="auto")
+    model = cls.from_pretrained(src, dtype="auto")
     report = quantize_model(model, backend="emulation", scale_mode=args.scale_mode, skip=args.skip)
     save_checkpoint(
         model,
@@ -148,6 +158,19 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     if args.shapes:
         for m, n, k in parse_shapes(args.shapes):
             problems.setdefault((n, k), set()).add(bucket(m))
+    elif args.model_dir:
+        from .models import linear_shapes
+
+        found = _hf_model_class(args.model_dir, console, "tune --model-dir")
+        if found is None:
+            return 2
+        cls, config = found
+        with torch.device("meta"):  # shapes only: no weights are read or allocated
+            model = cls.from_config(config)
+        shapes = linear_shapes(model, skip=args.skip)
+        console.print(f"{len(shapes)} distinct linear shapes in {args.model_dir}")
+        for n, k, _ in shapes:
+            problems.setdefault((n, k), set()).update(bucket(m) for m in (args.m or BUCKETS))
     else:
         for model in args.model:
             for n, k, _ in MODELS[model]:
@@ -212,6 +235,8 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["llama3-8b"], help="shape sets")
     tune.add_argument("--m", type=int, nargs="+", help="token counts (default: every tuning bucket)")
     tune.add_argument("--shapes", help="explicit shapes MxNxK,MxNxK (overrides --model/--m)")
+    tune.add_argument("--model-dir", help="a Hugging Face model folder: tune its linear layers (overrides --model)")
+    tune.add_argument("--skip", nargs="*", default=["lm_head"], help="with --model-dir: linear layers to leave out")
     tune.add_argument("--force", action="store_true", help="re-tune problems the cache already has")
     return parser
 

@@ -11,7 +11,7 @@ from torch import nn
 from .format import BLOCK_SIZE, ScaleMode
 from .linear import MXFP8Linear
 
-__all__ = ["LayerReport", "QuantizeReport", "quantize_model"]
+__all__ = ["LayerReport", "QuantizeReport", "linear_shapes", "quantize_model"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +80,14 @@ def quantize_model(
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
     return QuantizeReport(tuple(reports))
+
+
+def linear_shapes(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> list[tuple[int, int, str]]:
+    """The distinct ``(out_features, in_features)`` of the ``nn.Linear`` layers :func:`quantize_model` would
+    replace, each with the name of its first layer: what ``mxgemm tune --model-dir`` tunes. Works on a model built
+    on the meta device."""
+    shapes: dict[tuple[int, int], str] = {}
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and not _matches(name, skip) and module.in_features % BLOCK_SIZE == 0:
+            shapes.setdefault((module.out_features, module.in_features), name)
+    return [(n, k, name) for (n, k), name in shapes.items()]
