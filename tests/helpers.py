@@ -47,3 +47,12 @@ def hide_package(monkeypatch, name: str) -> None:
 def random_act(m: int, k: int, *, seed: int = 1, dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+
+
+def hybrid_twin(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, quantized: bool) -> torch.Tensor:
+    """The emulated twin of one ``hybrid_sm90`` regime: activations 1x128-quantized (``quantized``) or as given,
+    the weight re-encoded to 128x128 blocks."""
+    from mxgemm.backends.emulation import EmulationBackend, emulate_linear
+
+    weight = EmulationBackend().prepare(q, s, "hybrid-block128", crossover=1 if quantized else 2**31)
+    return emulate_linear(x, weight, None)

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from helpers import random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
+from helpers import hybrid_twin, random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
 
 import mxgemm
 from mxgemm.autotune import Autotuner, TuningCache, environment_metadata
-from mxgemm.backends.emulation import EmulationBackend, emulate_linear
+from mxgemm.backends.emulation import emulate_linear
 
 pytestmark = pytest.mark.gpu
 
@@ -16,8 +16,7 @@ def _twin(x, q, s, backend, tactic):
     activations are quantized)."""
     if backend == "triton":
         return emulate_linear(x, mxgemm.prepare_weight(q, s, backend="emulation"), None)
-    crossover = 1 if tactic["path"] == "cublas" else 2**31
-    return emulate_linear(x, EmulationBackend().prepare(q, s, "hybrid-block128", crossover=crossover), None)
+    return hybrid_twin(x, q, s, quantized=tactic["path"] == "cublas")
 
 
 @pytest.mark.parametrize("backend", ["triton", "hybrid_sm90"])

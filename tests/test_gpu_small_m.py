@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from helpers import random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
+from helpers import hybrid_twin, random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
 
 import mxgemm
-from mxgemm.backends.emulation import EmulationBackend, emulate_linear
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +21,7 @@ def _kernel_built():
 
 def _exact_twin(x, q, s):
     """Activations as given, the re-encoded weight: what the Triton and CUDA small-M paths both compute."""
-    return emulate_linear(x, EmulationBackend().prepare(q, s, "hybrid-block128", crossover=2**31), None)
+    return hybrid_twin(x, q, s, quantized=False)
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])

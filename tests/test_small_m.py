@@ -19,6 +19,14 @@ def test_default_config_is_the_measured_best_and_tiles_the_weight(np_, kp, expec
     assert (cfg["RT"], cfg["SPLITS"]) == expected and small_m.valid_config(cfg, np_, kp)
 
 
+def test_accepts_only_what_the_kernel_reads():
+    x = torch.zeros(16, 64, dtype=torch.bfloat16)
+    assert small_m.accepts(x) and small_m.accepts(x[:1])
+    assert not small_m.accepts(torch.zeros(17, 64, dtype=torch.bfloat16))  # more than two token tiles
+    assert not small_m.accepts(x.half()) and not small_m.accepts(x.t())  # fp16; not contiguous rows
+    assert not small_m.accepts(torch.zeros(2 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 64))  # 2 bytes off
+
+
 def test_invalid_configs_are_refused():
     assert not small_m.valid_config({"RT": 2, "SPLITS": 1}, 144, 512)  # 144 rows: not whole 32-row tiles
     assert not small_m.valid_config({"RT": 1, "SPLITS": 2}, 144, 512)  # one 512-deep CTA slice only

@@ -19,7 +19,7 @@ import torch
 
 from ..device import DeviceInfo
 from ..kernels.small_m import DEFAULT_MAX_M as SMALL_M_DEFAULT_MAX
-from ..kernels.small_m import MAX_M, small_m_linear, small_m_status
+from ..kernels.small_m import MAX_M, accepts, small_m_linear, small_m_status
 from ..kernels.small_m import default_config as small_m_default
 from ..kernels.small_m import valid_config as valid_small_m
 from .base import Availability, Backend, PreparedWeight, UnsupportedWeightError, finish_output
@@ -45,11 +45,6 @@ _TRITON_VARIANTS_MAX_M = 512
 
 def reencode_max_error() -> float:
     return float(os.environ.get("MXGEMM_REENCODE_MAX_ERROR", "1e-5"))
-
-
-def _cuda_ready(x: torch.Tensor) -> bool:
-    """Whether these activations suit the small-M CUDA kernel (bf16, contiguous rows, 16-byte aligned)."""
-    return x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
 class HybridSM90Backend(Backend):
@@ -132,7 +127,7 @@ class HybridSM90Backend(Backend):
         if path == "cublas":
             return cublas_block_linear(x, weight, bias)
         n, k = weight.out_features, weight.in_features
-        if path == "cuda" and m <= MAX_M and _cuda_ready(x):
+        if path == "cuda" and accepts(x):
             y = small_m_linear(x, weight.tensors["qdata"], weight.tensors["block_scale"], n, config)
             return finish_output(y, x, bias, n)
         from ..kernels.w8a16 import default_config, w8a16_linear

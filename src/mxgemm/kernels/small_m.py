@@ -28,6 +28,7 @@ logger = logging.getLogger("mxgemm")
 __all__ = [
     "DEFAULT_MAX_M",
     "MAX_M",
+    "accepts",
     "default_config",
     "find_nvcc",
     "library",
@@ -114,6 +115,11 @@ def valid_config(cfg: dict, n_padded: int, k_padded: int) -> bool:
         and n_padded % (_ROWS_PER_CTA_TILE * rt) == 0
         and k_padded % (_K_PER_CTA * splits) == 0
     )
+
+
+def accepts(x: torch.Tensor) -> bool:
+    """Whether the kernel can take these activations: bf16, at most MAX_M rows, contiguous, 16-byte aligned."""
+    return x.dtype == torch.bfloat16 and x.shape[0] <= MAX_M and x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
 def small_m_linear(
