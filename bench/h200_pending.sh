@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The H200 checks still pending (see the issues' notes), in stages; several stages may run in one device call.
 # Usage on the device: bash bench/h200_pending.sh STAGE [STAGE ...]   (outputs under $OUT, or ./out when OUT is unset)
-#   tune    `mxgemm tune --model llama3-8b` twice, timed (the second must profile nothing); the tuning file
+#   tune    `mxgemm tune` of the three shape sets (llama3-8b, llama3-70b, hidden-7168), timed; the tuning file
 #   gate    the GPU tests of the small-M kernel, hybrid, graphs, autotuning; stops the run when one fails
 #   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
-#   tune-more  the llama3-70b and hidden-7168 shape sets added to the same tuning file
 #   e2e     8B-dimension Llama prefill/decode, bf16 vs mxgemm, compiled + CUDA graphs
 #   bench-8b / bench-more  benchmark sets (llama3-8b / llama3-70b and hidden-7168) with an empty user cache: only
 #           the tuning file shipped in the package applies
@@ -23,13 +22,9 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
     tune)
-      export MXGEMM_CACHE_DIR="$out/cache"
-      for run in first second; do
-        echo "--- $run run" >> "$out/tune.txt"
-        ( time python3 -m mxgemm tune --model llama3-8b ) >> "$out/tune.txt" 2>&1
-      done
-      grep -A3 "already tuned\|^real" "$out/tune.txt"
-      unset MXGEMM_CACHE_DIR ;;
+      ( time MXGEMM_CACHE_DIR="$out/cache" timeout "${TUNE_S:-400}" python3 -m mxgemm tune \
+          --model llama3-8b llama3-70b hidden-7168 ) > "$out/tune.txt" 2>&1
+      grep -A3 "^real" "$out/tune.txt" ;;
     gate)  # the GPU tests of what changed; stop here if any fails
       timeout 200 python3 -m pytest tests -q -p no:warnings -m gpu --tb=short -x \
         -k "small_m or hybrid or graphs or autotune or block128" > /tmp/gate.log 2>&1
@@ -37,9 +32,6 @@ for stage in "$@"; do
       [ "$rc" -eq 0 ] || { echo "gate failed (rc $rc)"; exit 1; } ;;
     ship)  # the tuning file just made replaces the package's copy here, for the benchmarks that follow
       mkdir -p src/mxgemm/tuned && cp "$out"/cache/tuning-*.json src/mxgemm/tuned/ ;;
-    tune-more)
-      MXGEMM_CACHE_DIR="$out/cache" timeout "${TUNE_MORE_S:-200}" python3 -m mxgemm tune --model llama3-70b hidden-7168 \
-        >> "$out/tune.txt" 2>&1; tail -3 "$out/tune.txt" ;;
     tests)
       python3 -m mxgemm info > "$out/info.txt" 2>&1
       timeout "${TESTS_S:-330}" python3 -m pytest tests -q -p no:warnings -m gpu --tb=short --durations=5 2>&1 \
@@ -51,7 +43,7 @@ for stage in "$@"; do
           --markdown e2e-llama8b-dims.md ) > /tmp/e2e.log 2>&1; tail -8 /tmp/e2e.log ;;
     bench-8b) bench llama3-8b 300 ;;
     bench-more) bench llama3-70b 280; bench hidden-7168 280 ;;
-    *) echo "usage: $0 gate|tune|tests|tune-more|ship|e2e|bench-8b|bench-more ..." >&2; exit 2 ;;
+    *) echo "usage: $0 gate|tune|tests|ship|e2e|bench-8b|bench-more ..." >&2; exit 2 ;;
   esac
 done
 # at most 8 files come back: the tuning file moves up, the cache folders (lock files) go

@@ -97,8 +97,10 @@ def test_block_scaled_w8a16_kernel(cfg):
 
 
 def test_crossover_rule():
-    assert crossover_for(28672, 4096) == 1  # large weights: cuBLASLt wins from the smallest M measured
+    # large weights: cuBLASLt beats the Triton kernel from the smallest M measured, the CUDA kernel up to M = 16
+    assert crossover_for(28672, 4096, small_m=False) == 1 and crossover_for(28672, 4096) == 17
     assert crossover_for(4096, 14336) == 96 and crossover_for(4096, 4096) == 48
+    assert crossover_for(4096, 4096, small_m=False) == 48
 
 
 def test_layer_recipes_and_emulation_of_the_new_recipe():

@@ -25,7 +25,7 @@ def _exact_twin(x, q, s):
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
-@pytest.mark.parametrize("n,k", [(130, 96), (4160, 4608), (6144, 4096)])
+@pytest.mark.parametrize("n,k", [(130, 96), (4160, 4608), (6144, 4096), (4096, 14336)])
 def test_every_cuda_tactic_matches_the_twin(m, n, k):
     q, s = random_mx_weight(n, k, seed=n + m, device="cuda")
     w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
@@ -33,11 +33,22 @@ def test_every_cuda_tactic_matches_the_twin(m, n, k):
     x = random_act(m, k, seed=k + m, device="cuda")
     twin = _exact_twin(x, q, s)
     tactics = [t for t in b.tactics(m, w) if t["path"] == "cuda"]
-    assert tactics and b.tactics(m, w)[0]["path"] == ("cuda" if m <= 8 else "triton")
+    assert tactics and b.tactics(m, w)[0]["path"] == "cuda"
     for tactic in tactics:
         y = b.run(x, w, None, tactic=tactic)
         assert y.shape == (m, n) and y.is_contiguous() and torch.isfinite(y).all()
         assert sqnr_db(y, twin) >= 45, tactic
+
+
+def test_a_config_of_an_older_kernel_runs_the_default_config():
+    """A tuning file written for the kernel before the shared-memory ring names configs without ``ST``: the default
+    config runs instead (same path, same numerics), bit for bit."""
+    q, s = random_mx_weight(4096, 4096, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    b = mxgemm.backends.get_backend("hybrid_sm90")
+    x = random_act(2, 4096, device="cuda")
+    old = b.run(x, w, None, tactic={"path": "cuda", "config": {"RT": 1, "SPLITS": 4}})
+    assert torch.equal(old, b.run(x, w, None, tactic={"path": "cuda", "config": None}))
 
 
 def test_subnormal_weights_are_not_flushed():

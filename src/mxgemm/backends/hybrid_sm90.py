@@ -2,8 +2,8 @@
 
 The weight is stored once, re-encoded to FP8 with power-of-two 128x128 block scales (as ``cublas_block`` stores it).
 Below a crossover M (memory-bound decode) our kernels read that weight and multiply it with the bf16/fp16
-activations as given: up to M = 8 a hand-written CUDA kernel (``kernels/csrc/small_m.cu``, built with nvcc on first
-use, a tactic up to M = 16; without nvcc the Triton kernel takes its place), above that a Triton kernel; at and
+activations as given: up to M = 16 a hand-written CUDA kernel (``kernels/csrc/small_m.cu``, built with nvcc on first
+use; without nvcc the Triton kernel takes its place), above that a Triton kernel; at and
 above the crossover (compute-bound prefill) activations are quantized per 1x128 and cuBLASLt runs the blockwise FP8
 GEMM. Recipe ``hybrid-block128``: the first regime is exact with respect to the re-encoded weight (the CUDA kernel
 for ``|x| < 2^64``), which itself differs from the MX weight only as its exactness report says; a weight whose
@@ -18,7 +18,6 @@ import os
 import torch
 
 from ..device import DeviceInfo
-from ..kernels.small_m import DEFAULT_MAX_M as SMALL_M_DEFAULT_MAX
 from ..kernels.small_m import MAX_M, accepts, small_m_linear, small_m_status
 from ..kernels.small_m import default_config as small_m_default
 from ..kernels.small_m import valid_config as valid_small_m
@@ -28,15 +27,17 @@ from .cublas_block import blockwise_device_check, cublas_block_linear, prepare_b
 __all__ = ["HybridSM90Backend", "crossover_for", "reencode_max_error"]
 
 
-def crossover_for(n: int, k: int) -> int:
-    """The M from which quantize + cuBLASLt beats the Triton kernel for an [n, k] weight.
+def crossover_for(n: int, k: int, small_m: bool = True) -> int:
+    """The M from which quantize + cuBLASLt beats our kernels for an [n, k] weight (``small_m``: whether the CUDA
+    small-M kernel is built here).
 
-    Measured on the H200 (bench/NOTES.md, bench/crossover.py): cuBLASLt already wins at M=16 on weights of
-    117M and 470M elements, from M=48 on 16.7M-67M-element weights, and from M=96 on the K=14336 down projection.
+    Measured on the H200 (bench/NOTES.md items 5 and 12): against the Triton kernel cuBLASLt already wins at M=16 on
+    weights of 117M and 470M elements, from M=48 on 16.7M-67M-element weights, and from M=96 on the K=14336 down
+    projection; the CUDA kernel beats cuBLASLt up to M = 8 on every measured weight and at M = 16 on all but the 8B
+    gate_up (3% slower there), so with it no crossover falls below M = 17.
     """
-    if n * k >= 96 * 2**20:
-        return 1
-    return 96 if k >= 12288 else 48
+    rule = 1 if n * k >= 96 * 2**20 else 96 if k >= 12288 else 48
+    return max(rule, MAX_M + 1) if small_m else rule
 
 
 # Above this M the Triton path is far from competitive (bench/results/crossover-h200.json): one config is enough.
@@ -63,7 +64,7 @@ class HybridSM90Backend(Backend):
         small = small_m_status(device.capability)
         return Availability(
             True,
-            f"{'CUDA kernel up to M = 8, ' if small else ''}Triton below a measured crossover M, cuBLASLt blockwise "
+            f"{'CUDA kernel up to M = 16, ' if small else ''}Triton below a measured crossover M, cuBLASLt blockwise "
             f"FP8 above; one weight{'' if small else f' ({small.reason})'}",
         )
 
@@ -77,21 +78,21 @@ class HybridSM90Backend(Backend):
                 f"re-encoding to 128x128 blocks would change this weight by {report.rel_error:.3g} (relative), above "
                 f"MXGEMM_REENCODE_MAX_ERROR={limit:g} ({report})"
             )
-        info["crossover"] = crossover_for(*qdata.shape)
         capability = torch.cuda.get_device_capability(qdata.device) if qdata.is_cuda else None
         info["small_m"] = bool(small_m_status(capability))
+        info["crossover"] = crossover_for(*qdata.shape, small_m=info["small_m"])
         return PreparedWeight(self.name, recipe, *qdata.shape, tensors, info)
 
     @staticmethod
     def _default_path(m: int, weight: PreparedWeight) -> str:
         if m >= weight.info["crossover"]:
             return "cublas"
-        return "cuda" if m <= SMALL_M_DEFAULT_MAX and weight.info.get("small_m") else "triton"
+        return "cuda" if m <= MAX_M and weight.info.get("small_m") else "triton"
 
     def tactics(self, m: int, weight: PreparedWeight) -> list[dict]:
         """Paths and configs that compute this M's regime of the recipe, so that no tactic changes the numerics:
-        from the crossover M only cuBLASLt; below it the default first (the CUDA kernel up to M = 8 where it is
-        built, else Triton), then the CUDA kernel's row tiles and K splits (up to M = 16) and Triton configs around
+        from the crossover M only cuBLASLt; below it the default first (the CUDA kernel up to M = 16 where it is
+        built, else Triton), then the CUDA kernel's row tiles, K splits and ring depths and Triton configs around
         its measured default (tile N, split-K, pipeline depth)."""
         if m >= weight.info["crossover"]:
             return [{"path": "cublas"}]
@@ -110,7 +111,9 @@ class HybridSM90Backend(Backend):
                     paths["triton"].append({"path": "triton", "config": cfg})
         if m <= MAX_M and weight.info.get("small_m"):
             np_, kp = weight.tensors["qdata"].shape
-            configs = [small_m_default(np_, kp)] + [{"RT": r, "SPLITS": sp} for r in (1, 2) for sp in (1, 2, 4, 8)]
+            configs = [small_m_default(np_, kp)] + [
+                {"RT": r, "SPLITS": sp, "ST": st} for r in (1, 2) for sp in (1, 2, 4, 8) for st in (2, 3)
+            ]
             for cfg in configs:
                 if valid_small_m(cfg, np_, kp) and {"path": "cuda", "config": cfg} not in paths["cuda"]:
                     paths["cuda"].append({"path": "cuda", "config": cfg})
@@ -128,6 +131,8 @@ class HybridSM90Backend(Backend):
             return cublas_block_linear(x, weight, bias)
         n, k = weight.out_features, weight.in_features
         if path == "cuda" and accepts(x):
+            if config is not None and not valid_small_m(config, *weight.tensors["qdata"].shape):
+                config = None  # a tuning file's config from an older kernel: the default config, same numerics
             y = small_m_linear(x, weight.tensors["qdata"], weight.tensors["block_scale"], n, config)
             return finish_output(y, x, bias, n)
         from ..kernels.w8a16 import default_config, w8a16_linear

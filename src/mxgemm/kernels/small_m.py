@@ -1,7 +1,8 @@
 """The hand-written CUDA kernel for small M (``csrc/small_m.cu``): built with nvcc on first use, loaded with ctypes.
 
 It runs the ``hybrid_sm90`` weight (FP8 E4M3 ``[Np, Kp]`` with fp32 128x128 block scales) against bf16 activations
-for M <= 16 on ``mma.sync`` tensor cores, decoding the weight in registers; exact with respect to that weight for
+for M <= 16 on ``mma.sync`` tensor cores, streaming the weight through shared memory with ``cp.async`` and decoding
+it in registers; exact with respect to that weight for
 ``|x| < 2^64``. The library is compiled once per source, nvcc version and GPU architecture into
 ``$MXGEMM_CACHE_DIR/kernels`` (a few seconds) under a file lock; nothing is built or loaded at import time.
 """
@@ -26,7 +27,6 @@ from ..cache import cache_root, locked
 logger = logging.getLogger("mxgemm")
 
 __all__ = [
-    "DEFAULT_MAX_M",
     "MAX_M",
     "accepts",
     "default_config",
@@ -37,8 +37,7 @@ __all__ = [
     "valid_config",
 ]
 
-MAX_M = 16  # the kernel's limit (two 8-token MMA tiles)
-DEFAULT_MAX_M = 8  # where it is the default path: measured faster than the Triton kernel up to M = 8 (one tile)
+MAX_M = 16  # the kernel's limit (two 8-token MMA tiles); measured faster than the Triton kernel up to it
 _SOURCE = Path(__file__).parent / "csrc" / "small_m.cu"
 _ROWS_PER_CTA_TILE = 16
 _K_PER_CTA = 512  # 4 warps x 128
@@ -86,8 +85,8 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL:
 @functools.cache
 def small_m_status(capability: tuple[int, int] | None) -> Availability:
     """Whether the kernel is built and loaded for this architecture (built here on first call); the reason if not."""
-    if capability is None or capability < (8, 0):
-        return Availability(False, "the small-M CUDA kernel needs a GPU of SM80+")
+    if capability is None or capability < (9, 0):
+        return Availability(False, "the small-M CUDA kernel needs a GPU of SM90+ (thread-block clusters)")
     try:
         library(capability)
     except (RuntimeError, OSError) as exc:
@@ -98,20 +97,22 @@ def small_m_status(capability: tuple[int, int] | None) -> Availability:
 
 
 def default_config(n_padded: int, k_padded: int) -> dict:
-    """One row tile per CTA and the fewest K splits that give about 1024 CTAs: the best config the library build
-    measured on the H200 for the o and down projections of llama3-8b (bench/NOTES.md); the tuner picks per shape."""
-    ctas = n_padded // _ROWS_PER_CTA_TILE
-    splits = 1
-    while ctas * splits < 1024 and k_padded % (_K_PER_CTA * splits * 2) == 0:
-        splits *= 2
-    return {"RT": 1, "SPLITS": splits}
+    """One row tile per CTA, a two-stage ring, and one K split unless the grid has fewer than 384 CTAs and each warp
+    more than 8 slices (then 2 splits in a cluster): the best configs measured on the H200 for most of the 8B, 70B
+    and 7168-hidden projections at M = 1-16 (bench/NOTES.md item 12); the tuner picks per shape."""
+    ctas, slices = n_padded // _ROWS_PER_CTA_TILE, k_padded // _K_PER_CTA
+    splits = 2 if ctas < 384 and slices > 8 and slices % 2 == 0 else 1
+    return {"RT": 1, "SPLITS": splits, "ST": 2}
 
 
 def valid_config(cfg: dict, n_padded: int, k_padded: int) -> bool:
-    rt, splits = cfg["RT"], cfg["SPLITS"]
+    """Whether a config tiles a ``[n_padded, k_padded]`` weight: ``RT`` row tiles per CTA (1, 2), ``SPLITS`` K splits
+    summed in one thread-block cluster (1-8), ``ST`` stages of the shared-memory ring (2, 3)."""
+    rt, splits, stages = cfg.get("RT"), cfg.get("SPLITS"), cfg.get("ST")
     return (
         rt in (1, 2)
-        and splits >= 1
+        and splits in range(1, 9)
+        and stages in (2, 3)
         and n_padded % (_ROWS_PER_CTA_TILE * rt) == 0
         and k_padded % (_K_PER_CTA * splits) == 0
     )
@@ -134,12 +135,10 @@ def small_m_linear(
         raise ValueError(f"config {cfg} does not tile a [{np_}, {kp}] weight")
     lib = library(torch.cuda.get_device_capability(x.device))
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    splits = cfg["SPLITS"]
-    ws = torch.empty((splits, m, np_) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
     p = ctypes.c_void_p
     err = lib.mxgemm_small_m(
         p(qdata.data_ptr()), p(block_scale.data_ptr()), block_scale.stride(0), p(x.data_ptr()), p(y.data_ptr()),
-        y.stride(0), p(ws.data_ptr()), m, k, n, np_, kp, cfg["RT"], splits,
+        y.stride(0), m, k, n, np_, kp, cfg["RT"], cfg["SPLITS"], cfg["ST"],
         p(torch.cuda.current_stream(x.device).cuda_stream),
     )  # fmt: skip
     if err:

@@ -3,18 +3,26 @@
 // Exact with respect to that weight: products in the tensor cores, fp32 accumulation, bf16 output.
 //
 // Swap-AB on mma.sync.m16n8k16 (bf16): weight rows are the MMA's M (16 per tile), tokens its N (8 per tile, NT
-// tiles). Per 64-wide K chunk each lane loads 16 contiguous weight bytes of row g and of row g + 8 (LDG.128) and
-// feeds them to four MMAs: the K order inside a dot product is free, so lane t's bytes take the MMA's logical K
+// tiles). Per 64-wide K chunk each lane takes 16 contiguous weight bytes of row g and of row g + 8 and feeds them
+// to four MMAs: the K order inside a dot product is free, so lane t's bytes take the MMA's logical K
 // slots {2t, 2t+1, 2t+8, 2t+9} of four consecutive steps, and the activations are loaded with the same assignment.
 //
 // Decode in registers: e4m3 bits moved into bf16 bits give w * 2^-120 exactly (subnormals included); activations
 // are scaled by 2^64 (exact for |x| < 2^64) and each 128-deep block's partial sum by scale * 2^56.
 //
+// Loads: each warp streams its weight bytes through a private ring of ST (2, 3) shared-memory stages filled by
+// cp.async, ST - 1 slices ahead; every lane copies and reads back only its own 16-byte chunks, so lanes never wait
+// on each other. Activations and scales of the next slice are loaded one iteration ahead into registers.
 // CTA: 4 warps, each a 128-deep K slice of the same RT row tiles, `kiters` times; the 4 partials are reduced in
-// shared memory in a fixed order. gridDim.y splits K further: fp32 partials in a workspace [splits, M, Np], summed
-// in order by a second kernel. Deterministic.
+// shared memory in a fixed order. gridDim.y (<= 8) splits K further: those CTAs form one thread-block cluster and
+// rank 0 adds the other ranks' partials from distributed shared memory in rank order. Deterministic; one launch.
+// Measured on the H200 (bench/NOTES.md item 12): the ring beats loads into registers, and the cluster sum beats an
+// fp32 workspace summed by a second kernel.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+
+namespace cg = cooperative_groups;
 
 namespace {
 
@@ -53,66 +61,145 @@ __device__ __forceinline__ void stage_x(uint4 v, uint32_t* out) {
 
 constexpr int KS = 128;  // K slice of one warp per iteration: one scale block
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+struct Args {
+  const uint8_t* W;
+  const float* S;
+  int s_stride;
+  const __nv_bfloat16* X;
+  int M, K, N, Np, Kp, kiters;
+  __nv_bfloat16* Y;
+  int ldy;
+};
+
+// this lane's 16 activations per 64-chunk of the warp's K slice at k0 (zeros past M or K)
+template <int NT>
+__device__ __forceinline__ void load_x(const Args& a, int k0, int g, int t, uint4 (&xr)[NT][2][2]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int m = 8 * n + g, k = k0 + 64 * c + 16 * t;
+      xr[n][c][0] = xr[n][c][1] = make_uint4(0, 0, 0, 0);
+      if (m < a.M && k < a.K) {
+        const uint4* p = reinterpret_cast<const uint4*>(a.X + (size_t)m * a.K + k);
+        xr[n][c][0] = __ldg(p);
+        xr[n][c][1] = __ldg(p + 1);
+      }
+    }
+}
+
+template <int RT>
+__device__ __forceinline__ void load_scales(const Args& a, int row0, int k0, float (&sc)[RT]) {
+#pragma unroll
+  for (int r = 0; r < RT; ++r) sc[r] = __ldg(a.S + (size_t)((row0 + 16 * r) / 128) * a.s_stride + k0 / KS);
+}
+
+// one 128-deep slice: RT row tiles x NT token tiles of MMAs, scaled into the accumulators
 template <int NT, int RT>
-__global__ void __launch_bounds__(128) small_m_kernel(const uint8_t* __restrict__ W, const float* __restrict__ S,
-                                                      int s_stride, const __nv_bfloat16* __restrict__ X, int M, int K,
-                                                      int N, int Kp, int kiters, __nv_bfloat16* __restrict__ Y,
-                                                      int ldy, float* __restrict__ WS, int Np) {
+__device__ __forceinline__ void slice_mma(const uint4 (&wv)[RT][2][2], const uint4 (&xr)[NT][2][2],
+                                          const float (&sc)[RT], float (&acc)[RT][NT][4]) {
+  uint32_t xb[NT][2][8];
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      stage_x(xr[n][c][0], &xb[n][c][0]);
+      stage_x(xr[n][c][1], &xb[n][c][4]);
+    }
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    float part[NT][4] = {};
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&wv[r][c][0]);
+      const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&wv[r][c][1]);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        uint32_t a0, a1, a2, a3;
+        decode(w0[s], a0, a2);
+        decode(w1[s], a1, a3);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) mma(part[n], a0, a1, a2, a3, xb[n][c][2 * s], xb[n][c][2 * s + 1]);
+      }
+    }
+    const float s56 = sc[r] * 72057594037927936.0f;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][n][i] = fmaf(s56, part[n][i], acc[r][n][i]);
+  }
+}
+
+template <int NT, int RT, int ST>
+__global__ void __launch_bounds__(128) small_m_kernel(const Args a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int row0 = blockIdx.x * (16 * RT);
+  auto k_of = [&](int it) { return ((blockIdx.y * a.kiters + it) * 4 + warp) * KS; };
   float acc[RT][NT][4] = {};
 
-  for (int it = 0; it < kiters; ++it) {
-    const int k0 = ((blockIdx.y * kiters + it) * 4 + warp) * KS;
-    uint4 wv[RT][2][2];  // row tile, 64-chunk, row g / g + 8
+  constexpr int CH = RT * 4;  // 16-byte chunks per lane per stage: row tile r, 64-chunk c, row g + 8h
+  extern __shared__ uint4 ring[];
+  uint4* mine = ring + (size_t)warp * ST * CH * 32 + lane;
+  auto issue = [&](int it) {
+    if (it < a.kiters) {
+      const int k0 = k_of(it);
+      uint4* slot = mine + (it % ST) * CH * 32;
+#pragma unroll
+      for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            cp_async16(slot + ((r * 2 + c) * 2 + h) * 32,
+                       a.W + (size_t)(row0 + 16 * r + g + 8 * h) * a.Kp + k0 + 64 * c + 16 * t);
+    }
+    cp_async_commit();  // an empty group past the end keeps the count uniform
+  };
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) issue(s);
+  uint4 xr[NT][2][2];
+  float sc[RT];
+  load_x<NT>(a, k_of(0), g, t, xr);
+  load_scales<RT>(a, row0, k_of(0), sc);
+  for (int it = 0; it < a.kiters; ++it) {
+    issue(it + ST - 1);  // into the slot read, and used by the MMAs, in the previous iteration
+    uint4 xn[NT][2][2];
+    float sn[RT];
+    const int kn = k_of(it + 1 < a.kiters ? it + 1 : it);
+    load_x<NT>(a, kn, g, t, xn);
+    load_scales<RT>(a, row0, kn, sn);
+    cp_async_wait<ST - 1>();  // this iteration's slice has landed
+    const uint4* slot = mine + (it % ST) * CH * 32;
+    uint4 wv[RT][2][2];
 #pragma unroll
     for (int r = 0; r < RT; ++r)
 #pragma unroll
       for (int c = 0; c < 2; ++c)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          wv[r][c][h] = __ldg(reinterpret_cast<const uint4*>(W + (size_t)(row0 + 16 * r + g + 8 * h) * Kp + k0 +
-                                                             64 * c + 16 * t));
-    uint32_t xb[NT][2][8];
+        for (int h = 0; h < 2; ++h) wv[r][c][h] = slot[((r * 2 + c) * 2 + h) * 32];
+    slice_mma<NT, RT>(wv, xr, sc, acc);
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int m = 8 * n + g, k = k0 + 64 * c + 16 * t;
-        uint4 v0 = make_uint4(0, 0, 0, 0), v1 = v0;
-        if (m < M && k < K) {
-          const uint4* p = reinterpret_cast<const uint4*>(X + (size_t)m * K + k);
-          v0 = __ldg(p);
-          v1 = __ldg(p + 1);
-        }
-        stage_x(v0, &xb[n][c][0]);
-        stage_x(v1, &xb[n][c][4]);
-      }
+      for (int c = 0; c < 2; ++c) xr[n][c][0] = xn[n][c][0], xr[n][c][1] = xn[n][c][1];
 #pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      float part[NT][4] = {};
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&wv[r][c][0]);
-        const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&wv[r][c][1]);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          uint32_t a0, a1, a2, a3;
-          decode(w0[s], a0, a2);
-          decode(w1[s], a1, a3);
-#pragma unroll
-          for (int n = 0; n < NT; ++n) mma(part[n], a0, a1, a2, a3, xb[n][c][2 * s], xb[n][c][2 * s + 1]);
-        }
-      }
-      const float sc = __ldg(S + (size_t)((row0 + 16 * r) / 128) * s_stride + k0 / KS) * 72057594037927936.0f;
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[r][n][i] = fmaf(sc, part[n][i], acc[r][n][i]);
-    }
+    for (int r = 0; r < RT; ++r) sc[r] = sn[r];
   }
 
-  __shared__ float red[4][RT * NT * 4][32];
+  // the 4 warps' partials, summed by warp 0 in a fixed order; then, across the cluster of gridDim.y CTAs that split
+  // K, rank 0 adds every other rank's partial from distributed shared memory in rank order
+  constexpr int J = RT * NT * 4;
+  __shared__ float red[4][J][32];
 #pragma unroll
   for (int r = 0; r < RT; ++r)
 #pragma unroll
@@ -120,6 +207,27 @@ __global__ void __launch_bounds__(128) small_m_kernel(const uint8_t* __restrict_
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][(r * NT + n) * 4 + i][lane] = acc[r][n][i];
   __syncthreads();
+  float v[J];
+  if (warp == 0) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      v[j] = ((red[0][j][lane] + red[1][j][lane]) + red[2][j][lane]) + red[3][j][lane];
+      red[0][j][lane] = v[j];  // each lane rewrites only what it read
+    }
+  }
+  if (gridDim.y > 1) {
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every rank's partial is in its shared memory
+    if (cluster.block_rank() == 0 && warp == 0) {
+      for (unsigned int rank = 1; rank < cluster.num_blocks(); ++rank) {
+        const float* other = cluster.map_shared_rank(&red[0][0][0], rank);
+#pragma unroll
+        for (int j = 0; j < J; ++j) v[j] += other[j * 32 + lane];
+      }
+    }
+    cluster.sync();  // no rank leaves while rank 0 may still read its shared memory
+    if (cluster.block_rank() != 0) return;
+  }
   if (warp != 0) return;
 #pragma unroll
   for (int r = 0; r < RT; ++r)
@@ -127,52 +235,54 @@ __global__ void __launch_bounds__(128) small_m_kernel(const uint8_t* __restrict_
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int j = (r * NT + n) * 4 + i;
-        const float v = ((red[0][j][lane] + red[1][j][lane]) + red[2][j][lane]) + red[3][j][lane];
         const int row = row0 + 16 * r + g + 8 * (i / 2), m = 8 * n + 2 * t + (i % 2);
-        if (m >= M) continue;
-        if (gridDim.y == 1) {
-          if (row < N) Y[(size_t)m * ldy + row] = __float2bfloat16_rn(v);
-        } else {
-          WS[((size_t)blockIdx.y * M + m) * Np + row] = v;
-        }
+        if (m < a.M && row < a.N) a.Y[(size_t)m * a.ldy + row] = __float2bfloat16_rn(v[(r * NT + n) * 4 + i]);
       }
 }
 
-__global__ void sum_splits(const float* __restrict__ WS, int splits, int M, int N, int Np,
-                           __nv_bfloat16* __restrict__ Y, int ldy) {
-  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= M * N) return;
-  const int m = idx / N, n = idx % N;
-  float v = 0.f;
-  for (int s = 0; s < splits; ++s) v += WS[((size_t)s * M + m) * Np + n];
-  Y[(size_t)m * ldy + n] = __float2bfloat16_rn(v);
+template <int NT, int RT, int ST>
+int launch(Args a, int splits, cudaStream_t st) {
+  a.kiters = a.Kp / (4 * KS) / splits;
+  if (a.kiters < 1 || a.kiters * 4 * KS * splits != a.Kp || a.Np % (16 * RT) != 0 || splits > 8)
+    return (int)cudaErrorInvalidValue;
+  const int smem = ST * RT * 4 * 32 * 16 * 4;  // the 4 warps' rings
+  auto kernel = small_m_kernel<NT, RT, ST>;
+  // ring + static shared memory may pass the default 48 KB; the attribute is per device, so set on every launch
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return (int)err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(a.Np / (16 * RT), splits);
+  config.blockDim = dim3(128);
+  config.dynamicSmemBytes = smem;
+  config.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = splits;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  err = cudaLaunchKernelEx(&config, kernel, a);
+  return (int)(err != cudaSuccess ? err : cudaGetLastError());
 }
 
 template <int NT, int RT>
-int launch(const void* W, const void* S, int s_stride, const void* X, void* Y, int ldy, void* WS, int M, int K,
-           int N, int Np, int Kp, int splits, cudaStream_t st) {
-  const int kiters = Kp / (4 * KS) / splits;
-  if (kiters < 1 || kiters * 4 * KS * splits != Kp || Np % (16 * RT) != 0) return (int)cudaErrorInvalidValue;
-  small_m_kernel<NT, RT><<<dim3(Np / (16 * RT), splits), 128, 0, st>>>(
-      (const uint8_t*)W, (const float*)S, s_stride, (const __nv_bfloat16*)X, M, K, N, Kp, kiters,
-      (__nv_bfloat16*)Y, ldy, (float*)WS, Np);
-  if (splits > 1)
-    sum_splits<<<(M * N + 255) / 256, 256, 0, st>>>((const float*)WS, splits, M, N, Np, (__nv_bfloat16*)Y, ldy);
-  return (int)cudaGetLastError();
+int launch_st(const Args& a, int splits, int stages, cudaStream_t st) {
+  if (stages == 2) return launch<NT, RT, 2>(a, splits, st);
+  if (stages == 3) return launch<NT, RT, 3>(a, splits, st);
+  return (int)cudaErrorInvalidValue;
 }
 
 }  // namespace
 
 // The entry point mxgemm calls through ctypes; returns the launch's cudaError_t (0: launched).
-extern "C" int mxgemm_small_m(const void* W, const void* S, int s_stride, const void* X, void* Y, int ldy, void* WS,
-                              int M, int K, int N, int Np, int Kp, int rt, int splits, void* stream) {
+// rt: row tiles per CTA (1, 2); splits: K splits, one cluster (1-8); stages: the ring's depth (2, 3).
+extern "C" int mxgemm_small_m(const void* W, const void* S, int s_stride, const void* X, void* Y, int ldy, int M,
+                              int K, int N, int Np, int Kp, int rt, int splits, int stages, void* stream) {
   cudaStream_t st = (cudaStream_t)stream;
-  if (M < 1 || M > 16) return (int)cudaErrorInvalidValue;
-  if (M <= 8) {
-    return rt == 2 ? launch<1, 2>(W, S, s_stride, X, Y, ldy, WS, M, K, N, Np, Kp, splits, st)
-                   : launch<1, 1>(W, S, s_stride, X, Y, ldy, WS, M, K, N, Np, Kp, splits, st);
-  }
-  return rt == 2 ? launch<2, 2>(W, S, s_stride, X, Y, ldy, WS, M, K, N, Np, Kp, splits, st)
-                 : launch<2, 1>(W, S, s_stride, X, Y, ldy, WS, M, K, N, Np, Kp, splits, st);
+  if (M < 1 || M > 16 || (rt != 1 && rt != 2)) return (int)cudaErrorInvalidValue;
+  const Args a{(const uint8_t*)W, (const float*)S, s_stride, (const __nv_bfloat16*)X, M, K, N, Np, Kp, 0,
+               (__nv_bfloat16*)Y, ldy};
+  if (M <= 8) return rt == 2 ? launch_st<1, 2>(a, splits, stages, st) : launch_st<1, 1>(a, splits, stages, st);
+  return rt == 2 ? launch_st<2, 2>(a, splits, stages, st) : launch_st<2, 1>(a, splits, stages, st);
 }
