@@ -6,17 +6,18 @@
 #   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
 #   e2e     8B-dimension Llama prefill/decode, bf16 vs mxgemm, compiled + CUDA graphs
-#   bench-8b / bench-more  benchmark sets (llama3-8b / llama3-70b and hidden-7168) with an empty user cache: only
-#           the tuning file shipped in the package applies
+#   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
+#           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
 out="${OUT:-$PWD/out}"
 mkdir -p "$out"
-bench() {
-  ( cd "$out" && MXGEMM_CACHE_DIR="$out/empty-cache" timeout "$2" python3 -m mxgemm bench --model "$1" \
-      --json "h200-$1.json" --markdown "h200-$1.md" --plot "h200-$1.png" > "/tmp/bench-$1.log" 2>&1
-    tail -3 "/tmp/bench-$1.log" )
+bench() {  # bench NAME TIMEOUT SET [SET ...]: NAME.{json,md,png} under $out
+  local name="$1" limit="$2"; shift 2
+  ( cd "$out" && MXGEMM_CACHE_DIR="$out/empty-cache" timeout "$limit" python3 -m mxgemm bench --model "$@" \
+      --json "$name.json" --markdown "$name.md" --plot "$name.png" > "/tmp/bench-$name.log" 2>&1
+    tail -3 "/tmp/bench-$name.log" )
 }
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -41,9 +42,10 @@ for stage in "$@"; do
     e2e)
       ( cd "$out" && timeout 300 python3 "$OLDPWD/bench/model_e2e.py" --layers 4 --json e2e-llama8b-dims.json \
           --markdown e2e-llama8b-dims.md ) > /tmp/e2e.log 2>&1; tail -8 /tmp/e2e.log ;;
-    bench-8b) bench llama3-8b 300 ;;
-    bench-more) bench llama3-70b 280; bench hidden-7168 280 ;;
-    *) echo "usage: $0 gate|tune|tests|ship|e2e|bench-8b|bench-more ..." >&2; exit 2 ;;
+    bench-8b) bench h200-llama3-8b 300 llama3-8b ;;
+    bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
+    bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
+    *) echo "usage: $0 gate|tune|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
   esac
 done
 # at most 8 files come back: the tuning file moves up, the cache folders (lock files) go

@@ -128,3 +128,53 @@ def test_preparation_picks_fast_paths_only_when_safe():
         y = mxgemm.linear(x, mxgemm.prepare_weight(qq, ss, backend="triton"))
         assert sqnr_db(y, _twin(x, qq, ss, None)) > MIN_SQNR
     assert kernel_scales(q3, s3)[2, 0].item() == 0
+
+
+@pytest.mark.parametrize("elem", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_dequantize_kernel_gives_the_exact_values_in_bf16(elem):
+    """Every MX value times its scale is a bf16: the kernel's output equals the fp32 dequantization bit for bit,
+    NaN blocks and 2^-127 scales included."""
+    from mxgemm.backends.triton_w8a16 import kernel_scales
+    from mxgemm.kernels.dequant import dequantize_bf16
+
+    q, s = random_mx_weight(70, 160, elem_dtype=elem)
+    q, s = q.clone(), s.clone()
+    s[0, 0], s[1, 1], s[2, 2], s[4, 0] = 1, 200, 255, 0  # 2^-126, 2^73, NaN, 2^-127
+    q[3, :4] = torch.tensor([2.0**-9, -(2.0**-9), 0.0, -0.0]).to(elem)
+    ks = kernel_scales(q, s)
+    got = dequantize_bf16(q.view(torch.uint8), ks, e5m2=elem == torch.float8_e5m2)
+    want = mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.float32)
+    assert got.dtype == torch.bfloat16 and torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got.float().nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_dequant_path_in_chunks_matches_the_twin(with_bias):
+    from mxgemm.kernels.dequant import dequant_linear
+
+    q, s = random_mx_weight(300, 160, seed=3)
+    x = random_act(9, 160)
+    bias = torch.randn(300, dtype=torch.bfloat16) if with_bias else None
+    w = mxgemm.prepare_weight(q, s, backend="triton")
+    args = (x, q.view(torch.uint8), w.tensors["scale"], bias)
+    chunked = dequant_linear(*args, plain_scales=True, max_chunk_bytes=1)  # 128-row chunks: 128, 128, 44
+    assert sqnr_db(chunked, _twin(x, q, s, bias)) > MIN_SQNR
+    assert torch.equal(chunked, dequant_linear(*args, plain_scales=True))  # one chunk: the same bits
+    with pytest.raises(TypeError, match="bf16 activations"):
+        dequant_linear(x.half(), *args[1:])
+
+
+def test_triton_backend_dequantizes_from_m256_and_offers_it_from_m64():
+    from mxgemm.backends.triton_w8a16 import DEQUANT_MIN_M
+
+    b = mxgemm.backends.get_backend("triton")
+    q, s = random_mx_weight(64, 128)
+    w = mxgemm.prepare_weight(q, s, backend="triton")
+    assert DEQUANT_MIN_M == 256 and b.tactics(256, w)[0] == {"path": "dequant"}
+    assert b.tactics(64, w)[-1] == {"path": "dequant"} and {"path": "dequant"} not in b.tactics(63, w)
+    x = random_act(DEQUANT_MIN_M, 128)
+    y = b.run(x, w, None)
+    assert torch.equal(y, b.run(x, w, None, tactic={"path": "dequant"}))
+    assert sqnr_db(y, _twin(x, q, s, None)) > MIN_SQNR
+    y16 = b.run(x.half(), w, None, tactic={"path": "dequant"})  # fp16: the kernel, exact for fp16 activations
+    assert y16.dtype == torch.float16 and sqnr_db(y16, _twin(x.half(), q, s, None)) > MIN_SQNR

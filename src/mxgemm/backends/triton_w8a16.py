@@ -1,4 +1,6 @@
-"""``triton``: exact ``w8a16`` Triton kernel reading MX weights (fp8 bytes + E8M0 scales) directly."""
+"""``triton``: exact ``w8a16`` Triton kernel reading MX weights (fp8 bytes + E8M0 scales) directly; at large M (bf16
+activations) the weight is dequantized chunk by chunk into a transient bf16 buffer for cuBLAS instead (same numerics:
+``kernels/dequant.py``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,10 @@ from .base import Availability, Backend, PreparedWeight
 __all__ = ["TritonBackend", "kernel_scales"]
 
 _MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor-core dots
+# From this M (bf16 activations) the default is dequantize + cuBLAS: at M=256 on the llama3-8b projections one
+# dequantizing pass plus the bf16 GEMM costs ~0.6x the kernel's time (bench/NOTES.md item 13); a tactic from M=64.
+DEQUANT_MIN_M = 256
+_DEQUANT_TACTIC_MIN_M = 64
 
 
 def kernel_scales(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -32,7 +38,10 @@ class TritonBackend(Backend):
     name = "triton"
     recipes = ("w8a16",)
     tunable = True
-    summary = "exact w8a16 Triton kernel reading MX weights directly; any CUDA GPU of SM80+"
+    summary = (
+        "exact w8a16: a Triton kernel reading MX weights directly; from M = 256 the weight dequantized in chunks for "
+        "cuBLAS bf16; any CUDA GPU of SM80+"
+    )
 
     def check_device(self, device: DeviceInfo) -> Availability:
         if importlib.util.find_spec("triton") is None:
@@ -56,7 +65,8 @@ class TritonBackend(Backend):
         return PreparedWeight(self.name, recipe, n, k, {"qdata": qdata.contiguous(), "scale": s}, info)
 
     def tactics(self, m: int, weight: PreparedWeight) -> list[dict]:
-        """Kernel configs around the measured default: tile N, tile K, split-K, pipeline depth, decoder."""
+        """Kernel configs around the measured default (tile N, tile K, split-K, pipeline depth, decoder) and, from
+        M = 64, dequantize + cuBLAS (``{"path": "dequant"}``, first from ``DEQUANT_MIN_M``). Same numerics."""
         from ..kernels.w8a16 import default_config
 
         n, k = weight.out_features, weight.in_features
@@ -70,13 +80,23 @@ class TritonBackend(Backend):
             cfg = {**base, **v}
             if cfg not in out and k >= cfg["SPLIT_K"] * cfg["BK"]:
                 out.append(cfg)
-        return out
+        if m >= DEQUANT_MIN_M:
+            return [{"path": "dequant"}, *out]
+        return [*out, {"path": "dequant"}] if m >= _DEQUANT_TACTIC_MIN_M else out
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         from ..kernels.w8a16 import default_config, w8a16_linear
 
         q = weight.tensors["qdata"]
         m, (n, k) = x.shape[0], q.shape
+        dequant = tactic.get("path") == "dequant" if tactic else m >= DEQUANT_MIN_M
+        if dequant and x.dtype == torch.bfloat16:
+            from ..kernels.dequant import dequant_linear
+
+            e5m2, plain = q.dtype == torch.float8_e5m2, weight.info["plain_scales"]
+            return dequant_linear(x, q.view(torch.uint8), weight.tensors["scale"], bias, e5m2=e5m2, plain_scales=plain)
+        if tactic and "path" in tactic:
+            tactic = None  # fp16 activations: the kernel's default config (exact for them; same recipe)
         return w8a16_linear(
             x,
             q.view(torch.uint8),
