@@ -2,9 +2,9 @@
 
 It runs the ``hybrid_sm90`` weight (FP8 E4M3 ``[Np, Kp]`` with fp32 128x128 block scales) against bf16 activations
 for M <= 16 on ``mma.sync`` tensor cores, streaming the weight through shared memory with ``cp.async`` and decoding
-it in registers; exact with respect to that weight for
-``|x| < 2^64``. The library is compiled once per source, nvcc version and GPU architecture into
-``$MXGEMM_CACHE_DIR/kernels`` (a few seconds) under a file lock; nothing is built or loaded at import time.
+it in registers; exact with respect to that weight for ``|x| < 2^64``. It needs SM90 (thread-block clusters sum the
+K splits). The library is compiled once per source, nvcc version and GPU architecture into
+``$MXGEMM_CACHE_DIR/kernels`` (about 10 s) under a file lock; nothing is built or loaded at import time.
 """
 
 from __future__ import annotations
