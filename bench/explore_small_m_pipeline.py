@@ -11,7 +11,6 @@ Run on the device: PYTHONPATH=src python3 bench/explore_small_m_pipeline.py --js
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
 from functools import partial
@@ -25,13 +24,9 @@ from mxgemm.kernels import small_m
 from mxgemm.timing import copies_for_cold_l2, time_cuda
 
 
-def configs(np_: int, kp: int, m: int) -> list[dict]:
-    out = []
-    for rt, splits, st in itertools.product((1, 2), (1, 2, 4, 8), (2, 3)):
-        cfg = {"RT": rt, "SPLITS": splits, "ST": st}
-        if small_m.valid_config(cfg, np_, kp):
-            out.append(cfg)
-    return out
+def configs(w, m: int) -> list[dict]:
+    """The kernel configs `hybrid_sm90` offers the tuner for this weight and M (its default first)."""
+    return [t["config"] for t in mxgemm.backends.get_backend("hybrid_sm90").tactics(m, w) if t["path"] == "cuda"]
 
 
 def key(cfg: dict) -> str:
@@ -54,15 +49,16 @@ def run(x, w, cfg):
     return small_m.small_m_linear(x, w.tensors["qdata"], w.tensors["block_scale"], w.out_features, cfg)
 
 
-def check(args) -> dict:
-    n, k = 4160, 8000  # padded to 8192: up to 16 splits; 130 tiles of 32 rows
-    w = hybrid(*random_mx(n, k, 0))
-    wf = mxgemm.dequantize(mxgemm.MXTensor(*random_mx(n, k, 0)), torch.float32).double()
+def check() -> dict:
+    n, k = 4160, 8000  # padded to 8192: up to 8 splits; 130 tiles of 32 rows
+    q, s = random_mx(n, k, 0)
+    w = hybrid(q, s)
+    wf = mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.float32).double()
     errs = {}
     for m in (1, 5, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ wf.T
-        for cfg in configs(*w.tensors["qdata"].shape, m):
+        for cfg in configs(w, m):
             y = run(x, w, cfg)
             errs[f"m{m}-{key(cfg)}"] = ((y.double() - ref).norm() / ref.norm()).item()
     bad = {k_: e for k_, e in errs.items() if not e < 4e-3}
@@ -80,7 +76,7 @@ def main() -> None:
     small_m.library(torch.cuda.get_device_capability())
     print(f"kernel built/loaded in {time.time() - t0:.1f} s", flush=True)
     dev = mxgemm.describe_device()
-    errs = check(args)
+    errs = check()
     rows = []
     for model in args.models:
         for n, k, name in MODELS[model]:
@@ -96,10 +92,9 @@ def main() -> None:
                        "floor_us": floor_us(Problem(m, n, k), dev),
                        "bf16": time_cuda([partial(F.linear, x, b) for b in bf16]),
                        "auto": time_cuda([partial(mxgemm.linear, x, w) for w in ws]), "us": {}}  # fmt: skip
-                default = small_m.default_config(np_, kp)
-                row["default"] = time_cuda([partial(run, x, w, default) for w in ws])
-                for cfg in configs(np_, kp, m):
+                for cfg in configs(ws[0], m):  # the default config first
                     row["us"][key(cfg)] = time_cuda([partial(run, x, w, cfg) for w in ws])
+                row["default"] = row["us"][key(small_m.default_config(np_, kp))]
                 fam = {}
                 for kk, us in row["us"].items():
                     f = kk.split("-")[-1]  # ring depth
