@@ -102,6 +102,18 @@ def finish_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n
     return y.to(x.dtype).contiguous()
 
 
+def probe_operands(index: int, n: int, k: int, m: int):
+    """A probe's operands on CUDA device ``index``, the same on every call: an MX-quantized random weight [n, k]
+    (an ``MXTensor``) and bf16 activations [m, k]."""
+    from .. import format as mxformat
+
+    dev = torch.device("cuda", index)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(dev)
+    x = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
+    return mxformat.quantize(w), x
+
+
 def probe_against_twin(what: str, run: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Availability:
     """Availability of a library GEMM that has no capability query: ``run`` computes (output, emulated twin) on a
     small problem; an exception's text or a wrong result is the reason."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..block128 import CUBLASLT_K_ALIGN, reencode_block128
 from ..device import DeviceInfo
 from ..layouts import round_up
-from .base import Availability, Backend, PreparedWeight, finish_output, probe_against_twin
+from .base import Availability, Backend, PreparedWeight, finish_output, probe_against_twin, probe_operands
 
 __all__ = ["CublasBlockBackend", "cublas_block_linear", "prepare_block128", "probe_cublas_blockwise"]
 
@@ -52,14 +52,9 @@ def probe_cublas_blockwise(index: int) -> Availability:
     """Run one small blockwise GEMM on CUDA device ``index`` and compare it with its emulated twin (cached)."""
 
     def run():
-        from .. import format as mxformat
         from ..block128 import dequantize_1x128, quantize_1x128
 
-        dev = torch.device("cuda", index)
-        g = torch.Generator(device="cpu").manual_seed(0)
-        w = (torch.randn(256, 512, generator=g) * 0.02).to(dev)
-        x = torch.randn(4, 512, generator=g).to(dev, torch.bfloat16)
-        t = mxformat.quantize(w)
+        t, x = probe_operands(index, 256, 512, 4)
         tensors, info = prepare_block128(t.qdata, t.scale)
         pw = PreparedWeight("cublas_block", "w8a8-block", 256, 512, tensors, info)
         ref = dequantize_1x128(*quantize_1x128(x)) @ reencode_block128(t.qdata, t.scale).dequantize().T

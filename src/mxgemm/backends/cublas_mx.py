@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..device import DeviceInfo
 from ..layouts import round_up, to_128x4
-from .base import Availability, Backend, PreparedWeight, finish_output, probe_against_twin
+from .base import Availability, Backend, PreparedWeight, finish_output, probe_against_twin, probe_operands
 
 __all__ = ["CublasMXBackend", "probe_cublas_mx"]
 
@@ -40,11 +40,7 @@ def probe_cublas_mx(index: int) -> Availability:
     def run():
         from .. import format as mxformat
 
-        dev = torch.device("cuda", index)
-        g = torch.Generator(device="cpu").manual_seed(0)
-        w = (torch.randn(128, 256, generator=g) * 0.02).to(dev)
-        x = torch.randn(32, 256, generator=g).to(dev, torch.bfloat16)
-        t = mxformat.quantize(w)
+        t, x = probe_operands(index, 128, 256, 32)
         pw = CublasMXBackend().prepare(t.qdata, t.scale, "w8a8-mx")
         ref = mxformat.dequantize(mxformat.quantize(x)) @ mxformat.dequantize(t).T
         return cublas_mx_linear(x, pw, None), ref

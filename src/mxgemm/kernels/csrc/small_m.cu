@@ -240,30 +240,44 @@ __global__ void __launch_bounds__(128) small_m_kernel(const Args a) {
       }
 }
 
-template <int NT, int RT, int ST>
-int launch(Args a, int splits, cudaStream_t st) {
-  a.kiters = a.Kp / (4 * KS) / splits;
-  if (a.kiters < 1 || a.kiters * 4 * KS * splits != a.Kp || a.Np % (16 * RT) != 0 || splits > 8)
-    return (int)cudaErrorInvalidValue;
-  const int smem = ST * RT * 4 * 32 * 16 * 4;  // the 4 warps' rings
-  auto kernel = small_m_kernel<NT, RT, ST>;
-  // ring + static shared memory may pass the default 48 KB; the attribute is per device, so set on every launch
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+// one launch of `Kernel` on a grid whose gridDim.y K splits form one thread-block cluster
+template <auto Kernel>
+int launch_clustered(const Args& a, dim3 grid, int threads, int smem, cudaStream_t st) {
+  // ring + static shared memory may pass the default 48 KB: the kernel's limit is raised once per device (a repeated
+  // call in a race is harmless)
+  constexpr int kMaxDevices = 64;
+  static bool raised[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return (int)err;
+  if (device >= kMaxDevices || !raised[device]) {
+    err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return (int)err;
+    if (device < kMaxDevices) raised[device] = true;
+  }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(a.Np / (16 * RT), splits);
-  config.blockDim = dim3(128);
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = st;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = splits;
+  attr[0].val.clusterDim.y = grid.y;
   attr[0].val.clusterDim.z = 1;
   config.attrs = attr;
   config.numAttrs = 1;
-  err = cudaLaunchKernelEx(&config, kernel, a);
+  err = cudaLaunchKernelEx(&config, Kernel, a);
   return (int)(err != cudaSuccess ? err : cudaGetLastError());
+}
+
+template <int NT, int RT, int ST>
+int launch(Args a, int splits, cudaStream_t st) {
+  a.kiters = a.Kp / (4 * KS) / splits;
+  if (a.kiters < 1 || a.kiters * 4 * KS * splits != a.Kp || a.Np % (16 * RT) != 0 || splits > 8)
+    return (int)cudaErrorInvalidValue;
+  const int smem = ST * RT * 4 * 32 * 16 * 4;  // the 4 warps' rings (one size per instantiation)
+  return launch_clustered<small_m_kernel<NT, RT, ST>>(a, dim3(a.Np / (16 * RT), splits), 128, smem, st);
 }
 
 template <int NT, int RT>
