@@ -6,7 +6,7 @@ import torch
 
 import mxgemm
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
-from mxgemm.kernels import small_m
+from mxgemm.kernels import nvcc, small_m
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_invalid_configs_are_refused():
 
 def test_no_nvcc_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(small_m, "find_nvcc", lambda: None)
+    monkeypatch.setattr(nvcc, "find_nvcc", lambda: None)
     small_m.library.cache_clear()
     small_m.small_m_status.cache_clear()
     try:
@@ -51,7 +51,7 @@ def test_no_nvcc_is_a_reason_not_a_crash(monkeypatch, tmp_path):
         small_m.small_m_status.cache_clear()
 
 
-@pytest.mark.skipif(small_m.find_nvcc() is None, reason="no nvcc on this machine")
+@pytest.mark.skipif(nvcc.find_nvcc() is None, reason="no nvcc on this machine")
 def test_kernel_builds_once_and_is_cached_on_disk(monkeypatch, tmp_path):
     """Where nvcc exists (the H200 machine; often CI too) the kernel compiles for SM90 and loads; a second process
     would find it in the cache folder."""

@@ -4,25 +4,20 @@ It runs the ``hybrid_sm90`` weight (FP8 E4M3 ``[Np, Kp]`` with fp32 128x128 bloc
 for M <= 16 on ``mma.sync`` tensor cores, streaming the weight through shared memory with ``cp.async`` and decoding
 it in registers; exact with respect to that weight for ``|x| < 2^64``. It needs SM90 (thread-block clusters sum the
 K splits). The library is compiled once per source, nvcc version and GPU architecture into
-``$MXGEMM_CACHE_DIR/kernels`` (about 10 s) under a file lock; nothing is built or loaded at import time.
+``$MXGEMM_CACHE_DIR/kernels`` (about 10 s, ``kernels/nvcc.py``); nothing is built or loaded at import time.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..backends.base import Availability
-from ..cache import cache_root, locked
+from . import nvcc
 
 logger = logging.getLogger("mxgemm")
 
@@ -30,7 +25,6 @@ __all__ = [
     "MAX_M",
     "accepts",
     "default_config",
-    "find_nvcc",
     "library",
     "small_m_linear",
     "small_m_status",
@@ -43,41 +37,11 @@ _ROWS_PER_CTA_TILE = 16
 _K_PER_CTA = 512  # 4 warps x 128
 
 
-def find_nvcc() -> str | None:
-    """nvcc from ``$CUDA_HOME``/``$CUDA_PATH``, ``PATH``, or ``/usr/local/cuda``; None if there is none."""
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
-        if root and (Path(root) / "bin" / "nvcc").exists():
-            return str(Path(root) / "bin" / "nvcc")
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    default = Path("/usr/local/cuda/bin/nvcc")
-    return str(default) if default.exists() else None
-
-
 @functools.cache
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel library for a GPU architecture. Raises RuntimeError with
     nvcc's message when it cannot be built."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise RuntimeError("nvcc was not found (set CUDA_HOME or put the CUDA toolkit's bin folder on PATH)")
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    arch = f"{capability[0]}{capability[1]}"
-    digest = hashlib.sha256(_SOURCE.read_bytes() + version.encode() + arch.encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"small_m-sm{arch}-{digest}.so"
-    with locked(target):
-        if not target.exists():
-            logger.info("mxgemm: building the small-M CUDA kernel for sm_%s into %s (once)", arch, target.parent)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                out = Path(tmp) / target.name
-                cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-                       "-o", str(out), str(_SOURCE)]  # fmt: skip
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise RuntimeError(f"nvcc failed to build {_SOURCE.name}: {done.stderr.strip()[-500:]}")
-                os.replace(out, target)
-    lib = ctypes.CDLL(str(target))
+    lib = nvcc.build(_SOURCE, capability)
     lib.mxgemm_small_m.restype = ctypes.c_int
     return lib
 
