@@ -8,11 +8,14 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..device import DeviceInfo
+
+if TYPE_CHECKING:
+    from ..format import MXTensor
 
 __all__ = ["RECIPES", "Availability", "Backend", "PreparedWeight", "UnsupportedWeightError"]
 
@@ -102,7 +105,7 @@ def finish_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n
     return y.to(x.dtype).contiguous()
 
 
-def probe_operands(index: int, n: int, k: int, m: int):
+def probe_operands(index: int, n: int, k: int, m: int) -> tuple[MXTensor, torch.Tensor]:
     """A probe's operands on CUDA device ``index``, the same on every call: an MX-quantized random weight [n, k]
     (an ``MXTensor``) and bf16 activations [m, k]."""
     from .. import format as mxformat
