@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -115,6 +116,16 @@ def probe_operands(index: int, n: int, k: int, m: int) -> tuple[MXTensor, torch.
     w = (torch.randn(n, k, generator=g) * 0.02).to(dev)
     x = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
     return mxformat.quantize(w), x
+
+
+def probe_preconditions(device: DeviceInfo, library: str) -> Availability | None:
+    """What a cuBLAS probe behind our activation quantizer needs before it can run: Triton and a visible CUDA device.
+    The reason when one is missing, else None."""
+    if importlib.util.find_spec("triton") is None:
+        return Availability(False, "the activation quantizer needs 'triton' (pip install 'mxgemm[triton]')")
+    if device.index is None or not torch.cuda.is_available():
+        return Availability(False, f"cannot probe {library}: no CUDA device is visible to this process")
+    return None
 
 
 def probe_against_twin(what: str, run: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Availability:

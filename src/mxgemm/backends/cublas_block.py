@@ -9,7 +9,6 @@ refusing a valid input: M to a multiple of 4, N to a multiple of 16, K to a mult
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,15 @@ import torch.nn.functional as F
 from ..block128 import CUBLASLT_K_ALIGN, reencode_block128
 from ..device import DeviceInfo
 from ..layouts import round_up
-from .base import Availability, Backend, PreparedWeight, finish_output, probe_against_twin, probe_operands
+from .base import (
+    Availability,
+    Backend,
+    PreparedWeight,
+    finish_output,
+    probe_against_twin,
+    probe_operands,
+    probe_preconditions,
+)
 
 __all__ = ["CublasBlockBackend", "cublas_block_linear", "prepare_block128", "probe_cublas_blockwise"]
 
@@ -72,11 +79,8 @@ def blockwise_device_check(device: DeviceInfo) -> Availability:
     cuda = torch.version.cuda
     if cuda is None or tuple(int(p) for p in cuda.split(".")[:2]) < (12, 9):
         return Availability(False, f"needs a torch built with CUDA >= 12.9 for blockwise scaling, this one has {cuda}")
-    if importlib.util.find_spec("triton") is None:
-        return Availability(False, "the activation quantizer needs 'triton' (pip install 'mxgemm[triton]')")
-    if device.index is None or not torch.cuda.is_available():
-        return Availability(False, "cannot probe cuBLASLt: no CUDA device is visible to this process")
-    return probe_cublas_blockwise(device.index)
+    missing = probe_preconditions(device, "cuBLASLt")
+    return missing if missing is not None else probe_cublas_blockwise(device.index)
 
 
 class CublasBlockBackend(Backend):

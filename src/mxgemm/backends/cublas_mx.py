@@ -8,14 +8,21 @@ CUBLAS_STATUS_NOT_SUPPORTED). Not run on Blackwell by this project yet.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
 
 from ..device import DeviceInfo
 from ..layouts import round_up, to_128x4
-from .base import Availability, Backend, PreparedWeight, finish_output, probe_against_twin, probe_operands
+from .base import (
+    Availability,
+    Backend,
+    PreparedWeight,
+    finish_output,
+    probe_against_twin,
+    probe_operands,
+    probe_preconditions,
+)
 
 __all__ = ["CublasMXBackend", "probe_cublas_mx"]
 
@@ -58,11 +65,8 @@ class CublasMXBackend(Backend):
             return Availability(False, f"needs a CUDA GPU; this device is {device.type}")
         if not hasattr(torch, "float8_e8m0fnu"):
             return Availability(False, f"torch {torch.__version__} has no float8_e8m0fnu dtype")
-        if importlib.util.find_spec("triton") is None:
-            return Availability(False, "the activation quantizer needs 'triton' (pip install 'mxgemm[triton]')")
-        if device.index is None or not torch.cuda.is_available():
-            return Availability(False, "cannot probe cuBLAS: no CUDA device is visible to this process")
-        return probe_cublas_mx(device.index)
+        missing = probe_preconditions(device, "cuBLAS")
+        return missing if missing is not None else probe_cublas_mx(device.index)
 
     def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
         if qdata.dtype != torch.float8_e4m3fn:
