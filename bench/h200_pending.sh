@@ -5,6 +5,7 @@
 #   gate    the GPU tests of the small-M kernel, hybrid, graphs, autotuning; stops the run when one fails
 #   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
 #   pipeline  the small-M kernel's GPU tests, then bench/explore_small_m_pipeline.py at M = 1 and 16
+#   fp8     the FP8 TMA/wgmma kernel's GPU tests, then bench/explore_fp8_gemm.py (branch wip/fp8-tma)
 #   waves   bench/explore_waves.py: the small-M kernel's % of floor at M = 1 over N (wave tails or not)
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
 #   e2e     8B-dimension Llama prefill/decode, bf16 vs mxgemm, compiled + CUDA graphs
@@ -49,13 +50,18 @@ for stage in "$@"; do
       ( timeout 400 python3 bench/explore_small_m_pipeline.py --m 1 16 \
           --json "$out/explore-small-m-pipeline-h200.json" ) > "$out/pipeline.log" 2>&1
       tail -28 "$out/pipeline.log" ;;
+    fp8)  # the FP8 TMA/wgmma kernel (branch wip/fp8-tma): its GPU tests, then its exploration
+      timeout 200 python3 -m pytest tests/test_gpu_fp8_gemm.py -q -p no:warnings --tb=short -x 2>&1 | tail -6
+      ( cd bench && timeout 330 python3 explore_fp8_gemm.py --json "$out/explore-fp8-tma-h200.json" ) \
+        > "$out/fp8.log" 2>&1
+      tail -45 "$out/fp8.log" ;;
     waves)
       ( cd bench && timeout 240 python3 explore_waves.py --json "$out/explore-waves-h200.json" ) > "$out/waves.log" 2>&1
       tail -52 "$out/waves.log" ;;
     bench-8b) bench h200-llama3-8b 300 llama3-8b ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
-    *) echo "usage: $0 gate|tune|pipeline|waves|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
+    *) echo "usage: $0 gate|tune|pipeline|fp8|waves|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
   esac
 done
 # at most 8 files come back: the tuning file moves up, the cache folders (lock files) go

@@ -34,14 +34,14 @@ def find_nvcc() -> str | None:
     return str(default) if default.exists() else None
 
 
-def build(source: Path, capability: tuple[int, int]) -> ctypes.CDLL:
-    """Build (once, cached on disk) and load ``source`` for a GPU architecture. Raises RuntimeError with nvcc's
-    message when it cannot be built."""
+def build(source: Path, capability: tuple[int, int], suffix: str = "") -> ctypes.CDLL:
+    """Build (once, cached on disk) and load ``source`` for a GPU architecture; ``suffix`` "a" targets the
+    architecture-specific features (sm_90a: wgmma). Raises RuntimeError with nvcc's message when it cannot be built."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc was not found (set CUDA_HOME or put the CUDA toolkit's bin folder on PATH)")
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    arch = f"{capability[0]}{capability[1]}"
+    arch = f"{capability[0]}{capability[1]}{suffix}"
     digest = hashlib.sha256(source.read_bytes() + version.encode() + arch.encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source.stem}-sm{arch}-{digest}.so"
     with locked(target):

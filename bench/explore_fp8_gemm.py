@@ -1,0 +1,123 @@
+"""Exploration: the FP8 TMA/wgmma kernel (`kernels/csrc/fp8_gemm.cu`) against bf16 cuBLAS, `auto` and cuBLASLt's
+blockwise path (the same numerics: activations quantized per 1x128) at M = 64 and 256 (default) on the 8B / 70B /
+7168-hidden projections.
+
+Every config is first checked against the emulated twin (the quantized operands multiplied in fp64) on odd shapes,
+then timed as the benchmark times (graph replay, weights rotated beyond 3x L2, median; the activation quantizer
+inside the timed call). Prints a table last.
+
+Run on the device: cd bench && PYTHONPATH=../src python3 explore_fp8_gemm.py --json explore-fp8-gemm-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from explore_small_m_pipeline import hybrid, random_mx
+
+import mxgemm
+from mxgemm.backends.cublas_block import cublas_block_linear
+from mxgemm.bench import MODELS, Problem, floor_us
+from mxgemm.block128 import dequantize_block128
+from mxgemm.kernels import fp8_gemm
+from mxgemm.kernels.act_quant import quantize_1x128_padded
+from mxgemm.timing import copies_for_cold_l2, time_cuda
+
+
+def configs(m: int, kp: int) -> list[dict]:
+    out = []
+    for tn, rw, splits, st in itertools.product(fp8_gemm.TOKEN_TILES, (1, 2), (1, 2, 4, 8), (2, 4)):
+        cfg = {"TN": tn, "RW": rw, "SPLITS": splits, "ST": st}
+        if fp8_gemm.valid_config(cfg, kp) and (tn == 32 or tn < 2 * m):
+            out.append(cfg)
+    return out
+
+
+def key(cfg: dict) -> str:
+    return f"tn{cfg['TN']}-rw{cfg['RW']}-s{cfg['SPLITS']}-st{cfg['ST']}"
+
+
+def run(x, w, cfg):
+    xq, xs = quantize_1x128_padded(x)
+    t = w.tensors
+    return fp8_gemm.fp8_gemm(xq, xs, x.shape[0], t["qdata"], t["block_scale"], w.out_features, cfg)
+
+
+def twin(x, w) -> torch.Tensor:
+    xq, xs = quantize_1x128_padded(x)
+    xf = xq.double() * xs.double().repeat_interleave(128, dim=1)
+    t = w.tensors
+    wf = dequantize_block128(t["qdata"], t["block_scale"]).double()
+    return (xf @ wf.T)[: x.shape[0], : w.out_features]
+
+
+def check() -> dict:
+    errs = {}
+    for n, k in ((4160, 8000), (130, 96), (4096, 4096)):
+        w = hybrid(*random_mx(n, k, 0))
+        kp = w.tensors["qdata"].shape[1]
+        for m in (1, 17, 64, 100, 256):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = twin(x, w)
+            for cfg in configs(m, kp):
+                y = run(x, w, cfg)
+                errs[f"{n}x{k}-m{m}-{key(cfg)}"] = ((y.double() - ref).norm() / ref.norm()).item()
+    bad = {k_: e for k_, e in errs.items() if not e < 4e-3}
+    print(f"correctness: {len(errs)} runs, worst rel err {max(errs.values()):.2e}, {len(bad)} bad: "
+          f"{dict(list(bad.items())[:6])}", flush=True)  # fmt: skip
+    return errs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--m", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    args = parser.parse_args()
+    dev = mxgemm.describe_device()
+    errs = check()
+    if not max(errs.values()) < 4e-3:
+        return
+    rows = []
+    for model in args.models:
+        for n, k, name in MODELS[model]:
+            mx = [random_mx(n, k, seed) for seed in range(copies_for_cold_l2(n * k, dev.l2_bytes))]
+            ws = [hybrid(q, s) for q, s in mx]
+            bf16 = [mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.bfloat16) for q, s in mx]
+            del mx
+            kp = ws[0].tensors["qdata"].shape[1]
+            for m in args.m:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                row = {"model": model, "name": name, "M": m, "N": n, "K": k,
+                       "floor_us": floor_us(Problem(m, n, k), dev),
+                       "bf16": time_cuda([partial(F.linear, x, b) for b in bf16]),
+                       "auto": time_cuda([partial(mxgemm.linear, x, w) for w in ws]),
+                       "cublas": time_cuda([partial(cublas_block_linear, x, w, None) for w in ws]),
+                       "us": {}}  # fmt: skip
+                for cfg in configs(m, kp):
+                    row["us"][key(cfg)] = time_cuda([partial(run, x, w, cfg) for w in ws])
+                row["best"] = min(row["us"].items(), key=lambda kv: kv[1])
+                rows.append(row)
+                print(f"{model} {name:8s} M={m:3d} floor {row['floor_us']:6.1f} bf16 {row['bf16']:6.1f} auto "
+                      f"{row['auto']:6.1f} cublas {row['cublas']:6.1f} fp8 {row['best'][1]:6.1f} ({row['best'][0]})",
+                      flush=True)  # fmt: skip
+            del ws, bf16
+            torch.cuda.empty_cache()
+    print("\n| model | shape | M | floor | bf16 | auto | cuBLASLt | fp8 best | x bf16 | x auto | config |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cfg, us = r["best"]
+        print(f"| {r['model']} | {r['name']} | {r['M']} | {r['floor_us']:.1f} | {r['bf16']:.1f} | {r['auto']:.1f} | "
+              f"{r['cublas']:.1f} | {us:.1f} | {r['bf16'] / us:.2f} | {r['auto'] / us:.2f} | {cfg} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(dev), "checks": errs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

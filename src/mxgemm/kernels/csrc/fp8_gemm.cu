@@ -1,0 +1,308 @@
+// mxgemm FP8 GEMM for small and mid M on Hopper (sm_90a): y[M, N] = xq[M, K] @ W^T with the numerics of the
+// cuBLASLt blockwise path (activations quantized to E4M3 with one fp32 scale per 1x128; the hybrid_sm90 weight: E4M3
+// [Np, Kp] with fp32 128x128 block scales; Np % 16 == 0, Kp % 512 == 0), for the M where cuBLASLt's kernel leaves
+// most of the GPU idle: many CTAs, K split over a thread-block cluster.
+//
+// Swap-AB on wgmma.m64nNk32 (e4m3 x e4m3 -> f32): RW x 64 weight rows are the instruction's M, TN tokens its N.
+// A CTA is one consumer warpgroup (warps 0-3) and one producer warp (warp 4). The producer's lane 0 streams each
+// 128-deep K block of the weight tile and the activation tile into a ring of ST shared-memory stages with the tensor
+// memory accelerator (TMA, 128-byte swizzle, rows past the tensor zero-filled), completing on an mbarrier per stage;
+// the consumers run 4 wgmma per block into a block accumulator, free the stage on a second mbarrier, and add the
+// block's product times the weight block's scale and each token's scale into the fp32 result (the two-level
+// accumulation of blockwise FP8: the tensor cores' own accumulation spans one 128-deep block only).
+// gridDim.y (<= 8) splits K; those CTAs form one cluster and rank 0 adds the others' results from distributed shared
+// memory in rank order. Deterministic; one launch (plus the activation quantizer before it).
+// Earlier version (branch history): operands through per-thread cp.async into the no-swizzle layout: correct, but
+// its single warpgroup spent most of each block issuing copies (Nsight Compute: issue-bound, DRAM at 13%).
+#include <cooperative_groups.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+namespace {
+
+constexpr int BK = 128;   // K per stage: one scale block; also the 128-byte swizzle span of an e4m3 row
+constexpr int ROWS = 64;  // weight rows per wgmma: its M
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+// a 2-D TMA box [rows x 128 bytes] at (k, row) of `map` into shared memory, completing on `bar`
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int k, int row, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          smem_u32(dst)),
+      "l"(map), "r"(k), "r"(row), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128-byte swizzle: 8-row groups 1024
+// bytes apart; the start address moves by 32 bytes per 32-deep K step inside the swizzle span
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         ((uint64_t)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_n32(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_n64(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <int TN>
+__device__ __forceinline__ void wgmma(float (&d)[TN / 2], uint64_t a, uint64_t b, int accumulate) {
+  if constexpr (TN == 32) wgmma_n32(d, a, b, accumulate);
+  if constexpr (TN == 64) wgmma_n64(d, a, b, accumulate);
+  if constexpr (TN == 128) wgmma_n128(d, a, b, accumulate);
+}
+
+struct Args {
+  const float* S;    // weight block scales [>= ceil(Np/128), s_stride]
+  int s_stride;
+  const float* XS;   // activation scales [Kp/128, Mp]
+  __nv_bfloat16* Y;  // [M, ldy]
+  int M, Mp, N, Np, Kp, ldy, kblocks;  // kblocks: 128-deep blocks per split
+};
+
+template <int TN, int RW, int ST>
+__global__ void __launch_bounds__(160) fp8_gemm_kernel(const __grid_constant__ CUtensorMap wmap,
+                                                       const __grid_constant__ CUtensorMap xmap, const Args a) {
+  constexpr int WB = RW * ROWS * BK;  // weight bytes per stage
+  constexpr int STAGE = WB + TN * BK;  // + activation bytes; a multiple of 1024, as the swizzle needs
+  static_assert(STAGE % 1024 == 0, "stages must stay 1024-byte aligned");
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + ST * STAGE);
+  uint64_t* empty = full + ST;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int row0 = blockIdx.x * RW * ROWS, tok0 = blockIdx.z * TN, kb0 = blockIdx.y * a.kblocks;
+
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  float acc[RW][TN / 2];
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int i = 0; i < TN / 2; ++i) acc[r][i] = 0.f;
+
+  if (warp == 4) {  // producer
+    if (lane == 0) {
+      for (int it = 0; it < a.kblocks; ++it) {
+        const int s = it % ST;
+        if (it >= ST) mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);  // the consumers are done with its last use
+        mbar_expect_tx(&full[s], STAGE);
+        const int k = (kb0 + it) * BK;
+#pragma unroll
+        for (int r = 0; r < RW; ++r) tma_load(smem + s * STAGE + r * ROWS * BK, &wmap, k, row0 + r * ROWS, &full[s]);
+        tma_load(smem + s * STAGE + WB, &xmap, k, tok0, &full[s]);
+      }
+    }
+  } else {  // consumers: one warpgroup
+    float blk[RW][TN / 2];
+#pragma unroll
+    for (int r = 0; r < RW; ++r)
+#pragma unroll
+      for (int i = 0; i < TN / 2; ++i) blk[r][i] = 0.f;
+    const float* wscale = a.S + (size_t)(row0 / 128) * a.s_stride + kb0;
+    for (int it = 0; it < a.kblocks; ++it) {
+      const int s = it % ST;
+      const float sw = __ldg(wscale + it);
+      const float* xs = a.XS + (size_t)(kb0 + it) * a.Mp;
+      float tsc[TN / 8][2];  // this thread's tokens' scales (zero past Mp, whose activations are zero-filled)
+#pragma unroll
+      for (int j = 0; j < TN / 8; ++j) {
+        const int m = tok0 + 8 * j + 2 * t;  // even; Mp is a multiple of 4
+        tsc[j][0] = m < a.Mp ? __ldg(xs + m) * sw : 0.f;
+        tsc[j][1] = m < a.Mp ? __ldg(xs + m + 1) * sw : 0.f;
+      }
+      mbar_wait(&full[s], (it / ST) & 1);
+      const uint32_t base = smem_u32(smem + s * STAGE);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BK / 32; ++ks)
+#pragma unroll
+        for (int r = 0; r < RW; ++r)
+          wgmma<TN>(blk[r], desc_sw128(base + r * ROWS * BK + 32 * ks), desc_sw128(base + WB + 32 * ks), ks);
+      wgmma_commit();
+      wgmma_wait0();
+      if (lane == 0) mbar_arrive(&empty[s]);
+#pragma unroll
+      for (int r = 0; r < RW; ++r)
+#pragma unroll
+        for (int j = 0; j < TN / 8; ++j) {
+          acc[r][4 * j + 0] = fmaf(blk[r][4 * j + 0], tsc[j][0], acc[r][4 * j + 0]);
+          acc[r][4 * j + 1] = fmaf(blk[r][4 * j + 1], tsc[j][1], acc[r][4 * j + 1]);
+          acc[r][4 * j + 2] = fmaf(blk[r][4 * j + 2], tsc[j][0], acc[r][4 * j + 2]);
+          acc[r][4 * j + 3] = fmaf(blk[r][4 * j + 3], tsc[j][1], acc[r][4 * j + 3]);
+        }
+    }
+  }
+
+  if (gridDim.y > 1) {  // rank 0 of the cluster adds the other ranks' results, in rank order
+    __syncthreads();    // every stage consumed: the ring holds the partials now
+    float* red = reinterpret_cast<float*>(smem);  // [RW][TN / 2][128]
+    if (warp < 4) {
+#pragma unroll
+      for (int r = 0; r < RW; ++r)
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) red[(r * TN / 2 + i) * 128 + tid] = acc[r][i];
+    }
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    if (cluster.block_rank() == 0 && warp < 4) {
+      for (unsigned int rank = 1; rank < cluster.num_blocks(); ++rank) {
+        const float* other = cluster.map_shared_rank(red, rank);
+#pragma unroll
+        for (int r = 0; r < RW; ++r)
+#pragma unroll
+          for (int i = 0; i < TN / 2; ++i) acc[r][i] += other[(r * TN / 2 + i) * 128 + tid];
+      }
+    }
+    cluster.sync();
+    if (cluster.block_rank() != 0) return;
+  }
+  if (warp == 4) return;
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = row0 + r * ROWS + 16 * warp + g + 8 * (i / 2), m = tok0 + 8 * j + 2 * t + (i % 2);
+        if (m < a.M && row < a.N) a.Y[(size_t)m * a.ldy + row] = __float2bfloat16_rn(acc[r][4 * j + i]);
+      }
+}
+
+// a 2-D tensor map over a row-major e4m3 matrix [rows, cols] (cols % 16 == 0), boxes of [box_rows x 128] with the
+// 128-byte swizzle; rows past the matrix read as zeros
+int make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (!encode) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return (int)cudaErrorNotSupported;
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)cols};
+  const cuuint32_t box[2] = {BK, (cuuint32_t)box_rows}, elem[2] = {1, 1};
+  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides, box, elem,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? 0 : (int)cudaErrorInvalidValue;
+}
+
+template <int TN, int RW, int ST>
+int launch(const void* W, const void* X, Args a, int splits, cudaStream_t st) {
+  const int blocks = a.Kp / BK;
+  a.kblocks = blocks / splits;
+  if (splits < 1 || splits > 8 || a.kblocks * splits != blocks || a.Np % 16 != 0) return (int)cudaErrorInvalidValue;
+  CUtensorMap wmap, xmap;
+  int err = make_map(&wmap, W, a.Np, a.Kp, ROWS);
+  if (!err) err = make_map(&xmap, X, a.Mp, a.Kp, TN);
+  if (err) return err;
+  constexpr int stage = RW * ROWS * BK + TN * BK;
+  constexpr int red = RW * TN / 2 * 128 * 4;
+  constexpr int smem = (ST * stage > red ? ST * stage : red) + 2 * ST * 8 + 1024;  // + mbarriers + alignment
+  auto kernel = fp8_gemm_kernel<TN, RW, ST>;
+  static bool raised[64] = {};  // the shared-memory limit, raised once per device
+  int device = 0;
+  cudaError_t cerr = cudaGetDevice(&device);
+  if (cerr != cudaSuccess) return (int)cerr;
+  if (device >= 64 || !raised[device]) {
+    cerr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (cerr != cudaSuccess) return (int)cerr;
+    if (device < 64) raised[device] = true;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((a.Np + RW * ROWS - 1) / (RW * ROWS), splits, (a.M + TN - 1) / TN);
+  config.blockDim = dim3(160);
+  config.dynamicSmemBytes = smem;
+  config.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = splits;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  cerr = cudaLaunchKernelEx(&config, kernel, wmap, xmap, a);
+  return (int)(cerr != cudaSuccess ? cerr : cudaGetLastError());
+}
+
+template <int TN, int RW>
+int launch_st(const void* W, const void* X, const Args& a, int splits, int stages, cudaStream_t st) {
+  if (stages == 2) return launch<TN, RW, 2>(W, X, a, splits, st);
+  if (stages == 3) return launch<TN, RW, 3>(W, X, a, splits, st);
+  if (stages == 4) return launch<TN, RW, 4>(W, X, a, splits, st);
+  return (int)cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+// The entry point mxgemm calls through ctypes; returns a cudaError_t (0: launched).
+// xq [Mp, Kp] e4m3 and xs [Kp/128, Mp] fp32 as the 1x128 quantizer writes them; tn: tokens per CTA (32, 64, 128;
+// more tokens run more CTAs along z); rw: 64-row weight tiles per CTA (1, 2; 1 with 128 tokens); splits: K splits,
+// one cluster (1-8); stages: TMA ring depth (2-4).
+extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const void* X, const void* XS, void* Y,
+                               int ldy, int M, int Mp, int N, int Np, int Kp, int tn, int rw, int splits, int stages,
+                               void* stream) {
+  if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
+  const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0};
+  cudaStream_t st = (cudaStream_t)stream;
+  if (rw == 2) {
+    if (tn == 32) return launch_st<32, 2>(W, X, a, splits, stages, st);
+    if (tn == 64) return launch_st<64, 2>(W, X, a, splits, stages, st);
+    return (int)cudaErrorInvalidValue;
+  }
+  if (tn == 32) return launch_st<32, 1>(W, X, a, splits, stages, st);
+  if (tn == 64) return launch_st<64, 1>(W, X, a, splits, stages, st);
+  if (tn == 128) return launch_st<128, 1>(W, X, a, splits, stages, st);
+  return (int)cudaErrorInvalidValue;
+}

@@ -1,0 +1,81 @@
+"""The hand-written FP8 GEMM for Hopper (``csrc/fp8_gemm.cu``, sm_90a: TMA loads, ``wgmma``): the ``hybrid_sm90``
+weight (E4M3 ``[Np, Kp]``, fp32 128x128 block scales) times activations quantized per 1x128 (the cuBLASLt path's
+quantizer and numerics), with K split over a thread-block cluster so that small and mid M keep the whole GPU busy,
+where cuBLASLt's blockwise kernel runs few CTAs. Built with nvcc on first use (``kernels/nvcc.py``), loaded with ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from ..backends.base import Availability
+from . import nvcc
+
+logger = logging.getLogger("mxgemm")
+
+__all__ = ["TOKEN_TILES", "fp8_gemm", "fp8_gemm_status", "library", "valid_config"]
+
+_SOURCE = Path(__file__).parent / "csrc" / "fp8_gemm.cu"
+TOKEN_TILES = (32, 64, 128)  # tokens per CTA (wgmma N); more tokens run more CTAs
+
+
+@functools.cache
+def library(capability: tuple[int, int]) -> ctypes.CDLL:
+    """Build (once, cached on disk) and load the kernel for sm_90a. Raises RuntimeError when it cannot be built."""
+    lib = nvcc.build(_SOURCE, capability, suffix="a")
+    lib.mxgemm_fp8_gemm.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def fp8_gemm_status(capability: tuple[int, int] | None) -> Availability:
+    """Whether the kernel is built and loaded here (built on first call); the reason if not."""
+    if capability != (9, 0):
+        return Availability(False, "the FP8 wgmma kernel is built for SM90 (sm_90a) only")
+    try:
+        library(capability)
+    except (RuntimeError, OSError) as exc:
+        logger.info("mxgemm: FP8 wgmma kernel unavailable: %s", exc)
+        return Availability(False, f"FP8 wgmma kernel unavailable: {exc}")
+    return Availability(True, "FP8 wgmma kernel built for sm_90a")
+
+
+def valid_config(cfg: dict, k_padded: int) -> bool:
+    """``TN`` tokens per CTA (32, 64, 128), ``RW`` 64-row weight tiles per CTA (1, 2; 1 with 128 tokens),
+    ``SPLITS`` K splits in one cluster (1-8, whole 128-deep blocks each), ``ST`` TMA ring stages (2-4)."""
+    splits = cfg.get("SPLITS")
+    return (
+        cfg.get("TN") in TOKEN_TILES
+        and cfg.get("RW") in ((1, 2) if cfg.get("TN") != 128 else (1,))
+        and splits in range(1, 9)
+        and cfg.get("ST") in (2, 3, 4)
+        and (k_padded // 128) % splits == 0
+    )
+
+
+def fp8_gemm(
+    xq: torch.Tensor, xs: torch.Tensor, m: int, qdata: torch.Tensor, block_scale: torch.Tensor, n: int, config: dict
+) -> torch.Tensor:
+    """``xq`` e4m3 [Mp, Kp] and ``xs`` fp32 [Mp, Kp/128] (a view with strides (1, Mp)) as the 1x128 quantizer writes
+    them, ``qdata`` e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128] -> bf16 [m, n]."""
+    mp, kp = xq.shape
+    np_ = qdata.shape[0]
+    if not valid_config(config, kp) or xs.stride() != (1, mp) or qdata.shape[1] != kp:
+        raise ValueError(f"the FP8 kernel cannot run config {config} on [{mp}, {kp}] x [{np_}, {qdata.shape[1]}]")
+    lib = library(torch.cuda.get_device_capability(xq.device))
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
+    p = ctypes.c_void_p
+    err = lib.mxgemm_fp8_gemm(
+        p(qdata.data_ptr()), p(block_scale.data_ptr()), block_scale.stride(0), p(xq.data_ptr()), p(xs.data_ptr()),
+        p(y.data_ptr()), y.stride(0), m, mp, n, np_, kp, config["TN"], config["RW"], config["SPLITS"],
+        config["ST"],
+        p(torch.cuda.current_stream(xq.device).cuda_stream),
+    )  # fmt: skip
+    if err:
+        raise RuntimeError(f"mxgemm FP8 kernel failed to launch (cudaError {err}) for M={m} config {config}")
+    return y

@@ -1,0 +1,54 @@
+"""The FP8 wgmma kernel (sm_90a) on the GPU: every config against the quantized twin of hybrid_sm90's upper regime
+(activations 1x128-quantized, the weight re-encoded to 128x128 blocks), on odd and large shapes; outputs poisoned
+beforehand are fully written."""
+
+import itertools
+
+import pytest
+import torch
+from helpers import hybrid_twin, random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
+
+import mxgemm
+from mxgemm.kernels import fp8_gemm
+from mxgemm.kernels.act_quant import quantize_1x128_padded
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_built():
+    skip_unless_backend_runs("hybrid_sm90")
+    status = fp8_gemm.fp8_gemm_status(torch.cuda.get_device_capability())
+    if not status:
+        pytest.skip(status.reason)
+
+
+def _configs(kp: int) -> list[dict]:
+    out = []
+    for tn, rw, splits, st in itertools.product(fp8_gemm.TOKEN_TILES, (1, 2), (1, 2, 4, 8), (2, 4)):
+        cfg = {"TN": tn, "RW": rw, "SPLITS": splits, "ST": st}
+        if fp8_gemm.valid_config(cfg, kp):
+            out.append(cfg)
+    return out
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 64, 100, 256])
+@pytest.mark.parametrize("n,k", [(130, 96), (4160, 4160), (4096, 14336)])
+def test_every_config_matches_the_twin(m, n, k):
+    q, s = random_mx_weight(n, k, seed=n + m, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    x = random_act(m, k, seed=k + m, device="cuda")
+    twin = hybrid_twin(x, q, s, quantized=True)
+    xq, xs = quantize_1x128_padded(x)
+    qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
+    for cfg in _configs(qd.shape[1]):
+        y = fp8_gemm.fp8_gemm(xq, xs, m, qd, bs, n, cfg)
+        assert y.shape == (m, n) and torch.isfinite(y).all(), cfg
+        assert sqnr_db(y, twin) >= 45, cfg
+
+
+def test_invalid_configs_are_refused():
+    assert not fp8_gemm.valid_config({"TN": 128, "RW": 2, "SPLITS": 1, "ST": 2}, 512)
+    assert not fp8_gemm.valid_config({"TN": 64, "RW": 1, "SPLITS": 3, "ST": 2}, 512)  # 4 blocks: not 3 splits
+    assert not fp8_gemm.valid_config({"TN": 48, "RW": 1, "SPLITS": 1, "ST": 2}, 512)
+    assert fp8_gemm.valid_config({"TN": 64, "RW": 2, "SPLITS": 4, "ST": 4}, 512)
