@@ -1,5 +1,5 @@
 """Exploration: the FP8 TMA/wgmma kernel (`kernels/csrc/fp8_gemm.cu`) against bf16 cuBLAS, `auto` and cuBLASLt's
-blockwise path (the same numerics: activations quantized per 1x128) at M = 64 and 256 (default) on the 8B / 70B /
+blockwise path (the same numerics: activations quantized per 1x128) at M = 64, 128 and 256 (default) on the 8B / 70B /
 7168-hidden projections.
 
 Every config is first checked against the emulated twin (the quantized operands multiplied in fp64) on odd shapes,
@@ -42,10 +42,15 @@ def key(cfg: dict) -> str:
     return f"tn{cfg['TN']}-rw{cfg['RW']}-s{cfg['SPLITS']}-st{cfg['ST']}"
 
 
-def run(x, w, cfg):
+def run(x, w, cfg, pdl=True):
     xq, xs = quantize_1x128_padded(x)
     t = w.tensors
-    return fp8_gemm.fp8_gemm(xq, xs, x.shape[0], t["qdata"], t["block_scale"], w.out_features, cfg)
+    return fp8_gemm.fp8_gemm(xq, xs, x.shape[0], t["qdata"], t["block_scale"], w.out_features, cfg, pdl)
+
+
+def gemm_only(xq, xs, m, w, cfg):
+    t = w.tensors
+    return fp8_gemm.fp8_gemm(xq, xs, m, t["qdata"], t["block_scale"], w.out_features, cfg, False)
 
 
 def twin(x, w) -> torch.Tensor:
@@ -76,7 +81,7 @@ def check() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
-    parser.add_argument("--m", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--m", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     args = parser.parse_args()
     dev = mxgemm.describe_device()
@@ -102,18 +107,28 @@ def main() -> None:
                 for cfg in configs(m, kp):
                     row["us"][key(cfg)] = time_cuda([partial(run, x, w, cfg) for w in ws])
                 row["best"] = min(row["us"].items(), key=lambda kv: kv[1])
+                best = next(c for c in configs(m, kp) if key(c) == row["best"][0])
+                xq, xs = quantize_1x128_padded(x)  # where the time goes: the quantizer, the GEMM, the launch overlap
+                row["quant_us"] = time_cuda([partial(quantize_1x128_padded, x)] * len(ws))
+                row["gemm_us"] = time_cuda([partial(gemm_only, xq, xs, m, w, best) for w in ws])
+                row["no_pdl_us"] = time_cuda([partial(run, x, w, best, False) for w in ws])
                 rows.append(row)
                 print(f"{model} {name:8s} M={m:3d} floor {row['floor_us']:6.1f} bf16 {row['bf16']:6.1f} auto "
-                      f"{row['auto']:6.1f} cublas {row['cublas']:6.1f} fp8 {row['best'][1]:6.1f} ({row['best'][0]})",
+                      f"{row['auto']:6.1f} cublas {row['cublas']:6.1f} fp8 {row['best'][1]:6.1f} ({row['best'][0]}) "
+                      f"quant {row['quant_us']:5.1f} gemm {row['gemm_us']:6.1f} no-pdl {row['no_pdl_us']:6.1f}",
                       flush=True)  # fmt: skip
             del ws, bf16
             torch.cuda.empty_cache()
-    print("\n| model | shape | M | floor | bf16 | auto | cuBLASLt | fp8 best | x bf16 | x auto | config |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| model | shape | M | floor | bf16 | auto | cuBLASLt | fp8 best | x bf16 | x auto | config | quant | gemm "
+        "| no PDL |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cfg, us = r["best"]
         print(f"| {r['model']} | {r['name']} | {r['M']} | {r['floor_us']:.1f} | {r['bf16']:.1f} | {r['auto']:.1f} | "
-              f"{r['cublas']:.1f} | {us:.1f} | {r['bf16'] / us:.2f} | {r['auto'] / us:.2f} | {cfg} |")  # fmt: skip
+              f"{r['cublas']:.1f} | {us:.1f} | {r['bf16'] / us:.2f} | {r['auto'] / us:.2f} | {cfg} | "
+              f"{r['quant_us']:.1f} | {r['gemm_us']:.1f} | {r['no_pdl_us']:.1f} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(dev), "checks": errs, "rows": rows}, f, indent=1)

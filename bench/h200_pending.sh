@@ -54,7 +54,7 @@ for stage in "$@"; do
       timeout 200 python3 -m pytest tests/test_gpu_fp8_gemm.py -q -p no:warnings --tb=short -x 2>&1 | tail -6
       ( cd bench && timeout 330 python3 explore_fp8_gemm.py --json "$out/explore-fp8-tma-h200.json" ) \
         > "$out/fp8.log" 2>&1
-      tail -45 "$out/fp8.log" ;;
+      tail -42 "$out/fp8.log" ;;
     waves)
       ( cd bench && timeout 240 python3 explore_waves.py --json "$out/explore-waves-h200.json" ) > "$out/waves.log" 2>&1
       tail -52 "$out/waves.log" ;;

@@ -39,6 +39,8 @@ def _to_e4m3_bits(v):
 @triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, Mp, Kp, stride_xm, stride_xk, BLOCK_M: tl.constexpr,
                   INTERPRET: tl.constexpr):  # fmt: skip
+    if not INTERPRET:  # a kernel launched as this one's programmatic dependent (the FP8 GEMM) may start now
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -46,12 +46,12 @@ def fp8_gemm_status(capability: tuple[int, int] | None) -> Availability:
 
 
 def valid_config(cfg: dict, k_padded: int) -> bool:
-    """``TN`` tokens per CTA (32, 64, 128), ``RW`` 64-row weight tiles per CTA (1, 2; 1 with 128 tokens),
+    """``TN`` tokens per CTA (32, 64, 128), ``RW`` 64-row weight tiles per CTA, one consumer warpgroup each (1, 2),
     ``SPLITS`` K splits in one cluster (1-8, whole 128-deep blocks each), ``ST`` TMA ring stages (2-4)."""
     splits = cfg.get("SPLITS")
     return (
         cfg.get("TN") in TOKEN_TILES
-        and cfg.get("RW") in ((1, 2) if cfg.get("TN") != 128 else (1,))
+        and cfg.get("RW") in (1, 2)
         and splits in range(1, 9)
         and cfg.get("ST") in (2, 3, 4)
         and (k_padded // 128) % splits == 0
@@ -59,10 +59,18 @@ def valid_config(cfg: dict, k_padded: int) -> bool:
 
 
 def fp8_gemm(
-    xq: torch.Tensor, xs: torch.Tensor, m: int, qdata: torch.Tensor, block_scale: torch.Tensor, n: int, config: dict
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    m: int,
+    qdata: torch.Tensor,
+    block_scale: torch.Tensor,
+    n: int,
+    config: dict,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """``xq`` e4m3 [Mp, Kp] and ``xs`` fp32 [Mp, Kp/128] (a view with strides (1, Mp)) as the 1x128 quantizer writes
-    them, ``qdata`` e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128] -> bf16 [m, n]."""
+    them, ``qdata`` e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128] -> bf16 [m, n]. ``pdl``: launch as a
+    programmatic dependent of the kernel before (the quantizer), loading the first weight tiles while it runs."""
     mp, kp = xq.shape
     np_ = qdata.shape[0]
     if not valid_config(config, kp) or xs.stride() != (1, mp) or qdata.shape[1] != kp:
@@ -73,7 +81,7 @@ def fp8_gemm(
     err = lib.mxgemm_fp8_gemm(
         p(qdata.data_ptr()), p(block_scale.data_ptr()), block_scale.stride(0), p(xq.data_ptr()), p(xs.data_ptr()),
         p(y.data_ptr()), y.stride(0), m, mp, n, np_, kp, config["TN"], config["RW"], config["SPLITS"],
-        config["ST"],
+        config["ST"], int(pdl),
         p(torch.cuda.current_stream(xq.device).cuda_stream),
     )  # fmt: skip
     if err:

@@ -47,6 +47,9 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
       "r"(parity)
       : "memory");
 }
+// programmatic dependent launch: wait until the kernel before this one has finished and its writes are visible (at
+// once when this grid was not launched as its dependent)
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 // a 2-D TMA box [rows x 128 bytes] at (k, row) of `map` into shared memory, completing on `bar`
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int k, int row, uint64_t* bar) {
   asm volatile(
@@ -105,9 +108,10 @@ struct Args {
 };
 
 template <int TN, int RW, int ST>
-__global__ void __launch_bounds__(160) fp8_gemm_kernel(const __grid_constant__ CUtensorMap wmap,
-                                                       const __grid_constant__ CUtensorMap xmap, const Args a) {
-  constexpr int WB = RW * ROWS * BK;  // weight bytes per stage
+__global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_constant__ CUtensorMap wmap,
+                                                                 const __grid_constant__ CUtensorMap xmap,
+                                                                 const Args a) {
+  constexpr int WB = RW * ROWS * BK;   // weight bytes per stage
   constexpr int STAGE = WB + TN * BK;  // + activation bytes; a multiple of 1024, as the swizzle needs
   static_assert(STAGE % 1024 == 0, "stages must stay 1024-byte aligned");
   extern __shared__ uint8_t smem_raw[];
@@ -115,39 +119,46 @@ __global__ void __launch_bounds__(160) fp8_gemm_kernel(const __grid_constant__ C
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + ST * STAGE);
   uint64_t* empty = full + ST;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int wg = warp / 4;  // consumer warpgroup: weight rows row0 + 64 * wg; warpgroup RW is the producer warp
   const int row0 = blockIdx.x * RW * ROWS, tok0 = blockIdx.z * TN, kb0 = blockIdx.y * a.kblocks;
 
   if (tid == 0) {
-    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4);
+    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * RW);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  float acc[RW][TN / 2];
+  float acc[TN / 2];
 #pragma unroll
-  for (int r = 0; r < RW; ++r)
-#pragma unroll
-    for (int i = 0; i < TN / 2; ++i) acc[r][i] = 0.f;
+  for (int i = 0; i < TN / 2; ++i) acc[i] = 0.f;
 
-  if (warp == 4) {  // producer
+  if (wg == RW) {  // producer
     if (lane == 0) {
-      for (int it = 0; it < a.kblocks; ++it) {
+      // the weight does not depend on the kernel before this one (the activation quantizer): with programmatic
+      // dependent launch this grid starts early, so the first stages' weight tiles load while that kernel runs
+      const int pre = a.kblocks < ST ? a.kblocks : ST;
+      for (int it = 0; it < pre; ++it) {
+        mbar_expect_tx(&full[it], STAGE);
+        for (int r = 0; r < RW; ++r)
+          tma_load(smem + it * STAGE + r * ROWS * BK, &wmap, (kb0 + it) * BK, row0 + r * ROWS, &full[it]);
+      }
+      griddep_wait();
+      for (int it = 0; it < pre; ++it) tma_load(smem + it * STAGE + WB, &xmap, (kb0 + it) * BK, tok0, &full[it]);
+      for (int it = pre; it < a.kblocks; ++it) {
         const int s = it % ST;
-        if (it >= ST) mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);  // the consumers are done with its last use
+        mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);  // the consumers are done with its last use
         mbar_expect_tx(&full[s], STAGE);
         const int k = (kb0 + it) * BK;
-#pragma unroll
         for (int r = 0; r < RW; ++r) tma_load(smem + s * STAGE + r * ROWS * BK, &wmap, k, row0 + r * ROWS, &full[s]);
         tma_load(smem + s * STAGE + WB, &xmap, k, tok0, &full[s]);
       }
     }
-  } else {  // consumers: one warpgroup
-    float blk[RW][TN / 2];
+  } else {  // consumers: RW warpgroups
+    griddep_wait();  // the token scales come from the kernel before
+    float blk[TN / 2];
 #pragma unroll
-    for (int r = 0; r < RW; ++r)
-#pragma unroll
-      for (int i = 0; i < TN / 2; ++i) blk[r][i] = 0.f;
-    const float* wscale = a.S + (size_t)(row0 / 128) * a.s_stride + kb0;
+    for (int i = 0; i < TN / 2; ++i) blk[i] = 0.f;
+    const float* wscale = a.S + (size_t)((row0 + wg * ROWS) / 128) * a.s_stride + kb0;
     for (int it = 0; it < a.kblocks; ++it) {
       const int s = it % ST;
       const float sw = __ldg(wscale + it);
@@ -164,57 +175,48 @@ __global__ void __launch_bounds__(160) fp8_gemm_kernel(const __grid_constant__ C
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < BK / 32; ++ks)
-#pragma unroll
-        for (int r = 0; r < RW; ++r)
-          wgmma<TN>(blk[r], desc_sw128(base + r * ROWS * BK + 32 * ks), desc_sw128(base + WB + 32 * ks), ks);
+        wgmma<TN>(blk, desc_sw128(base + wg * ROWS * BK + 32 * ks), desc_sw128(base + WB + 32 * ks), ks);
       wgmma_commit();
       wgmma_wait0();
       if (lane == 0) mbar_arrive(&empty[s]);
 #pragma unroll
-      for (int r = 0; r < RW; ++r)
-#pragma unroll
-        for (int j = 0; j < TN / 8; ++j) {
-          acc[r][4 * j + 0] = fmaf(blk[r][4 * j + 0], tsc[j][0], acc[r][4 * j + 0]);
-          acc[r][4 * j + 1] = fmaf(blk[r][4 * j + 1], tsc[j][1], acc[r][4 * j + 1]);
-          acc[r][4 * j + 2] = fmaf(blk[r][4 * j + 2], tsc[j][0], acc[r][4 * j + 2]);
-          acc[r][4 * j + 3] = fmaf(blk[r][4 * j + 3], tsc[j][1], acc[r][4 * j + 3]);
-        }
+      for (int j = 0; j < TN / 8; ++j) {
+        acc[4 * j + 0] = fmaf(blk[4 * j + 0], tsc[j][0], acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(blk[4 * j + 1], tsc[j][1], acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(blk[4 * j + 2], tsc[j][0], acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(blk[4 * j + 3], tsc[j][1], acc[4 * j + 3]);
+      }
     }
   }
 
-  if (gridDim.y > 1) {  // rank 0 of the cluster adds the other ranks' results, in rank order
-    __syncthreads();    // every stage consumed: the ring holds the partials now
-    float* red = reinterpret_cast<float*>(smem);  // [RW][TN / 2][128]
-    if (warp < 4) {
+  constexpr int NC = 128 * RW;  // consumer threads
+  if (gridDim.y > 1) {          // rank 0 of the cluster adds the other ranks' results, in rank order
+    __syncthreads();            // every stage consumed: the ring holds the partials now
+    float* red = reinterpret_cast<float*>(smem);  // [TN / 2][NC]
+    if (wg < RW) {
 #pragma unroll
-      for (int r = 0; r < RW; ++r)
-#pragma unroll
-        for (int i = 0; i < TN / 2; ++i) red[(r * TN / 2 + i) * 128 + tid] = acc[r][i];
+      for (int i = 0; i < TN / 2; ++i) red[i * NC + tid] = acc[i];
     }
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
-    if (cluster.block_rank() == 0 && warp < 4) {
+    if (cluster.block_rank() == 0 && wg < RW) {
       for (unsigned int rank = 1; rank < cluster.num_blocks(); ++rank) {
         const float* other = cluster.map_shared_rank(red, rank);
 #pragma unroll
-        for (int r = 0; r < RW; ++r)
-#pragma unroll
-          for (int i = 0; i < TN / 2; ++i) acc[r][i] += other[(r * TN / 2 + i) * 128 + tid];
+        for (int i = 0; i < TN / 2; ++i) acc[i] += other[i * NC + tid];
       }
     }
     cluster.sync();
     if (cluster.block_rank() != 0) return;
   }
-  if (warp == 4) return;
+  if (wg == RW) return;
 #pragma unroll
-  for (int r = 0; r < RW; ++r)
+  for (int j = 0; j < TN / 8; ++j)
 #pragma unroll
-    for (int j = 0; j < TN / 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = row0 + r * ROWS + 16 * warp + g + 8 * (i / 2), m = tok0 + 8 * j + 2 * t + (i % 2);
-        if (m < a.M && row < a.N) a.Y[(size_t)m * a.ldy + row] = __float2bfloat16_rn(acc[r][4 * j + i]);
-      }
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + wg * ROWS + 16 * (warp % 4) + g + 8 * (i / 2), m = tok0 + 8 * j + 2 * t + (i % 2);
+      if (m < a.M && row < a.N) a.Y[(size_t)m * a.ldy + row] = __float2bfloat16_rn(acc[4 * j + i]);
+    }
 }
 
 // a 2-D tensor map over a row-major e4m3 matrix [rows, cols] (cols % 16 == 0), boxes of [box_rows x 128] with the
@@ -239,7 +241,7 @@ int make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_rows
 }
 
 template <int TN, int RW, int ST>
-int launch(const void* W, const void* X, Args a, int splits, cudaStream_t st) {
+int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream_t st) {
   const int blocks = a.Kp / BK;
   a.kblocks = blocks / splits;
   if (splits < 1 || splits > 8 || a.kblocks * splits != blocks || a.Np % 16 != 0) return (int)cudaErrorInvalidValue;
@@ -248,7 +250,7 @@ int launch(const void* W, const void* X, Args a, int splits, cudaStream_t st) {
   if (!err) err = make_map(&xmap, X, a.Mp, a.Kp, TN);
   if (err) return err;
   constexpr int stage = RW * ROWS * BK + TN * BK;
-  constexpr int red = RW * TN / 2 * 128 * 4;
+  constexpr int red = RW * TN / 2 * 128 * 4;  // the split reduction's partials
   constexpr int smem = (ST * stage > red ? ST * stage : red) + 2 * ST * 8 + 1024;  // + mbarriers + alignment
   auto kernel = fp8_gemm_kernel<TN, RW, ST>;
   static bool raised[64] = {};  // the shared-memory limit, raised once per device
@@ -262,25 +264,27 @@ int launch(const void* W, const void* X, Args a, int splits, cudaStream_t st) {
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((a.Np + RW * ROWS - 1) / (RW * ROWS), splits, (a.M + TN - 1) / TN);
-  config.blockDim = dim3(160);
+  config.blockDim = dim3(128 * RW + 32);
   config.dynamicSmemBytes = smem;
   config.stream = st;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = 1;
   attr[0].val.clusterDim.y = splits;
   attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // may start while the quantizer runs
+  attr[1].val.programmaticStreamSerializationAllowed = pdl;
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = 2;
   cerr = cudaLaunchKernelEx(&config, kernel, wmap, xmap, a);
   return (int)(cerr != cudaSuccess ? cerr : cudaGetLastError());
 }
 
 template <int TN, int RW>
-int launch_st(const void* W, const void* X, const Args& a, int splits, int stages, cudaStream_t st) {
-  if (stages == 2) return launch<TN, RW, 2>(W, X, a, splits, st);
-  if (stages == 3) return launch<TN, RW, 3>(W, X, a, splits, st);
-  if (stages == 4) return launch<TN, RW, 4>(W, X, a, splits, st);
+int launch_st(const void* W, const void* X, const Args& a, int splits, int stages, int pdl, cudaStream_t st) {
+  if (stages == 2) return launch<TN, RW, 2>(W, X, a, splits, pdl, st);
+  if (stages == 3) return launch<TN, RW, 3>(W, X, a, splits, pdl, st);
+  if (stages == 4) return launch<TN, RW, 4>(W, X, a, splits, pdl, st);
   return (int)cudaErrorInvalidValue;
 }
 
@@ -292,17 +296,18 @@ int launch_st(const void* W, const void* X, const Args& a, int splits, int stage
 // one cluster (1-8); stages: TMA ring depth (2-4).
 extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const void* X, const void* XS, void* Y,
                                int ldy, int M, int Mp, int N, int Np, int Kp, int tn, int rw, int splits, int stages,
-                               void* stream) {
+                               int pdl, void* stream) {
   if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
   const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0};
   cudaStream_t st = (cudaStream_t)stream;
   if (rw == 2) {
-    if (tn == 32) return launch_st<32, 2>(W, X, a, splits, stages, st);
-    if (tn == 64) return launch_st<64, 2>(W, X, a, splits, stages, st);
+    if (tn == 32) return launch_st<32, 2>(W, X, a, splits, stages, pdl, st);
+    if (tn == 64) return launch_st<64, 2>(W, X, a, splits, stages, pdl, st);
+    if (tn == 128) return launch_st<128, 2>(W, X, a, splits, stages, pdl, st);
     return (int)cudaErrorInvalidValue;
   }
-  if (tn == 32) return launch_st<32, 1>(W, X, a, splits, stages, st);
-  if (tn == 64) return launch_st<64, 1>(W, X, a, splits, stages, st);
-  if (tn == 128) return launch_st<128, 1>(W, X, a, splits, stages, st);
+  if (tn == 32) return launch_st<32, 1>(W, X, a, splits, stages, pdl, st);
+  if (tn == 64) return launch_st<64, 1>(W, X, a, splits, stages, pdl, st);
+  if (tn == 128) return launch_st<128, 1>(W, X, a, splits, stages, pdl, st);
   return (int)cudaErrorInvalidValue;
 }
