@@ -55,13 +55,20 @@ for stage in "$@"; do
       ( cd bench && timeout 330 python3 explore_fp8_gemm.py --json "$out/explore-fp8-tma-h200.json" ) \
         > "$out/fp8.log" 2>&1
       tail -42 "$out/fp8.log" ;;
+    fp8-ncu)  # Nsight Compute on the FP8 kernel: 8B o at M = 64, two configs
+      for cfg in tn64-rw1-s2-st4 tn32-rw2-s4-st4; do
+        ( cd bench && timeout 120 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+          --section Occupancy --section LaunchStats -k regex:fp8_gemm -s 2 -c 1 \
+          python3 profile_fp8_gemm.py --n 4096 --k 4096 --m 64 --config $cfg ) > "$out/ncu-$cfg.txt" 2>&1
+        grep -E "Duration|Throughput|Busy|Stall|Warp Cycles|Achieved|Theoretical Occ|Block Limit|Registers|Hit Rate|Bandwidth|Active Warps|Eligible|Issued" "$out/ncu-$cfg.txt" | head -60
+      done ;;
     waves)
       ( cd bench && timeout 240 python3 explore_waves.py --json "$out/explore-waves-h200.json" ) > "$out/waves.log" 2>&1
       tail -52 "$out/waves.log" ;;
     bench-8b) bench h200-llama3-8b 300 llama3-8b ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
-    *) echo "usage: $0 gate|tune|pipeline|fp8|waves|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
+    *) echo "usage: $0 gate|tune|pipeline|fp8|fp8-ncu|waves|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
   esac
 done
 # at most 8 files come back: the tuning file moves up, the cache folders (lock files) go

@@ -48,7 +48,7 @@ def test_every_config_matches_the_twin(m, n, k):
 
 
 def test_invalid_configs_are_refused():
-    assert not fp8_gemm.valid_config({"TN": 128, "RW": 2, "SPLITS": 1, "ST": 2}, 512)
+    assert not fp8_gemm.valid_config({"TN": 128, "RW": 3, "SPLITS": 1, "ST": 2}, 512)
     assert not fp8_gemm.valid_config({"TN": 64, "RW": 1, "SPLITS": 3, "ST": 2}, 512)  # 4 blocks: not 3 splits
     assert not fp8_gemm.valid_config({"TN": 48, "RW": 1, "SPLITS": 1, "ST": 2}, 512)
     assert fp8_gemm.valid_config({"TN": 64, "RW": 2, "SPLITS": 4, "ST": 4}, 512)

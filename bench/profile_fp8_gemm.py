@@ -1,0 +1,33 @@
+"""Run the FP8 TMA/wgmma kernel a few times on one shape and config, for Nsight Compute:
+
+ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats -k regex:fp8_gemm -c 1 \\
+    python3 profile_fp8_gemm.py --n 4096 --k 4096 --m 64 --config tn64-rw1-s2-st4
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from explore_fp8_gemm import run
+from explore_small_m_pipeline import hybrid, random_mx
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--k", type=int, default=4096)
+    parser.add_argument("--m", type=int, default=64)
+    parser.add_argument("--config", default="tn64-rw1-s2-st4")
+    args = parser.parse_args()
+    tn, rw, s, st = (int(part[2:] if part[:2] in ("tn", "rw", "st") else part[1:]) for part in args.config.split("-"))
+    cfg = {"TN": tn, "RW": rw, "SPLITS": s, "ST": st}
+    w = hybrid(*random_mx(args.n, args.k, 0))
+    x = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        run(x, w, cfg)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
