@@ -59,6 +59,14 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int 
       : "memory");
 }
 
+// a 1-D bulk copy of `bytes` (a multiple of 16, 16-byte aligned) into shared memory, completing on `bar`
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
 // shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128-byte swizzle: 8-row groups 1024
 // bytes apart; the start address moves by 32 bytes per 32-deep K step inside the swizzle span
 __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
@@ -116,16 +124,23 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
   static_assert(STAGE % 1024 == 0, "stages must stay 1024-byte aligned");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + ST * STAGE);
+  float* xsc = reinterpret_cast<float*>(smem + ST * STAGE);  // [ST][TN] token scales of each stage
+  uint64_t* full = reinterpret_cast<uint64_t*>(xsc + ST * TN);
   uint64_t* empty = full + ST;
+  float* wsc = reinterpret_cast<float*>(empty + ST);  // [RW][kblocks] weight block scales of this CTA
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int wg = warp / 4;  // consumer warpgroup: weight rows row0 + 64 * wg; warpgroup RW is the producer warp
   const int row0 = blockIdx.x * RW * ROWS, tok0 = blockIdx.z * TN, kb0 = blockIdx.y * a.kblocks;
+  // token scales past Mp are not copied (their activations are zero-filled, their slots masked below)
+  const int xs_bytes = (a.Mp - tok0 < TN ? a.Mp - tok0 : TN) * 4;
 
   if (tid == 0) {
     for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * RW);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  // the weight scales do not depend on the kernel before either: staged here once, off the main loop
+  for (int i = tid; i < RW * a.kblocks; i += blockDim.x)
+    wsc[i] = __ldg(a.S + (size_t)((row0 + (i / a.kblocks) * ROWS) / 128) * a.s_stride + kb0 + i % a.kblocks);
   __syncthreads();
 
   float acc[TN / 2];
@@ -138,38 +153,31 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
       // dependent launch this grid starts early, so the first stages' weight tiles load while that kernel runs
       const int pre = a.kblocks < ST ? a.kblocks : ST;
       for (int it = 0; it < pre; ++it) {
-        mbar_expect_tx(&full[it], STAGE);
+        mbar_expect_tx(&full[it], STAGE + xs_bytes);
         for (int r = 0; r < RW; ++r)
           tma_load(smem + it * STAGE + r * ROWS * BK, &wmap, (kb0 + it) * BK, row0 + r * ROWS, &full[it]);
       }
       griddep_wait();
-      for (int it = 0; it < pre; ++it) tma_load(smem + it * STAGE + WB, &xmap, (kb0 + it) * BK, tok0, &full[it]);
+      for (int it = 0; it < pre; ++it) {
+        tma_load(smem + it * STAGE + WB, &xmap, (kb0 + it) * BK, tok0, &full[it]);
+        bulk_load(xsc + it * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[it]);
+      }
       for (int it = pre; it < a.kblocks; ++it) {
         const int s = it % ST;
         mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);  // the consumers are done with its last use
-        mbar_expect_tx(&full[s], STAGE);
+        mbar_expect_tx(&full[s], STAGE + xs_bytes);
         const int k = (kb0 + it) * BK;
         for (int r = 0; r < RW; ++r) tma_load(smem + s * STAGE + r * ROWS * BK, &wmap, k, row0 + r * ROWS, &full[s]);
         tma_load(smem + s * STAGE + WB, &xmap, k, tok0, &full[s]);
+        bulk_load(xsc + s * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[s]);
       }
     }
   } else {  // consumers: RW warpgroups
-    griddep_wait();  // the token scales come from the kernel before
     float blk[TN / 2];
 #pragma unroll
     for (int i = 0; i < TN / 2; ++i) blk[i] = 0.f;
-    const float* wscale = a.S + (size_t)((row0 + wg * ROWS) / 128) * a.s_stride + kb0;
     for (int it = 0; it < a.kblocks; ++it) {
       const int s = it % ST;
-      const float sw = __ldg(wscale + it);
-      const float* xs = a.XS + (size_t)(kb0 + it) * a.Mp;
-      float tsc[TN / 8][2];  // this thread's tokens' scales (zero past Mp, whose activations are zero-filled)
-#pragma unroll
-      for (int j = 0; j < TN / 8; ++j) {
-        const int m = tok0 + 8 * j + 2 * t;  // even; Mp is a multiple of 4
-        tsc[j][0] = m < a.Mp ? __ldg(xs + m) * sw : 0.f;
-        tsc[j][1] = m < a.Mp ? __ldg(xs + m + 1) * sw : 0.f;
-      }
       mbar_wait(&full[s], (it / ST) & 1);
       const uint32_t base = smem_u32(smem + s * STAGE);
       wgmma_fence();
@@ -177,7 +185,16 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
       for (int ks = 0; ks < BK / 32; ++ks)
         wgmma<TN>(blk, desc_sw128(base + wg * ROWS * BK + 32 * ks), desc_sw128(base + WB + 32 * ks), ks);
       wgmma_commit();
+      const float sw = wsc[wg * a.kblocks + it];
+      float tsc[TN / 8][2];  // this thread's tokens' scales times the weight block's (zero past Mp)
+#pragma unroll
+      for (int j = 0; j < TN / 8; ++j) {
+        const int m = 8 * j + 2 * t;  // even; Mp is a multiple of 4
+        tsc[j][0] = tok0 + m < a.Mp ? xsc[s * TN + m] * sw : 0.f;
+        tsc[j][1] = tok0 + m < a.Mp ? xsc[s * TN + m + 1] * sw : 0.f;
+      }
       wgmma_wait0();
+      __syncwarp();
       if (lane == 0) mbar_arrive(&empty[s]);
 #pragma unroll
       for (int j = 0; j < TN / 8; ++j) {
@@ -250,15 +267,21 @@ int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream
   if (!err) err = make_map(&xmap, X, a.Mp, a.Kp, TN);
   if (err) return err;
   constexpr int stage = RW * ROWS * BK + TN * BK;
-  constexpr int red = RW * TN / 2 * 128 * 4;  // the split reduction's partials
-  constexpr int smem = (ST * stage > red ? ST * stage : red) + 2 * ST * 8 + 1024;  // + mbarriers + alignment
+  constexpr int red = RW * TN / 2 * 128 * 4;  // the split reduction's partials, over the ring at the end
+  // stages, their token scales, mbarriers, the weight scales; + 1024 for the alignment
+  const int used = ST * stage + ST * TN * 4 + 2 * ST * 8 + RW * a.kblocks * 4;
+  const int smem = (used > red ? used : red) + 1024;
   auto kernel = fp8_gemm_kernel<TN, RW, ST>;
-  static bool raised[64] = {};  // the shared-memory limit, raised once per device
+  static bool raised[64] = {};  // the shared-memory limit, raised to the device's maximum once per device
   int device = 0;
   cudaError_t cerr = cudaGetDevice(&device);
   if (cerr != cudaSuccess) return (int)cerr;
+  int max_smem = 0;
+  cerr = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (cerr != cudaSuccess) return (int)cerr;
+  if (smem > max_smem) return (int)cudaErrorInvalidValue;
   if (device >= 64 || !raised[device]) {
-    cerr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cerr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
     if (cerr != cudaSuccess) return (int)cerr;
     if (device < 64) raised[device] = true;
   }
