@@ -29,9 +29,9 @@ from mxgemm.kernels.act_quant import quantize_1x128_padded
 from mxgemm.timing import copies_for_cold_l2, time_cuda
 
 
-def configs(m: int, kp: int) -> list[dict]:
+def configs(m: int, kp: int, stages=(2, 4)) -> list[dict]:
     out = []
-    for tn, rw, splits, st in itertools.product(fp8_gemm.TOKEN_TILES, (1, 2), (1, 2, 4, 8), (2, 4)):
+    for tn, rw, splits, st in itertools.product(fp8_gemm.TOKEN_TILES, (1, 2), (1, 2, 4, 8), stages):
         cfg = {"TN": tn, "RW": rw, "SPLITS": splits, "ST": st}
         if fp8_gemm.valid_config(cfg, kp) and (tn == 32 or tn < 2 * m):
             out.append(cfg)
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--m", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     dev = mxgemm.describe_device()
     errs = check()
@@ -104,10 +105,10 @@ def main() -> None:
                        "auto": time_cuda([partial(mxgemm.linear, x, w) for w in ws]),
                        "cublas": time_cuda([partial(cublas_block_linear, x, w, None) for w in ws]),
                        "us": {}}  # fmt: skip
-                for cfg in configs(m, kp):
+                for cfg in configs(m, kp, args.stages):
                     row["us"][key(cfg)] = time_cuda([partial(run, x, w, cfg) for w in ws])
                 row["best"] = min(row["us"].items(), key=lambda kv: kv[1])
-                best = next(c for c in configs(m, kp) if key(c) == row["best"][0])
+                best = next(c for c in configs(m, kp, args.stages) if key(c) == row["best"][0])
                 xq, xs = quantize_1x128_padded(x)  # where the time goes: the quantizer, the GEMM, the launch overlap
                 row["quant_us"] = time_cuda([partial(quantize_1x128_padded, x)] * len(ws))
                 row["gemm_us"] = time_cuda([partial(gemm_only, xq, xs, m, w, best) for w in ws])

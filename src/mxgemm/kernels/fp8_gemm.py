@@ -22,6 +22,7 @@ __all__ = ["TOKEN_TILES", "fp8_gemm", "fp8_gemm_status", "library", "valid_confi
 
 _SOURCE = Path(__file__).parent / "csrc" / "fp8_gemm.cu"
 TOKEN_TILES = (32, 64, 128)  # tokens per CTA (wgmma N); more tokens run more CTAs
+STAGES = (2, 3, 4, 6, 8)  # depths of the TMA ring
 
 
 @functools.cache
@@ -47,13 +48,15 @@ def fp8_gemm_status(capability: tuple[int, int] | None) -> Availability:
 
 def valid_config(cfg: dict, k_padded: int) -> bool:
     """``TN`` tokens per CTA (32, 64, 128), ``RW`` 64-row weight tiles per CTA, one consumer warpgroup each (1, 2),
-    ``SPLITS`` K splits in one cluster (1-8, whole 128-deep blocks each), ``ST`` TMA ring stages (2-4)."""
+    ``SPLITS`` K splits in one cluster (1-8, whole 128-deep blocks each), ``ST`` TMA ring stages
+    (``STAGES``, at most 200 KiB in all)."""
     splits = cfg.get("SPLITS")
     return (
         cfg.get("TN") in TOKEN_TILES
         and cfg.get("RW") in (1, 2)
         and splits in range(1, 9)
-        and cfg.get("ST") in (2, 3, 4)
+        and cfg.get("ST") in STAGES
+        and cfg["ST"] * (cfg["RW"] * 64 + cfg["TN"]) * 128 <= 200 * 1024
         and (k_padded // 128) % splits == 0
     )
 

@@ -138,9 +138,6 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
     for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * RW);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // the weight scales do not depend on the kernel before either: staged here once, off the main loop
-  for (int i = tid; i < RW * a.kblocks; i += blockDim.x)
-    wsc[i] = __ldg(a.S + (size_t)((row0 + (i / a.kblocks) * ROWS) / 128) * a.s_stride + kb0 + i % a.kblocks);
   __syncthreads();
 
   float acc[TN / 2];
@@ -173,6 +170,10 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
       }
     }
   } else {  // consumers: RW warpgroups
+    // the weight scales (which do not depend on the kernel before either) staged once, while the first tiles load
+    for (int i = tid; i < RW * a.kblocks; i += 128 * RW)
+      wsc[i] = __ldg(a.S + (size_t)((row0 + (i / a.kblocks) * ROWS) / 128) * a.s_stride + kb0 + i % a.kblocks);
+    asm volatile("bar.sync 1, %0;" ::"r"(128 * RW) : "memory");  // the consumers only
     float blk[TN / 2];
 #pragma unroll
     for (int i = 0; i < TN / 2; ++i) blk[i] = 0.f;
@@ -308,6 +309,8 @@ int launch_st(const void* W, const void* X, const Args& a, int splits, int stage
   if (stages == 2) return launch<TN, RW, 2>(W, X, a, splits, pdl, st);
   if (stages == 3) return launch<TN, RW, 3>(W, X, a, splits, pdl, st);
   if (stages == 4) return launch<TN, RW, 4>(W, X, a, splits, pdl, st);
+  if (stages == 6) return launch<TN, RW, 6>(W, X, a, splits, pdl, st);
+  if (stages == 8) return launch<TN, RW, 8>(W, X, a, splits, pdl, st);
   return (int)cudaErrorInvalidValue;
 }
 
