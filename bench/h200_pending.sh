@@ -55,13 +55,15 @@ for stage in "$@"; do
       ( cd bench && timeout 330 python3 explore_fp8_gemm.py --json "$out/explore-fp8-tma-h200.json" ) \
         > "$out/fp8.log" 2>&1
       tail -42 "$out/fp8.log" ;;
-    fp8-ncu)  # Nsight Compute on the FP8 kernel: 8B o at M = 64, two configs
-      for cfg in tn64-rw1-s2-st4 tn32-rw2-s4-st4; do
-        ( cd bench && timeout 120 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-          --section Occupancy --section LaunchStats -k regex:fp8_gemm -s 2 -c 1 \
-          python3 profile_fp8_gemm.py --n 4096 --k 4096 --m 64 --config $cfg ) > "$out/ncu-$cfg.txt" 2>&1
-        grep -E "Duration|Throughput|Busy|Stall|Warp Cycles|Achieved|Theoretical Occ|Block Limit|Registers|Hit Rate|Bandwidth|Active Warps|Eligible|Issued" "$out/ncu-$cfg.txt" | head -60
-      done ;;
+    fp8-ncu)  # Nsight Compute on the FP8 kernel, 8B o at M = 64: throughput, then the SASS lines with most stall samples
+      ( cd bench && timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+        -k regex:fp8_gemm -s 2 -c 1 -o "$out/fp8" -f python3 profile_fp8_gemm.py --n 4096 --k 4096 --m 64 \
+        --config tn64-rw1-s2-st6 ) > "$out/ncu.log" 2>&1
+      ncu --import "$out/fp8.ncu-rep" --section SpeedOfLight --section WarpStateStats > "$out/ncu-fp8.txt" 2>&1
+      ncu --import "$out/fp8.ncu-rep" --page source --csv --print-source sass > "$out/ncu-sass.csv" 2>&1
+      grep -E "Duration|DRAM Throughput|Warp Cycles Per Issued" "$out/ncu-fp8.txt"
+      python3 bench/top_stalls.py "$out/ncu-sass.csv" 30
+      rm -f "$out/fp8.ncu-rep" ;;
     waves)
       ( cd bench && timeout 240 python3 explore_waves.py --json "$out/explore-waves-h200.json" ) > "$out/waves.log" 2>&1
       tail -52 "$out/waves.log" ;;
