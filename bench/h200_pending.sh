@@ -30,8 +30,8 @@ for stage in "$@"; do
           --model llama3-8b llama3-70b hidden-7168 ) > "$out/tune.txt" 2>&1
       grep -A3 "^real" "$out/tune.txt" ;;
     gate)  # the GPU tests of what changed; stop here if any fails
-      timeout 200 python3 -m pytest tests -q -p no:warnings -m gpu --tb=short -x \
-        -k "small_m or hybrid or graphs or autotune or block128" > /tmp/gate.log 2>&1
+      timeout 240 python3 -m pytest tests -q -p no:warnings -m gpu --tb=short -x \
+        -k "small_m or hybrid or graphs or autotune or block128 or fp8" > /tmp/gate.log 2>&1
       rc=$?; tail -15 /tmp/gate.log > "$out/pytest_gate.txt"; cat "$out/pytest_gate.txt"
       [ "$rc" -eq 0 ] || { echo "gate failed (rc $rc)"; exit 1; } ;;
     ship)  # the tuning file just made replaces the package's copy here, for the benchmarks that follow

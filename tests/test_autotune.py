@@ -209,6 +209,28 @@ def test_hybrid_triton_configs_are_valid_block_scaled_tiles():
                 assert c["BK"] == 128 and 128 % c["BN"] == 0 and k >= c["SPLIT_K"] * c["BK"]
 
 
+def test_hybrid_fp8_tactics_share_the_quantized_regime():
+    """Where our FP8 kernel is built: from the crossover up to M = 256 its configs join cuBLASLt's tactic (first up to
+    M = 64), every config valid for the weight, none twice; above M = 256 cuBLASLt alone; below the crossover none."""
+    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
+    from mxgemm.kernels import fp8_gemm
+
+    b = HybridSM90Backend()
+    for n, k in ((4096, 14336), (130, 96), (57344, 8192)):
+        np_, kp = -(-n // 16) * 16, -(-k // 512) * 512
+        info = {"crossover": 48, "small_m": True, "fp8_sms": 132}
+        w = mxgemm.PreparedWeight(b.name, "hybrid-block128", n, k, {"qdata": torch.empty(np_, kp)}, info)
+        assert all(t["path"] in ("cuda", "triton") for t in b.tactics(47, w))
+        for m in (48, 64, 100, 256):
+            tactics = b.tactics(m, w)
+            assert {"path": "cublas"} in tactics and tactics[0]["path"] == ("fp8" if m <= 64 else "cublas")
+            configs = [t["config"] for t in tactics if t["path"] == "fp8"]
+            assert configs[0] == fp8_gemm.default_config(m, np_, kp, 132) and len(configs) > 8
+            assert len(configs) == len({json.dumps(c, sort_keys=True) for c in configs})
+            assert all(fp8_gemm.valid_config(c, kp) for c in configs)
+        assert b.tactics(257, w) == [{"path": "cublas"}]
+
+
 def test_shipped_h200_file_is_found_and_names_tactics_the_backends_offer():
     """The tuning file in the package: found for an H200, and each entry a tactic its backend would offer."""
     from mxgemm.backends.hybrid_sm90 import crossover_for
@@ -224,7 +246,8 @@ def test_shipped_h200_file_is_found_and_names_tactics_the_backends_offer():
         m, n, k = int(m[1:]), int(n[1:]), int(k[1:])
         b = mxgemm.backends.get_backend(backend)
         padded = (-(-n // 16) * 16, -(-k // 512) * 512)
+        info = {"crossover": crossover_for(n, k, fp8=True), "small_m": True, "fp8_sms": 132}
         w = mxgemm.PreparedWeight(backend, "hybrid-block128", n, k, {"qdata": torch.empty(padded, dtype=torch.uint8)},
-                                  {"crossover": crossover_for(n, k), "small_m": True})  # fmt: skip
+                                  info)  # fmt: skip
         assert record["tactic"] in b.tactics(m, w), key
         assert record["us"] <= record["default_us"] and record["failed"] == 0

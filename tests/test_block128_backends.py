@@ -101,6 +101,8 @@ def test_crossover_rule():
     assert crossover_for(28672, 4096, small_m=False) == 1 and crossover_for(28672, 4096) == 17
     assert crossover_for(4096, 14336) == 96 and crossover_for(4096, 4096) == 48
     assert crossover_for(4096, 4096, small_m=False) == 48
+    # with our FP8 kernel the K = 14336 down projection's quantized regime starts where the other mid-size weights' does
+    assert crossover_for(4096, 14336, fp8=True) == 48 and crossover_for(28672, 4096, fp8=True) == 17
 
 
 def test_layer_recipes_and_emulation_of_the_new_recipe():

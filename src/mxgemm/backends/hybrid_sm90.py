@@ -4,11 +4,12 @@ The weight is stored once, re-encoded to FP8 with power-of-two 128x128 block sca
 Below a crossover M (memory-bound decode) our kernels read that weight and multiply it with the bf16/fp16
 activations as given: up to M = 16 a hand-written CUDA kernel (``kernels/csrc/small_m.cu``, built with nvcc on first
 use; without nvcc the Triton kernel takes its place), above that a Triton kernel; at and
-above the crossover (compute-bound prefill) activations are quantized per 1x128 and cuBLASLt runs the blockwise FP8
-GEMM. Recipe ``hybrid-block128``: the first regime is exact with respect to the re-encoded weight (the CUDA kernel
-for ``|x| < 2^64``), which itself differs from the MX weight only as its exactness report says; a weight whose
-re-encoding error exceeds ``MXGEMM_REENCODE_MAX_ERROR`` (relative, default 1e-5) is refused, and ``auto`` then gives
-that layer to the next backend (the exact ``triton`` one).
+above the crossover activations are quantized per 1x128 and a blockwise FP8 GEMM runs: up to M = 64 our TMA/wgmma
+kernel (``kernels/csrc/fp8_gemm.cu``, K split over a cluster; where it is built), above that cuBLASLt (the tuner
+picks either per shape, same numerics). Recipe ``hybrid-block128``: the first regime is exact with respect to the
+re-encoded weight (the CUDA kernel for ``|x| < 2^64``), which itself differs from the MX weight only as its
+exactness report says; a weight whose re-encoding error exceeds ``MXGEMM_REENCODE_MAX_ERROR`` (relative, default
+1e-5) is refused, and ``auto`` then gives that layer to the next backend (the exact ``triton`` one).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import torch
 
 from ..device import DeviceInfo
+from ..kernels import fp8_gemm
 from ..kernels.small_m import MAX_M, accepts, small_m_linear, small_m_status
 from ..kernels.small_m import default_config as small_m_default
 from ..kernels.small_m import valid_config as valid_small_m
@@ -27,21 +29,27 @@ from .cublas_block import blockwise_device_check, cublas_block_linear, prepare_b
 __all__ = ["HybridSM90Backend", "crossover_for", "reencode_max_error"]
 
 
-def crossover_for(n: int, k: int, small_m: bool = True) -> int:
-    """The M from which quantize + cuBLASLt beats our kernels for an [n, k] weight (``small_m``: whether the CUDA
-    small-M kernel is built here).
+def crossover_for(n: int, k: int, small_m: bool = True, fp8: bool = False) -> int:
+    """The M from which quantize + blockwise FP8 beats our exact kernels for an [n, k] weight (``small_m``: whether
+    the CUDA small-M kernel is built here; ``fp8``: whether our FP8 kernel is).
 
-    Measured on the H200 (bench/NOTES.md items 5 and 12): against the Triton kernel cuBLASLt already wins at M=16 on
-    weights of 117M and 470M elements, from M=48 on 16.7M-67M-element weights, and from M=96 on the K=14336 down
-    projection; the CUDA kernel beats cuBLASLt up to M = 8 on every measured weight and at M = 16 on all but the 8B
-    gate_up (3% slower there), so with it no crossover falls below M = 17.
+    Measured on the H200 (bench/NOTES.md items 5, 12 and 18): against the Triton kernel cuBLASLt already wins at M=16
+    on weights of 117M and 470M elements, from M=48 on 16.7M-67M-element weights, and from M=96 on the K=14336 down
+    projection, where our FP8 kernel already wins at M = 64 (1.5x faster than Triton); the CUDA kernel beats cuBLASLt
+    up to M = 8 on every measured weight and at M = 16 on all but the 8B gate_up (3% slower there), so with it no
+    crossover falls below M = 17.
     """
-    rule = 1 if n * k >= 96 * 2**20 else 96 if k >= 12288 else 48
+    rule = 1 if n * k >= 96 * 2**20 else 96 if k >= 12288 and not fp8 else 48
     return max(rule, MAX_M + 1) if small_m else rule
 
 
 # Above this M the Triton path is far from competitive (bench/results/crossover-h200.json): one config is enough.
 _TRITON_VARIANTS_MAX_M = 512
+# Our FP8 kernel is the quantized regime's default up to this M (faster than cuBLASLt on 10 of the 12 projections at
+# M = 64, on 2 at M = 128: bench/NOTES.md item 18) and a tactic up to _FP8_TACTICS_MAX_M.
+_FP8_DEFAULT_MAX_M = 64
+_FP8_TACTICS_MAX_M = 256
+_QUANTIZED_PATHS = ("cublas", "fp8")
 
 
 def reencode_max_error() -> float:
@@ -54,18 +62,20 @@ class HybridSM90Backend(Backend):
     tunable = True
     summary = (
         "one 128x128-block FP8 weight: a CUDA mma kernel for small M and a Triton kernel below the crossover M "
-        "(activations as given), cuBLASLt FP8 above"
+        "(activations as given), our FP8 wgmma kernel or cuBLASLt above"
     )
 
     def check_device(self, device: DeviceInfo) -> Availability:
         answer = blockwise_device_check(device)
         if not answer:
             return answer
-        small = small_m_status(device.capability)
+        small, fp8 = small_m_status(device.capability), fp8_gemm.fp8_gemm_status(device.capability)
+        missing = "; ".join(status.reason for status in (small, fp8) if not status)
         return Availability(
             True,
-            f"{'CUDA kernel up to M = 16, ' if small else ''}Triton below a measured crossover M, cuBLASLt blockwise "
-            f"FP8 above; one weight{'' if small else f' ({small.reason})'}",
+            f"{'CUDA kernel up to M = 16, ' if small else ''}Triton below a measured crossover M, "
+            f"{'our FP8 kernel up to M = 64 and ' if fp8 else ''}cuBLASLt blockwise FP8 above; one weight"
+            f"{f' ({missing})' if missing else ''}",
         )
 
     def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
@@ -80,22 +90,36 @@ class HybridSM90Backend(Backend):
             )
         capability = torch.cuda.get_device_capability(qdata.device) if qdata.is_cuda else None
         info["small_m"] = bool(small_m_status(capability))
-        info["crossover"] = crossover_for(*qdata.shape, small_m=info["small_m"])
+        if fp8_gemm.fp8_gemm_status(capability):
+            info["fp8_sms"] = torch.cuda.get_device_properties(qdata.device).multi_processor_count
+        info["crossover"] = crossover_for(*qdata.shape, small_m=info["small_m"], fp8="fp8_sms" in info)
         return PreparedWeight(self.name, recipe, *qdata.shape, tensors, info)
 
     @staticmethod
     def _default_path(m: int, weight: PreparedWeight) -> str:
         if m >= weight.info["crossover"]:
-            return "cublas"
+            return "fp8" if m <= _FP8_DEFAULT_MAX_M and "fp8_sms" in weight.info else "cublas"
         return "cuda" if m <= MAX_M and weight.info.get("small_m") else "triton"
+
+    @staticmethod
+    def _fp8_default(m: int, weight: PreparedWeight) -> dict:
+        np_, kp = weight.tensors["qdata"].shape
+        return fp8_gemm.default_config(m, np_, kp, weight.info["fp8_sms"])
 
     def tactics(self, m: int, weight: PreparedWeight) -> list[dict]:
         """Paths and configs that compute this M's regime of the recipe, so that no tactic changes the numerics:
-        from the crossover M only cuBLASLt; below it the default first (the CUDA kernel up to M = 16 where it is
-        built, else Triton), then the CUDA kernel's row tiles, K splits and ring depths and Triton configs around
-        its measured default (tile N, split-K, pipeline depth)."""
+        from the crossover M cuBLASLt and (up to M = 256, where built) our FP8 kernel's configs, the default first;
+        below it the default first (the CUDA kernel up to M = 16 where it is built, else Triton), then the CUDA
+        kernel's row tiles, K splits and ring depths and Triton configs around its measured default (tile N,
+        split-K, pipeline depth)."""
         if m >= weight.info["crossover"]:
-            return [{"path": "cublas"}]
+            if m > _FP8_TACTICS_MAX_M or "fp8_sms" not in weight.info:
+                return [{"path": "cublas"}]
+            default = self._fp8_default(m, weight)
+            kp = weight.tensors["qdata"].shape[1]
+            configs = [default] + [c for c in fp8_gemm.tactic_configs(m, kp) if c != default]
+            fp8 = [{"path": "fp8", "config": c} for c in configs]
+            return [*fp8, {"path": "cublas"}] if self._default_path(m, weight) == "fp8" else [{"path": "cublas"}, *fp8]
         from ..kernels.w8a16 import default_config
 
         n, k = weight.out_features, weight.in_features
@@ -123,12 +147,20 @@ class HybridSM90Backend(Backend):
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         m = x.shape[0]
         default = self._default_path(m, weight)
-        if tactic and (tactic["path"] == "cublas") != (default == "cublas"):
+        if tactic and (tactic["path"] in _QUANTIZED_PATHS) != (default in _QUANTIZED_PATHS):
             tactic = None  # a cached tactic of the other regime (its bucket spans the crossover) would change numerics
         path = tactic["path"] if tactic else default
         config = (tactic or {}).get("config")
+        if path == "fp8" and "fp8_sms" not in weight.info:
+            path = "cublas"  # a tuning file's FP8 tactic where the kernel is not built: the same numerics
         if path == "cublas":
             return cublas_block_linear(x, weight, bias)
+        if path == "fp8":
+            qd = weight.tensors["qdata"]
+            if config is None or not fp8_gemm.valid_config(config, qd.shape[1]):
+                config = self._fp8_default(m, weight)  # as for the CUDA kernel: an older tuning file's config
+            y = fp8_gemm.fp8_linear(x, qd, weight.tensors["block_scale"], weight.out_features, config)
+            return finish_output(y, x, bias, weight.out_features)
         n, k = weight.out_features, weight.in_features
         if path == "cuda" and accepts(x):
             if config is not None and not valid_small_m(config, *weight.tensors["qdata"].shape):

@@ -18,11 +18,14 @@ from . import nvcc
 
 logger = logging.getLogger("mxgemm")
 
-__all__ = ["TOKEN_TILES", "fp8_gemm", "fp8_gemm_status", "library", "valid_config"]
+__all__ = ["TOKEN_TILES", "default_config", "fp8_gemm", "fp8_gemm_status", "fp8_linear", "library", "tactic_configs",
+           "valid_config"]  # fmt: skip
 
 _SOURCE = Path(__file__).parent / "csrc" / "fp8_gemm.cu"
 TOKEN_TILES = (32, 64, 128)  # tokens per CTA (wgmma N); more tokens run more CTAs
-STAGES = (2, 3, 4, 6, 8)  # depths of the TMA ring
+STAGES = (2, 4, 6)  # depths of the TMA ring
+_SMEM_PER_SM = 228 * 1024  # SM90
+_MAX_CTAS_PER_SM = 4  # one consumer warpgroup's registers (measured occupancy with 64 tokens)
 
 
 @functools.cache
@@ -46,17 +49,47 @@ def fp8_gemm_status(capability: tuple[int, int] | None) -> Availability:
     return Availability(True, "FP8 wgmma kernel built for sm_90a")
 
 
+def _smem_bytes(cfg: dict, k_padded: int) -> int:
+    """Shared memory of one CTA, as the launcher sizes it (+ 1 KiB the driver reserves)."""
+    tn, rw, st = cfg["TN"], cfg["RW"], cfg["ST"]
+    kblocks = k_padded // 128 // cfg["SPLITS"]
+    return st * (rw * 64 + tn) * 128 + st * tn * 4 + 16 * st + rw * kblocks * 4 + 2048
+
+
+def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
+    """64 tokens per CTA (32 up to M = 32), one warpgroup; 2 K splits while the row tiles number fewer than two per
+    SM; the deepest ring (6, 4, 2) with which every CTA is resident at once. The best or near-best config of each
+    8B / 70B / 7168-hidden projection at M = 64 on the H200 (bench/NOTES.md item 18); the tuner picks per shape."""
+    tn = 32 if m <= 32 else 64
+    tiles = -(-n_padded // 64) * -(-m // tn)
+    splits = 2 if tiles < 2 * sms and (k_padded // 128) % 2 == 0 else 1
+    for st in (6, 4, 2):
+        cfg = {"TN": tn, "RW": 1, "SPLITS": splits, "ST": st}
+        if tiles * splits <= sms * min(_MAX_CTAS_PER_SM, _SMEM_PER_SM // _smem_bytes(cfg, k_padded)):
+            break
+    return cfg
+
+
+def tactic_configs(m: int, k_padded: int) -> list[dict]:
+    """The configs the tuner tries: the token tile that fits M (and 128 above M = 64), one or two warpgroups, 1, 2 or
+    4 K splits, each ring depth."""
+    tiles = (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
+    configs = [{"TN": tn, "RW": rw, "SPLITS": sp, "ST": st} for tn in tiles for rw in (1, 2) for sp in (1, 2, 4)
+               for st in STAGES]  # fmt: skip
+    return [c for c in configs if valid_config(c, k_padded)]
+
+
 def valid_config(cfg: dict, k_padded: int) -> bool:
     """``TN`` tokens per CTA (32, 64, 128), ``RW`` 64-row weight tiles per CTA, one consumer warpgroup each (1, 2),
     ``SPLITS`` K splits in one cluster (1-8, whole 128-deep blocks each), ``ST`` TMA ring stages
-    (``STAGES``, at most 200 KiB in all)."""
+    (``STAGES``), all in one SM's shared memory."""
     splits = cfg.get("SPLITS")
     return (
         cfg.get("TN") in TOKEN_TILES
         and cfg.get("RW") in (1, 2)
         and splits in range(1, 9)
         and cfg.get("ST") in STAGES
-        and cfg["ST"] * (cfg["RW"] * 64 + cfg["TN"]) * 128 <= 200 * 1024
+        and _smem_bytes(cfg, k_padded) <= _SMEM_PER_SM
         and (k_padded // 128) % splits == 0
     )
 
@@ -70,16 +103,20 @@ def fp8_gemm(
     n: int,
     config: dict,
     pdl: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``xq`` e4m3 [Mp, Kp] and ``xs`` fp32 [Mp, Kp/128] (a view with strides (1, Mp)) as the 1x128 quantizer writes
     them, ``qdata`` e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128] -> bf16 [m, n]. ``pdl``: launch as a
-    programmatic dependent of the kernel before (the quantizer), loading the first weight tiles while it runs."""
+    programmatic dependent of the kernel before (the quantizer), loading the first weight tiles while it runs;
+    ``out``: a contiguous bf16 [m, n] to write into."""
     mp, kp = xq.shape
     np_ = qdata.shape[0]
     if not valid_config(config, kp) or xs.stride() != (1, mp) or qdata.shape[1] != kp:
         raise ValueError(f"the FP8 kernel cannot run config {config} on [{mp}, {kp}] x [{np_}, {qdata.shape[1]}]")
     lib = library(torch.cuda.get_device_capability(xq.device))
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device) if out is None else out
+    if y.shape != (m, n) or y.dtype != torch.bfloat16 or not y.is_contiguous():
+        raise ValueError(f"out must be a contiguous bf16 [{m}, {n}] tensor, got {y.dtype} {tuple(y.shape)}")
     p = ctypes.c_void_p
     err = lib.mxgemm_fp8_gemm(
         p(qdata.data_ptr()), p(block_scale.data_ptr()), block_scale.stride(0), p(xq.data_ptr()), p(xs.data_ptr()),
@@ -90,3 +127,12 @@ def fp8_gemm(
     if err:
         raise RuntimeError(f"mxgemm FP8 kernel failed to launch (cudaError {err}) for M={m} config {config}")
     return y
+
+
+def fp8_linear(x: torch.Tensor, qdata: torch.Tensor, block_scale: torch.Tensor, n: int, config: dict) -> torch.Tensor:
+    """``x`` [M, K] bf16/fp16, quantized per 1x128, times the re-encoded weight -> bf16 [M, n] (the numerics of
+    ``cublas_block_linear``)."""
+    from .act_quant import quantize_1x128_padded
+
+    xq, xs = quantize_1x128_padded(x)
+    return fp8_gemm(xq, xs, x.shape[0], qdata, block_scale, n, config)

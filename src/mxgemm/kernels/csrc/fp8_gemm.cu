@@ -307,10 +307,8 @@ int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream
 template <int TN, int RW>
 int launch_st(const void* W, const void* X, const Args& a, int splits, int stages, int pdl, cudaStream_t st) {
   if (stages == 2) return launch<TN, RW, 2>(W, X, a, splits, pdl, st);
-  if (stages == 3) return launch<TN, RW, 3>(W, X, a, splits, pdl, st);
   if (stages == 4) return launch<TN, RW, 4>(W, X, a, splits, pdl, st);
   if (stages == 6) return launch<TN, RW, 6>(W, X, a, splits, pdl, st);
-  if (stages == 8) return launch<TN, RW, 8>(W, X, a, splits, pdl, st);
   return (int)cudaErrorInvalidValue;
 }
 
@@ -318,8 +316,8 @@ int launch_st(const void* W, const void* X, const Args& a, int splits, int stage
 
 // The entry point mxgemm calls through ctypes; returns a cudaError_t (0: launched).
 // xq [Mp, Kp] e4m3 and xs [Kp/128, Mp] fp32 as the 1x128 quantizer writes them; tn: tokens per CTA (32, 64, 128;
-// more tokens run more CTAs along z); rw: 64-row weight tiles per CTA (1, 2; 1 with 128 tokens); splits: K splits,
-// one cluster (1-8); stages: TMA ring depth (2-4).
+// more tokens run more CTAs along z); rw: 64-row weight tiles per CTA, a consumer warpgroup each (1, 2); splits: K splits,
+// one cluster (1-8); stages: TMA ring depth (2, 4, 6); pdl: launch as a programmatic dependent of the kernel before.
 extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const void* X, const void* XS, void* Y,
                                int ldy, int M, int Mp, int N, int Np, int Kp, int tn, int rw, int splits, int stages,
                                int pdl, void* stream) {
