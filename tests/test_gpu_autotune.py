@@ -16,7 +16,7 @@ def _twin(x, q, s, backend, tactic):
     activations are quantized)."""
     if backend == "triton":
         return emulate_linear(x, mxgemm.prepare_weight(q, s, backend="emulation"), None)
-    return hybrid_twin(x, q, s, quantized=tactic["path"] == "cublas")
+    return hybrid_twin(x, q, s, quantized=tactic["path"] in ("cublas", "fp8"))
 
 
 @pytest.mark.parametrize("backend", ["triton", "hybrid_sm90"])
