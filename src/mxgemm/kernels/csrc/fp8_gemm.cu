@@ -3,17 +3,17 @@
 // [Np, Kp] with fp32 128x128 block scales; Np % 16 == 0, Kp % 512 == 0), for the M where cuBLASLt's kernel leaves
 // most of the GPU idle: many CTAs, K split over a thread-block cluster.
 //
-// Swap-AB on wgmma.m64nNk32 (e4m3 x e4m3 -> f32): RW x 64 weight rows are the instruction's M, TN tokens its N.
-// A CTA is one consumer warpgroup (warps 0-3) and one producer warp (warp 4). The producer's lane 0 streams each
-// 128-deep K block of the weight tile and the activation tile into a ring of ST shared-memory stages with the tensor
-// memory accelerator (TMA, 128-byte swizzle, rows past the tensor zero-filled), completing on an mbarrier per stage;
-// the consumers run 4 wgmma per block into a block accumulator, free the stage on a second mbarrier, and add the
-// block's product times the weight block's scale and each token's scale into the fp32 result (the two-level
-// accumulation of blockwise FP8: the tensor cores' own accumulation spans one 128-deep block only).
-// gridDim.y (<= 8) splits K; those CTAs form one cluster and rank 0 adds the others' results from distributed shared
-// memory in rank order. Deterministic; one launch (plus the activation quantizer before it).
-// Earlier version (branch history): operands through per-thread cp.async into the no-swizzle layout: correct, but
-// its single warpgroup spent most of each block issuing copies (Nsight Compute: issue-bound, DRAM at 13%).
+// Swap-AB on wgmma.m64nNk32 (e4m3 x e4m3 -> f32): 64 weight rows are the instruction's M, TN tokens its N.
+// A CTA is RW consumer warpgroups (one per 64 weight rows) and one producer warp. The producer's lane 0 streams each
+// 128-deep K block of the weight tiles and the activation tile into a ring of ST shared-memory stages with the tensor
+// memory accelerator (TMA, 128-byte swizzle, rows past the tensor zero-filled), plus the block's token scales (a bulk
+// copy), completing on an mbarrier per stage; with programmatic dependent launch the first stages' weight tiles load
+// while the quantizer still runs. The consumers (the weight block scales staged in shared memory once) run 4 wgmma
+// per block into a block accumulator, free the stage on a second mbarrier, and add the block's product times the
+// weight block's scale and each token's scale into the fp32 result (the two-level accumulation of blockwise FP8: the
+// tensor cores' own accumulation spans one 128-deep block only). gridDim.y (<= 8) splits K; those CTAs form one
+// cluster and rank 0 adds the others' results from distributed shared memory in rank order. Deterministic.
+// Measured versions and what limits this one: bench/NOTES.md items 16 and 18.
 #include <cooperative_groups.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -273,19 +273,18 @@ int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream
   const int used = ST * stage + ST * TN * 4 + 2 * ST * 8 + RW * a.kblocks * 4;
   const int smem = (used > red ? used : red) + 1024;
   auto kernel = fp8_gemm_kernel<TN, RW, ST>;
-  static bool raised[64] = {};  // the shared-memory limit, raised to the device's maximum once per device
+  static int max_smem[64] = {};  // per device: its opt-in shared-memory limit, to which this kernel's is raised once
   int device = 0;
   cudaError_t cerr = cudaGetDevice(&device);
   if (cerr != cudaSuccess) return (int)cerr;
-  int max_smem = 0;
-  cerr = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (cerr != cudaSuccess) return (int)cerr;
-  if (smem > max_smem) return (int)cudaErrorInvalidValue;
-  if (device >= 64 || !raised[device]) {
-    cerr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+  int limit = device < 64 ? max_smem[device] : 0;
+  if (limit == 0) {
+    cerr = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (cerr == cudaSuccess) cerr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
     if (cerr != cudaSuccess) return (int)cerr;
-    if (device < 64) raised[device] = true;
+    if (device < 64) max_smem[device] = limit;
   }
+  if (smem > limit) return (int)cudaErrorInvalidValue;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((a.Np + RW * ROWS - 1) / (RW * ROWS), splits, (a.M + TN - 1) / TN);
   config.blockDim = dim3(128 * RW + 32);
