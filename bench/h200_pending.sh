@@ -5,7 +5,7 @@
 #   gate    the GPU tests of the small-M kernel, hybrid, graphs, autotuning; stops the run when one fails
 #   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
 #   pipeline  the small-M kernel's GPU tests, then bench/explore_small_m_pipeline.py at M = 1 and 16
-#   fp8     the FP8 TMA/wgmma kernel's GPU tests, then bench/explore_fp8_gemm.py (branch wip/fp8-tma)
+#   fp8     the FP8 TMA/wgmma kernel's GPU tests, then bench/explore_fp8_gemm.py (its configs at M = 64/128/256)
 #   waves   bench/explore_waves.py: the small-M kernel's % of floor at M = 1 over N (wave tails or not)
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
 #   e2e     8B-dimension Llama prefill/decode, bf16 vs mxgemm, compiled + CUDA graphs
@@ -50,7 +50,7 @@ for stage in "$@"; do
       ( timeout 400 python3 bench/explore_small_m_pipeline.py --m 1 16 \
           --json "$out/explore-small-m-pipeline-h200.json" ) > "$out/pipeline.log" 2>&1
       tail -28 "$out/pipeline.log" ;;
-    fp8)  # the FP8 TMA/wgmma kernel (branch wip/fp8-tma): its GPU tests, then its exploration
+    fp8)  # the FP8 TMA/wgmma kernel: its GPU tests, then its exploration
       timeout 200 python3 -m pytest tests/test_gpu_fp8_gemm.py -q -p no:warnings --tb=short -x 2>&1 | tail -6
       ( cd bench && timeout 330 python3 explore_fp8_gemm.py --json "$out/explore-fp8-tma-h200.json" ) \
         > "$out/fp8.log" 2>&1
