@@ -20,3 +20,42 @@ def test_invalid_configs_are_refused():
     assert not fp8_gemm.valid_config({"TN": 48, "RW": 1, "SPLITS": 1, "ST": 2}, 512)
     assert not fp8_gemm.valid_config({"TN": 128, "RW": 2, "SPLITS": 1, "ST": 8}, 512)  # not a ring depth
     assert fp8_gemm.valid_config({"TN": 64, "RW": 2, "SPLITS": 4, "ST": 4}, 512)
+
+
+def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):
+    """Without a GPU, the kernels recorded instead of run: up to M = 64 from the crossover the FP8 kernel with its
+    default config or the tactic's, cuBLASLt for a cuBLASLt tactic or where the kernel is not built, the default config
+    for a config it does not know, and below the crossover no quantized tactic at all."""
+    import torch
+
+    import mxgemm
+    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
+
+    ran = []
+
+    def fake_fp8(x, qdata, block_scale, n, config):
+        ran.append(("fp8", config))
+        return torch.zeros(x.shape[0], n, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(fp8_gemm, "fp8_linear", fake_fp8)
+    monkeypatch.setattr("mxgemm.backends.hybrid_sm90.cublas_block_linear", lambda *a: ran.append(("cublas", None)))
+    monkeypatch.setattr("mxgemm.kernels.w8a16.w8a16_linear", lambda *a, **k: ran.append(("triton", None)))
+    tensors = {"qdata": torch.empty(4096, 4096, dtype=torch.uint8), "block_scale": torch.ones(32, 32)}
+    info = {"crossover": 48, "small_m": True, "fp8_sms": 132}
+    w = mxgemm.PreparedWeight("hybrid_sm90", "hybrid-block128", 4096, 4096, tensors, info)
+    b = HybridSM90Backend()
+    x64, x40 = torch.zeros(64, 4096, dtype=torch.bfloat16), torch.zeros(40, 4096, dtype=torch.bfloat16)
+    tuned = {"TN": 32, "RW": 2, "SPLITS": 4, "ST": 2}
+    y = b.run(x64, w, None)
+    assert y.shape == (64, 4096) and y.dtype == torch.bfloat16
+    b.run(x64, w, None, tactic={"path": "fp8", "config": tuned})
+    b.run(x64, w, None, tactic={"path": "fp8", "config": {"TN": 48, "RW": 1}})  # from an older kernel
+    b.run(x64, w, None, tactic={"path": "cublas"})
+    b.run(x40, w, None, tactic={"path": "fp8", "config": tuned})  # a bucket spanning the crossover: not followed
+    default = default_config(64, 4096, 4096, 132)
+    assert ran == [("fp8", default), ("fp8", tuned), ("fp8", default), ("cublas", None), ("triton", None)]
+    ran.clear()
+    del w.info["fp8_sms"]  # a tuning file's FP8 tactic where the kernel is not built
+    b.run(x64, w, None, tactic={"path": "fp8", "config": tuned})
+    b.run(x64, w, None)
+    assert ran == [("cublas", None), ("cublas", None)]
