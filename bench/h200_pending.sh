@@ -6,6 +6,7 @@
 #   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
 #   pipeline  the small-M kernel's GPU tests, then bench/explore_small_m_pipeline.py at M = 1 and 16
 #   fp8     the FP8 TMA/wgmma kernel's GPU tests, then bench/explore_fp8_gemm.py (its configs at M = 64/128/256)
+#   fp8-ncu  Nsight Compute on the FP8 kernel (8B o at M = 64): throughput, warp states, stalls per SASS line
 #   waves   bench/explore_waves.py: the small-M kernel's % of floor at M = 1 over N (wave tails or not)
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
 #   e2e     8B-dimension Llama prefill/decode, bf16 vs mxgemm, compiled + CUDA graphs
