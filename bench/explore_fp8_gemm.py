@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from explore_small_m_pipeline import hybrid, random_mx
+from explore_small_m_pipeline import cold_weights, hybrid, random_mx
 
 import mxgemm
 from mxgemm.backends.cublas_block import cublas_block_linear
@@ -26,7 +26,7 @@ from mxgemm.bench import MODELS, Problem, floor_us
 from mxgemm.block128 import dequantize_block128
 from mxgemm.kernels import fp8_gemm
 from mxgemm.kernels.act_quant import quantize_1x128_padded
-from mxgemm.timing import copies_for_cold_l2, time_cuda
+from mxgemm.timing import time_cuda
 
 
 def configs(m: int, kp: int, stages=(2, 4)) -> list[dict]:
@@ -92,10 +92,7 @@ def main() -> None:
     rows = []
     for model in args.models:
         for n, k, name in MODELS[model]:
-            mx = [random_mx(n, k, seed) for seed in range(copies_for_cold_l2(n * k, dev.l2_bytes))]
-            ws = [hybrid(q, s) for q, s in mx]
-            bf16 = [mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.bfloat16) for q, s in mx]
-            del mx
+            ws, bf16 = cold_weights(n, k, dev.l2_bytes)
             kp = ws[0].tensors["qdata"].shape[1]
             for m in args.m:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

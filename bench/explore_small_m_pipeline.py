@@ -45,6 +45,13 @@ def hybrid(q: torch.Tensor, s: torch.Tensor):
     return mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
 
 
+def cold_weights(n: int, k: int, l2_bytes: int) -> tuple[list, list]:
+    """Enough random [n, k] weights to rotate beyond 3x the L2: each as hybrid_sm90 prepares it, and as bf16 (its
+    exact values) for cuBLAS."""
+    mx = [random_mx(n, k, seed) for seed in range(copies_for_cold_l2(n * k, l2_bytes))]
+    return [hybrid(q, s) for q, s in mx], [mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.bfloat16) for q, s in mx]
+
+
 def run(x, w, cfg):
     return small_m.small_m_linear(x, w.tensors["qdata"], w.tensors["block_scale"], w.out_features, cfg)
 
@@ -80,11 +87,7 @@ def main() -> None:
     rows = []
     for model in args.models:
         for n, k, name in MODELS[model]:
-            copies = copies_for_cold_l2(n * k, dev.l2_bytes)
-            mx = [random_mx(n, k, seed) for seed in range(copies)]
-            ws = [hybrid(q, s) for q, s in mx]
-            bf16 = [mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.bfloat16) for q, s in mx]
-            del mx
+            ws, bf16 = cold_weights(n, k, dev.l2_bytes)
             np_, kp = ws[0].tensors["qdata"].shape
             for m in args.m:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
