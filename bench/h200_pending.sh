@@ -5,7 +5,8 @@
 #   gate    the GPU tests of the small-M kernel, hybrid, graphs, autotuning; stops the run when one fails
 #   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
 #   pipeline  the small-M kernel's GPU tests, then bench/explore_small_m_pipeline.py at M = 1 and 16
-#   fp8     the FP8 TMA/wgmma kernel's GPU tests, then bench/explore_fp8_gemm.py (its configs at M = 64/128/256)
+#   fp8     the FP8 TMA/wgmma kernel's GPU tests, then bench/explore_fp8_gemm.py (its configs at M = 1/16/64)
+#   crossover  bench/crossover.py: the exact regime against cuBLASLt and the FP8 kernel at M = 1-128
 #   fp8-ncu  Nsight Compute on the FP8 kernel (8B o at M = 64): throughput, warp states, stalls per SASS line
 #   waves   bench/explore_waves.py: the small-M kernel's % of floor at M = 1 over N (wave tails or not)
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
@@ -52,26 +53,33 @@ for stage in "$@"; do
           --json "$out/explore-small-m-pipeline-h200.json" ) > "$out/pipeline.log" 2>&1
       tail -28 "$out/pipeline.log" ;;
     fp8)  # the FP8 TMA/wgmma kernel: its GPU tests, then its exploration
-      timeout 200 python3 -m pytest tests/test_gpu_fp8_gemm.py -q -p no:warnings --tb=short -x 2>&1 | tail -6
-      ( cd bench && timeout 330 python3 explore_fp8_gemm.py --json "$out/explore-fp8-tma-h200.json" ) \
+      timeout 240 python3 -m pytest tests/test_gpu_fp8_gemm.py -q -p no:warnings --tb=short -x 2>&1 | tail -6
+      ( cd bench && timeout 300 python3 explore_fp8_gemm.py --m 1 16 64 \
+          --json "$out/explore-fp8-tma-h200.json" ) \
         > "$out/fp8.log" 2>&1
       tail -42 "$out/fp8.log" ;;
-    fp8-ncu)  # Nsight Compute on the FP8 kernel, 8B o at M = 64: throughput, then the SASS lines with most stall samples
+    fp8-ncu)  # Nsight Compute on the FP8 kernel (default: 8B o at M = 64; NCU_N/NCU_K/NCU_M/NCU_CFG pick another):
+      # throughput, warp states, then the SASS lines with the most stall samples
       ( cd bench && timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters \
-        -k regex:fp8_gemm -s 2 -c 1 -o "$out/fp8" -f python3 profile_fp8_gemm.py --n 4096 --k 4096 --m 64 \
-        --config tn64-rw1-s2-st6 ) > "$out/ncu.log" 2>&1
-      ncu --import "$out/fp8.ncu-rep" --section SpeedOfLight --section WarpStateStats > "$out/ncu-fp8.txt" 2>&1
+        --section Occupancy -k regex:fp8_gemm -s 2 -c 1 -o "$out/fp8" -f python3 profile_fp8_gemm.py \
+        --n "${NCU_N:-4096}" --k "${NCU_K:-4096}" --m "${NCU_M:-64}" --config "${NCU_CFG:-tn64-rw1-s2-st6}" ) \
+        > "$out/ncu.log" 2>&1
+      ncu --import "$out/fp8.ncu-rep" --section SpeedOfLight --section WarpStateStats --section Occupancy \
+        > "$out/ncu-fp8.txt" 2>&1
       ncu --import "$out/fp8.ncu-rep" --page source --csv --print-source sass > "$out/ncu-sass.csv" 2>&1
-      grep -E "Duration|DRAM Throughput|Warp Cycles Per Issued" "$out/ncu-fp8.txt"
+      grep -E "Duration|DRAM Throughput|Compute \(SM\)|Warp Cycles Per Issued|Achieved Occupancy" "$out/ncu-fp8.txt"
       python3 bench/top_stalls.py "$out/ncu-sass.csv" 30
       rm -f "$out/fp8.ncu-rep" ;;
+    crossover)  # the exact regime against cuBLASLt and the FP8 kernel, M = 1-128, the three sets
+      ( OUT="$out" timeout 400 python3 bench/crossover.py ) > "$out/crossover.log" 2>&1
+      tail -16 "$out/crossover.log" ;;
     waves)
       ( cd bench && timeout 240 python3 explore_waves.py --json "$out/explore-waves-h200.json" ) > "$out/waves.log" 2>&1
       tail -52 "$out/waves.log" ;;
     bench-8b) bench h200-llama3-8b 300 llama3-8b ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
-    *) echo "usage: $0 gate|tune|pipeline|fp8|fp8-ncu|waves|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
+    *) echo "usage: $0 gate|tune|pipeline|fp8|fp8-ncu|crossover|waves|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
   esac
 done
 # at most 8 files come back: the tuning file moves up, the cache folders (lock files) go

@@ -1,5 +1,6 @@
 """The autotuner with a fake tunable backend whose tactics have known costs and known failures."""
 
+import itertools
 import json
 import logging
 import multiprocessing as mp
@@ -216,16 +217,18 @@ def test_hybrid_fp8_tactics_share_the_quantized_regime():
     from mxgemm.kernels import fp8_gemm
 
     b = HybridSM90Backend()
-    for n, k in ((4096, 14336), (130, 96), (57344, 8192)):
+    for (n, k), crossover in itertools.product(((4096, 14336), (130, 96), (57344, 8192)), (1, 48)):
         np_, kp = -(-n // 16) * 16, -(-k // 512) * 512
-        info = {"crossover": 48, "small_m": True, "fp8_sms": 132}
+        info = {"crossover": crossover, "small_m": True, "fp8_sms": 132}
         w = mxgemm.PreparedWeight(b.name, "hybrid-block128", n, k, {"qdata": torch.empty(np_, kp)}, info)
-        assert all(t["path"] in ("cuda", "triton") for t in b.tactics(47, w))
-        for m in (48, 64, 100, 256):
+        assert all(t["path"] in ("cuda", "triton") for t in b.tactics(crossover - 1, w)) or crossover == 1
+        for m in (1, 5, 16, 48, 64, 100, 256)[0 if crossover == 1 else 3 :]:
             tactics = b.tactics(m, w)
             assert {"path": "cublas"} in tactics and tactics[0]["path"] == ("fp8" if m <= 64 else "cublas")
             configs = [t["config"] for t in tactics if t["path"] == "fp8"]
             assert configs[0] == fp8_gemm.default_config(m, np_, kp, 132) and len(configs) > 8
+            assert {c["TN"] for c in configs} == ({min(t for t in fp8_gemm.TOKEN_TILES if t >= m)} if m <= 64 else
+                                                  {64, 128})  # fmt: skip
             assert len(configs) == len({json.dumps(c, sort_keys=True) for c in configs})
             assert all(fp8_gemm.valid_config(c, kp) for c in configs)
         assert b.tactics(257, w) == [{"path": "cublas"}]

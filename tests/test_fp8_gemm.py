@@ -11,6 +11,7 @@ def test_fp8_default_config_fills_the_gpu_once():
     assert default_config(64, 10240, 8192, 132) == {"TN": 64, "RW": 1, "SPLITS": 2, "ST": 4}  # 70B qkv: 320 CTAs
     assert default_config(64, 57344, 8192, 132) == {"TN": 64, "RW": 1, "SPLITS": 1, "ST": 2}  # 70B gate_up: 896
     assert default_config(20, 4096, 4096, 132)["TN"] == 32 and default_config(100, 4096, 4096, 132)["TN"] == 64
+    assert default_config(1, 4096, 4096, 132)["TN"] == 8 and default_config(16, 4096, 4096, 132)["TN"] == 16
     assert default_config(64, 4096, 4224, 132)["SPLITS"] == 1  # 33 K blocks: no even split
 
 

@@ -75,7 +75,9 @@ def test_poisoned_output_is_fully_written():
     x = random_act(100, 4608, device="cuda")
     xq, xs = quantize_1x128_padded(x)
     qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
-    for cfg in ({"TN": 64, "RW": 2, "SPLITS": 4, "ST": 2}, {"TN": 32, "RW": 1, "SPLITS": 1, "ST": 6}):
+    configs = ({"TN": 64, "RW": 2, "SPLITS": 4, "ST": 2}, {"TN": 32, "RW": 1, "SPLITS": 1, "ST": 6},
+               {"TN": 8, "RW": 1, "SPLITS": 2, "ST": 4})  # fmt: skip
+    for cfg in configs:
         out = torch.full((100, 4160), float("nan"), device="cuda", dtype=torch.bfloat16)
         fp8_gemm.fp8_gemm(xq, xs, 100, qd, bs, 4160, cfg, out=out)
         assert torch.isfinite(out).all(), cfg

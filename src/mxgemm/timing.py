@@ -19,11 +19,14 @@ def copies_for_cold_l2(bytes_per_copy: int, l2_bytes: int | None, factor: int = 
     return max(2, -(-factor * l2 // max(bytes_per_copy, 1)))
 
 
-def time_cuda(calls: Sequence[Callable[[], object]], *, replays: int = 15, replay_ms: float = 2.0) -> float:
+def time_cuda(
+    calls: Sequence[Callable[[], object]], *, replays: int = 15, replay_ms: float = 2.0, warmup_ms: float = 0.0
+) -> float:
     """Median microseconds per call of ``calls`` (each reading its own operand copy), replayed as a CUDA graph.
 
     Each replay runs the calls round-robin, as many rounds as make it last about ``replay_ms`` (so it is long
-    enough for event timing and the operands rotate out of L2), at most 50.
+    enough for event timing and the operands rotate out of L2), at most 50. Before the timed replays the graph
+    replays once, or for about ``warmup_ms`` (``bench/diag_data.py`` compares the two: bench/NOTES.md item 19).
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -44,7 +47,8 @@ def time_cuda(calls: Sequence[Callable[[], object]], *, replays: int = 15, repla
         for _ in range(rounds):
             for f in calls:
                 f()
-    graph.replay()
+    for _ in range(max(1, round(warmup_ms / (rounds * per_round_ms)))):
+        graph.replay()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]

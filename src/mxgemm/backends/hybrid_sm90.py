@@ -1,15 +1,16 @@
 """``hybrid_sm90``: one stored weight for both regimes on Hopper.
 
 The weight is stored once, re-encoded to FP8 with power-of-two 128x128 block scales (as ``cublas_block`` stores it).
-Below a crossover M (memory-bound decode) our kernels read that weight and multiply it with the bf16/fp16
-activations as given: up to M = 16 a hand-written CUDA kernel (``kernels/csrc/small_m.cu``, built with nvcc on first
-use; without nvcc the Triton kernel takes its place), above that a Triton kernel; at and
-above the crossover activations are quantized per 1x128 and a blockwise FP8 GEMM runs: up to M = 64 our TMA/wgmma
-kernel (``kernels/csrc/fp8_gemm.cu``, K split over a cluster; where it is built), above that cuBLASLt (the tuner
-picks either per shape, same numerics). Recipe ``hybrid-block128``: the first regime is exact with respect to the
-re-encoded weight (the CUDA kernel for ``|x| < 2^64``), which itself differs from the MX weight only as its
-exactness report says; a weight whose re-encoding error exceeds ``MXGEMM_REENCODE_MAX_ERROR`` (relative, default
-1e-5) is refused, and ``auto`` then gives that layer to the next backend (the exact ``triton`` one).
+Below a crossover M (memory-bound decode) our kernels read that weight and multiply it with the bf16/fp16 activations as
+given: up to M = 16 a hand-written CUDA kernel (``kernels/csrc/small_m.cu``, built with nvcc on first use; without nvcc
+the Triton kernel takes its place), above that a Triton kernel; at and above the crossover activations are quantized per
+1x128 and a blockwise FP8 GEMM runs: up to M = 64 our TMA/wgmma kernel (``kernels/csrc/fp8_gemm.cu``, K split over a
+cluster; where it is built), above that cuBLASLt (the tuner picks either per shape, same numerics). Where our FP8 kernel
+is built, the crossover of large weights is M = 1: it streams them faster than the exact kernels even at decode
+(``crossover_for``). Recipe ``hybrid-block128``: the first regime is exact with respect to the re-encoded weight (the
+CUDA kernel for ``|x| < 2^64``), which itself differs from the MX weight only as its exactness report says; a weight
+whose re-encoding error exceeds ``MXGEMM_REENCODE_MAX_ERROR`` (relative, default 1e-5) is refused, and ``auto`` then
+gives that layer to the next backend (the exact ``triton`` one).
 """
 
 from __future__ import annotations
@@ -33,13 +34,17 @@ def crossover_for(n: int, k: int, small_m: bool = True, fp8: bool = False) -> in
     """The M from which quantize + blockwise FP8 beats our exact kernels for an [n, k] weight (``small_m``: whether
     the CUDA small-M kernel is built here; ``fp8``: whether our FP8 kernel is).
 
-    Measured on the H200 (bench/NOTES.md items 5, 12 and 18): against the Triton kernel cuBLASLt already wins at M=16
-    on weights of 117M and 470M elements, from M=48 on 16.7M-67M-element weights, and from M=96 on the K=14336 down
-    projection, where our FP8 kernel already wins at M = 64 (1.5x faster than Triton); the CUDA kernel beats cuBLASLt
-    up to M = 8 on every measured weight and at M = 16 on all but the 8B gate_up (3% slower there), so with it no
-    crossover falls below M = 17.
+    Measured on the H200 (bench/NOTES.md items 5, 12, 18 and 19). Our FP8 kernel, with 8 or 16 tokens per CTA, streams
+    large weights faster than the exact kernels from M = 1: it wins from M = 1 on every weight of 96Mi elements or more
+    (117M-470M), from M = 16 on the 51M-84M ones (at M = 8 2-9% slower on four of five), from M = 32 on the 17M and 25M
+    ones. Without it: against the Triton kernel cuBLASLt already wins at M = 16 on weights of 117M and 470M elements,
+    from M = 48 on 16.7M-67M-element weights, and from M = 96 on the K = 14336 down projection; the CUDA kernel beats
+    cuBLASLt up to M = 8 on every measured weight and at M = 16 on all but the 8B gate_up (3% slower there), so with it
+    no crossover falls below M = 17.
     """
-    rule = 1 if n * k >= 96 * 2**20 else 96 if k >= 12288 and not fp8 else 48
+    if fp8:
+        return 1 if n * k >= 96 * 2**20 else 16 if n * k >= 32 * 2**20 else 32
+    rule = 1 if n * k >= 96 * 2**20 else 96 if k >= 12288 else 48
     return max(rule, MAX_M + 1) if small_m else rule
 
 

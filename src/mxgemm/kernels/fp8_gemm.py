@@ -22,10 +22,15 @@ __all__ = ["TOKEN_TILES", "default_config", "fp8_gemm", "fp8_gemm_status", "fp8_
            "valid_config"]  # fmt: skip
 
 _SOURCE = Path(__file__).parent / "csrc" / "fp8_gemm.cu"
-TOKEN_TILES = (32, 64, 128)  # tokens per CTA (wgmma N); more tokens run more CTAs
+TOKEN_TILES = (8, 16, 32, 64, 128)  # tokens per CTA (wgmma N); more tokens run more CTAs
 STAGES = (2, 4, 6)  # depths of the TMA ring
 _SMEM_PER_SM = 228 * 1024  # SM90
-_MAX_CTAS_PER_SM = 4  # one consumer warpgroup's registers (measured occupancy with 64 tokens)
+
+
+def _max_ctas_per_sm(tn: int) -> int:
+    """CTAs one SM holds by registers: 4 with 32-128 tokens (96+ registers per thread; measured), 8 with 8-16 (~45,
+    ptxas)."""
+    return 4 if tn >= 32 else 8
 
 
 @functools.cache
@@ -57,15 +62,16 @@ def _smem_bytes(cfg: dict, k_padded: int) -> int:
 
 
 def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
-    """64 tokens per CTA (32 up to M = 32), one warpgroup; 2 K splits while the row tiles number fewer than two per
-    SM; the deepest ring (6, 4, 2) with which every CTA is resident at once. The best or near-best config of each
-    8B / 70B / 7168-hidden projection at M = 64 on the H200 (bench/NOTES.md item 18); the tuner picks per shape."""
-    tn = 32 if m <= 32 else 64
+    """The smallest token tile that holds M (64 above), one warpgroup; 2 K splits while the row tiles number fewer
+    than two per SM; the deepest ring (6, 4, 2) with which every CTA is resident at once. The best or near-best
+    config of each 8B / 70B / 7168-hidden projection at M = 64 on the H200, within 6% of the best at M = 1 and 16 on
+    every one (bench/NOTES.md items 18 and 19); the tuner picks per shape."""
+    tn = next(t for t in TOKEN_TILES if t >= min(m, 64))
     tiles = -(-n_padded // 64) * -(-m // tn)
     splits = 2 if tiles < 2 * sms and (k_padded // 128) % 2 == 0 else 1
     for st in (6, 4, 2):
         cfg = {"TN": tn, "RW": 1, "SPLITS": splits, "ST": st}
-        if tiles * splits <= sms * min(_MAX_CTAS_PER_SM, _SMEM_PER_SM // _smem_bytes(cfg, k_padded)):
+        if tiles * splits <= sms * min(_max_ctas_per_sm(tn), _SMEM_PER_SM // _smem_bytes(cfg, k_padded)):
             break
     return cfg
 
@@ -73,14 +79,15 @@ def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
 def tactic_configs(m: int, k_padded: int) -> list[dict]:
     """The configs the tuner tries: the token tile that fits M (and 128 above M = 64), one or two warpgroups, 1, 2 or
     4 K splits, each ring depth."""
-    tiles = (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
+    fit = next(t for t in TOKEN_TILES if t >= min(m, 64))
+    tiles = (fit,) if m <= 64 else (64, 128)
     configs = [{"TN": tn, "RW": rw, "SPLITS": sp, "ST": st} for tn in tiles for rw in (1, 2) for sp in (1, 2, 4)
                for st in STAGES]  # fmt: skip
     return [c for c in configs if valid_config(c, k_padded)]
 
 
 def valid_config(cfg: dict, k_padded: int) -> bool:
-    """``TN`` tokens per CTA (32, 64, 128), ``RW`` 64-row weight tiles per CTA, one consumer warpgroup each (1, 2),
+    """``TN`` tokens per CTA (``TOKEN_TILES``), ``RW`` 64-row weight tiles per CTA, one consumer warpgroup each (1, 2),
     ``SPLITS`` K splits in one cluster (1-8, whole 128-deep blocks each), ``ST`` TMA ring stages
     (``STAGES``), all in one SM's shared memory."""
     splits = cfg.get("SPLITS")

@@ -78,6 +78,20 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 
+__device__ __forceinline__ void wgmma_n8(float (&d)[4], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, %4, %5, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_n16(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
 __device__ __forceinline__ void wgmma_n32(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
@@ -102,6 +116,8 @@ __device__ __forceinline__ void wgmma_n128(float (&d)[64], uint64_t a, uint64_t 
 
 template <int TN>
 __device__ __forceinline__ void wgmma(float (&d)[TN / 2], uint64_t a, uint64_t b, int accumulate) {
+  if constexpr (TN == 8) wgmma_n8(d, a, b, accumulate);
+  if constexpr (TN == 16) wgmma_n16(d, a, b, accumulate);
   if constexpr (TN == 32) wgmma_n32(d, a, b, accumulate);
   if constexpr (TN == 64) wgmma_n64(d, a, b, accumulate);
   if constexpr (TN == 128) wgmma_n128(d, a, b, accumulate);
@@ -224,7 +240,9 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
         for (int i = 0; i < TN / 2; ++i) acc[i] += other[i * NC + tid];
       }
     }
-    cluster.sync();
+    // the other ranks keep their shared memory until rank 0 has read it; nothing is published here, so the arrive
+    // needs no release (cluster.sync's release fence shows in the stall samples: bench/NOTES.md item 18)
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;" ::: "memory");
     if (cluster.block_rank() != 0) return;
   }
   if (wg == RW) return;
@@ -314,8 +332,8 @@ int launch_st(const void* W, const void* X, const Args& a, int splits, int stage
 }  // namespace
 
 // The entry point mxgemm calls through ctypes; returns a cudaError_t (0: launched).
-// xq [Mp, Kp] e4m3 and xs [Kp/128, Mp] fp32 as the 1x128 quantizer writes them; tn: tokens per CTA (32, 64, 128;
-// more tokens run more CTAs along z); rw: 64-row weight tiles per CTA, a consumer warpgroup each (1, 2); splits: K splits,
+// xq [Mp, Kp] e4m3 and xs [Kp/128, Mp] fp32 as the 1x128 quantizer writes them; tn: tokens per CTA (8-128; more
+// tokens run more CTAs along z); rw: 64-row weight tiles per CTA, a consumer warpgroup each (1, 2); splits: K splits,
 // one cluster (1-8); stages: TMA ring depth (2, 4, 6); pdl: launch as a programmatic dependent of the kernel before.
 extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const void* X, const void* XS, void* Y,
                                int ldy, int M, int Mp, int N, int Np, int Kp, int tn, int rw, int splits, int stages,
@@ -324,11 +342,15 @@ extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const
   const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0};
   cudaStream_t st = (cudaStream_t)stream;
   if (rw == 2) {
+    if (tn == 8) return launch_st<8, 2>(W, X, a, splits, stages, pdl, st);
+    if (tn == 16) return launch_st<16, 2>(W, X, a, splits, stages, pdl, st);
     if (tn == 32) return launch_st<32, 2>(W, X, a, splits, stages, pdl, st);
     if (tn == 64) return launch_st<64, 2>(W, X, a, splits, stages, pdl, st);
     if (tn == 128) return launch_st<128, 2>(W, X, a, splits, stages, pdl, st);
     return (int)cudaErrorInvalidValue;
   }
+  if (tn == 8) return launch_st<8, 1>(W, X, a, splits, stages, pdl, st);
+  if (tn == 16) return launch_st<16, 1>(W, X, a, splits, stages, pdl, st);
   if (tn == 32) return launch_st<32, 1>(W, X, a, splits, stages, pdl, st);
   if (tn == 64) return launch_st<64, 1>(W, X, a, splits, stages, pdl, st);
   if (tn == 128) return launch_st<128, 1>(W, X, a, splits, stages, pdl, st);
