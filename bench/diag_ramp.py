@@ -51,9 +51,8 @@ bf = [mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.bfloat16) for q, s in mx]
 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
 g_fp8 = graph_of([partial(mxgemm.linear, x, w) for w in ws], 8)
 g_bf16 = graph_of([partial(F.linear, x, w) for w in bf], 4)
-for _ in range(1):
-    trace("fp8 path", g_fp8, 16)
-    trace("bf16", g_bf16, 8)
+trace("fp8 path", g_fp8, 16)
+trace("bf16", g_bf16, 8)
 
 # the same calls captured anew six times (new graph memory each): one speed, or one per capture?
 for i in range(6):
