@@ -7,6 +7,7 @@
 #   pipeline  the small-M kernel's GPU tests, then bench/explore_small_m_pipeline.py at M = 1 and 16
 #   fp8     the FP8 TMA/wgmma kernel's GPU tests, then bench/explore_fp8_gemm.py (its configs at M = 1/16/64)
 #   crossover  bench/crossover.py: the exact regime against cuBLASLt and the FP8 kernel at M = 1-128
+#   diag    NOTES item 19's open question: the FP8 GEMM's time over activation offsets, then with and without warm-up
 #   fp8-ncu  Nsight Compute on the FP8 kernel (8B o at M = 64): throughput, warp states, stalls per SASS line
 #   waves   bench/explore_waves.py: the small-M kernel's % of floor at M = 1 over N (wave tails or not)
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
@@ -73,13 +74,16 @@ for stage in "$@"; do
     crossover)  # the exact regime against cuBLASLt and the FP8 kernel, M = 1-128, the three sets
       ( OUT="$out" timeout 400 python3 bench/crossover.py ) > "$out/crossover.log" 2>&1
       tail -16 "$out/crossover.log" ;;
+    diag)
+      ( cd bench && timeout 120 python3 diag_offsets.py ) 2>&1 | tail -8
+      timeout 150 python3 bench/diag_data.py 2>&1 | tail -12 ;;
     waves)
       ( cd bench && timeout 240 python3 explore_waves.py --json "$out/explore-waves-h200.json" ) > "$out/waves.log" 2>&1
       tail -52 "$out/waves.log" ;;
     bench-8b) bench h200-llama3-8b 300 llama3-8b ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
-    *) echo "usage: $0 gate|tune|pipeline|fp8|fp8-ncu|crossover|waves|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
+    *) echo "usage: $0 gate|tune|pipeline|fp8|fp8-ncu|crossover|diag|waves|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
   esac
 done
 # at most 8 files come back: the tuning file moves up, the cache folders (lock files) go
