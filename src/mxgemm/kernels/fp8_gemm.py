@@ -61,12 +61,17 @@ def _smem_bytes(cfg: dict, k_padded: int) -> int:
     return st * (rw * 64 + tn) * 128 + st * tn * 4 + 16 * st + rw * kblocks * 4 + 2048
 
 
+def _fitting_tile(m: int) -> int:
+    """The smallest token tile that holds M tokens (64 above M = 64)."""
+    return next(t for t in TOKEN_TILES if t >= min(m, 64))
+
+
 def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
     """The smallest token tile that holds M (64 above), one warpgroup; 2 K splits while the row tiles number fewer
     than two per SM; the deepest ring (6, 4, 2) with which every CTA is resident at once. The best or near-best
     config of each 8B / 70B / 7168-hidden projection at M = 64 on the H200, within 6% of the best at M = 1 and 16 on
     every one (bench/NOTES.md items 18 and 19); the tuner picks per shape."""
-    tn = next(t for t in TOKEN_TILES if t >= min(m, 64))
+    tn = _fitting_tile(m)
     tiles = -(-n_padded // 64) * -(-m // tn)
     splits = 2 if tiles < 2 * sms and (k_padded // 128) % 2 == 0 else 1
     for st in (6, 4, 2):
@@ -79,8 +84,7 @@ def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
 def tactic_configs(m: int, k_padded: int) -> list[dict]:
     """The configs the tuner tries: the token tile that fits M (and 128 above M = 64), one or two warpgroups, 1, 2 or
     4 K splits, each ring depth."""
-    fit = next(t for t in TOKEN_TILES if t >= min(m, 64))
-    tiles = (fit,) if m <= 64 else (64, 128)
+    tiles = (_fitting_tile(m),) if m <= 64 else (64, 128)
     configs = [{"TN": tn, "RW": rw, "SPLITS": sp, "ST": st} for tn in tiles for rw in (1, 2) for sp in (1, 2, 4)
                for st in STAGES]  # fmt: skip
     return [c for c in configs if valid_config(c, k_padded)]
