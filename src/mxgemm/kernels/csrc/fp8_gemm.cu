@@ -329,6 +329,16 @@ int launch_st(const void* W, const void* X, const Args& a, int splits, int stage
   return (int)cudaErrorInvalidValue;
 }
 
+template <int RW>
+int launch_tn(const void* W, const void* X, const Args& a, int tn, int splits, int stages, int pdl, cudaStream_t st) {
+  if (tn == 8) return launch_st<8, RW>(W, X, a, splits, stages, pdl, st);
+  if (tn == 16) return launch_st<16, RW>(W, X, a, splits, stages, pdl, st);
+  if (tn == 32) return launch_st<32, RW>(W, X, a, splits, stages, pdl, st);
+  if (tn == 64) return launch_st<64, RW>(W, X, a, splits, stages, pdl, st);
+  if (tn == 128) return launch_st<128, RW>(W, X, a, splits, stages, pdl, st);
+  return (int)cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 // The entry point mxgemm calls through ctypes; returns a cudaError_t (0: launched).
@@ -341,18 +351,7 @@ extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const
   if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
   const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0};
   cudaStream_t st = (cudaStream_t)stream;
-  if (rw == 2) {
-    if (tn == 8) return launch_st<8, 2>(W, X, a, splits, stages, pdl, st);
-    if (tn == 16) return launch_st<16, 2>(W, X, a, splits, stages, pdl, st);
-    if (tn == 32) return launch_st<32, 2>(W, X, a, splits, stages, pdl, st);
-    if (tn == 64) return launch_st<64, 2>(W, X, a, splits, stages, pdl, st);
-    if (tn == 128) return launch_st<128, 2>(W, X, a, splits, stages, pdl, st);
-    return (int)cudaErrorInvalidValue;
-  }
-  if (tn == 8) return launch_st<8, 1>(W, X, a, splits, stages, pdl, st);
-  if (tn == 16) return launch_st<16, 1>(W, X, a, splits, stages, pdl, st);
-  if (tn == 32) return launch_st<32, 1>(W, X, a, splits, stages, pdl, st);
-  if (tn == 64) return launch_st<64, 1>(W, X, a, splits, stages, pdl, st);
-  if (tn == 128) return launch_st<128, 1>(W, X, a, splits, stages, pdl, st);
+  if (rw == 2) return launch_tn<2>(W, X, a, tn, splits, stages, pdl, st);
+  if (rw == 1) return launch_tn<1>(W, X, a, tn, splits, stages, pdl, st);
   return (int)cudaErrorInvalidValue;
 }
