@@ -75,7 +75,8 @@ for stage in "$@"; do
       ( OUT="$out" timeout 400 python3 bench/crossover.py ) > "$out/crossover.log" 2>&1
       tail -16 "$out/crossover.log" ;;
     diag)
-      ( cd bench && timeout 120 python3 diag_offsets.py ) 2>&1 | tail -8
+      ( cd bench && timeout 200 python3 diag_offsets.py ) > "$out/diag-offsets.log" 2>&1
+      tail -20 "$out/diag-offsets.log"
       timeout 150 python3 bench/diag_data.py 2>&1 | tail -12 ;;
     waves)
       ( cd bench && timeout 240 python3 explore_waves.py --json "$out/explore-waves-h200.json" ) > "$out/waves.log" 2>&1

@@ -31,7 +31,7 @@ from .backends import get_backend
 from .device import DeviceInfo, describe_device
 from .format import MXTensor, dequantize, quantize
 from .resolve import available_backends
-from .timing import copies_for_cold_l2, time_cpu, time_cuda
+from .timing import SETTLE_MS, copies_for_cold_l2, time_cpu, time_cuda
 from .weights import linear, prepare_weight
 
 __all__ = ["DEFAULT_M", "MODELS", "BenchRow", "Problem", "environment", "parse_shapes", "run_bench"]
@@ -133,7 +133,8 @@ def _mx_weights(n: int, k: int, device: torch.device, copies: int) -> list[tuple
 
 
 def _time(calls: Sequence[Callable[[], object]], device: DeviceInfo) -> float:
-    return time_cuda(calls) if device.type == "cuda" else time_cpu(calls[0])
+    """Each contender's operands are made just before it is timed: every one settles for ``SETTLE_MS`` first."""
+    return time_cuda(calls, warmup_ms=SETTLE_MS) if device.type == "cuda" else time_cpu(calls[0])
 
 
 def _fp8_rowwise_calls(x: torch.Tensor, weights) -> list[Callable[[], object]]:
@@ -189,7 +190,7 @@ def _dot_scaled_worker(conn) -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         q0, s0 = weights[0]
         ref = x.float() @ dequantize(MXTensor(q0, s0)).T
-        best, notes = None, []
+        best, notes, settle = None, [], SETTLE_MS  # the weights are new for the first config timed
         for cfg in DOT_SCALED_CONFIGS:
             if (m <= 64) != (cfg["BM"] <= 64) and m not in (64, 256):
                 continue  # the sweep a tuner would prune: small tiles for small M, large for large
@@ -197,7 +198,8 @@ def _dot_scaled_worker(conn) -> None:
             if not (y - ref).norm() <= 1e-2 * ref.norm():
                 notes.append(f"config {cfg} gave wrong results")
                 continue
-            us = time_cuda([lambda q=q, s=s, c=cfg, x=x: dot_scaled_linear(x, q, s, c) for q, s in weights])
+            calls = [lambda q=q, s=s, c=cfg, x=x: dot_scaled_linear(x, q, s, c) for q, s in weights]
+            us, settle = time_cuda(calls, warmup_ms=settle), 0.0
             best = us if best is None else min(best, us)
         conn.send((best, "; ".join(notes)))
 

@@ -8,9 +8,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["copies_for_cold_l2", "time_cpu", "time_cuda"]
+__all__ = ["SETTLE_MS", "copies_for_cold_l2", "time_cpu", "time_cuda"]
 
 DEFAULT_L2_BYTES = 60 * 2**20
+# Untimed replays before timing operands just written: on the H200 the FP8 GEMM read freshly prepared weights ~8%
+# slower for the first 40-100 ms, then at its steady speed for good (bench/diag_settle.py, bench/NOTES.md item 19).
+SETTLE_MS = 100.0
 
 
 def copies_for_cold_l2(bytes_per_copy: int, l2_bytes: int | None, factor: int = 3) -> int:
@@ -26,7 +29,7 @@ def time_cuda(
 
     Each replay runs the calls round-robin, as many rounds as make it last about ``replay_ms`` (so it is long
     enough for event timing and the operands rotate out of L2), at most 50. Before the timed replays the graph
-    replays once, or for about ``warmup_ms`` (``bench/diag_data.py`` compares the two: bench/NOTES.md item 19).
+    replays once, or for about ``warmup_ms`` (``SETTLE_MS`` for operands just written).
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
