@@ -7,24 +7,10 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from diag_settle import graph_of
 
 import mxgemm
 from mxgemm.bench import _mx_weights
-
-
-def graph_of(calls, rounds):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        for _ in range(rounds):
-            for f in calls:
-                f()
-    return g
 
 
 def trace(name, g, per_replay_calls, n=80):
