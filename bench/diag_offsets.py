@@ -1,11 +1,12 @@
-"""Diagnosis for bench/NOTES.md item 19's open question: does the FP8 kernel's time depend on where the quantized
-activations lie in memory? The GEMM alone (no quantizer, no PDL) on the 70B gate_up / down and 7168-hidden gate_up
-at M = 1 and 16, with the activation codes copied to different offsets of one buffer (the scales and the output
-fixed); offset 0 four times first (the same addresses: does the time still change from one call of `time_cuda` to the
-next?). Two values ~8% apart across offsets would say the address decides (e.g. the L2 slices of the lines every CTA
-reads). Each row runs twice: the kernel as built, and a variant whose activation tensor map ends at row M instead of
-Mp (TMA zero-fills the padding rows instead of reading them; its output checked bitwise against the built one's).
-Last, the whole path (`mxgemm.linear`, quantizer included) captured anew six times, as the benchmark does.
+"""Diagnosis for bench/NOTES.md item 20 (item 19's open question): does the FP8 kernel's time depend on where the
+quantized activations lie in memory? The GEMM alone (no quantizer, no PDL) on the 70B gate_up / down and 7168-hidden
+gate_up at M = 1 and 16, with the activation codes copied to different offsets of one buffer (the scales and the
+output fixed); offset 0 four times first (the same addresses: does the time still change from one call of
+`time_cuda` to the next?). Two values ~8% apart across offsets would say the address decides (e.g. the L2 slices of
+the lines every CTA reads). Each row runs twice: the kernel as built, and a variant whose activation tensor map ends
+at row M instead of Mp (TMA zero-fills the padding rows instead of reading them; its output checked bitwise against
+the built one's). Last, the whole path (`mxgemm.linear`, quantizer included) captured anew six times, as the
+benchmark does.
 
 Run on the device: cd bench && PYTHONPATH=../src python3 diag_offsets.py
 """
