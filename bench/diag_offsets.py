@@ -11,15 +11,14 @@ benchmark does.
 Run on the device: cd bench && PYTHONPATH=../src python3 diag_offsets.py
 """
 
-import tempfile
 from functools import partial
-from pathlib import Path
 
 import torch
+from explore_fp8_bounds import patched_library
 from explore_small_m_pipeline import cold_weights
 
 import mxgemm
-from mxgemm.kernels import fp8_gemm, nvcc
+from mxgemm.kernels import fp8_gemm
 from mxgemm.kernels.act_quant import quantize_1x128_padded
 from mxgemm.timing import time_cuda
 
@@ -27,22 +26,12 @@ OFFSETS = [0, 0, 0, 0] + [i * 1024 for i in range(1, 16)] + [i * 65536 for i in 
 SHAPES = ((57344, 8192), (8192, 28672), (36864, 7168))
 
 
-def variant_library(cap):
-    """The kernel with its activation map bounded at row M (a patched copy of the source, built apart)."""
-    src = fp8_gemm._SOURCE.read_text()
-    old = "make_map(&xmap, X, a.Mp, a.Kp, TN)"
-    assert old in src
-    path = Path(tempfile.mkdtemp()) / "fp8_gemm_rows_m.cu"
-    path.write_text(src.replace(old, "make_map(&xmap, X, a.M, a.Kp, TN)"))
-    return nvcc.build(path, cap, suffix="a")
-
-
 def main() -> None:
     props = torch.cuda.get_device_properties(0)
     cap = torch.cuda.get_device_capability()
     built = fp8_gemm.library(cap)
-    libs = {"Mp rows": built, "M rows": variant_library(cap)}
-    libs["M rows"].mxgemm_fp8_gemm.restype = built.mxgemm_fp8_gemm.restype
+    rows_m = [("make_map(&xmap, X, a.Mp, a.Kp, TN)", "make_map(&xmap, X, a.M, a.Kp, TN)")]
+    libs = {"Mp rows": built, "M rows": patched_library("rows-m", rows_m, cap)}
     summary = []
     for n, k in SHAPES:
         ws, bf16 = cold_weights(n, k, props.L2_cache_size)

@@ -1,0 +1,111 @@
+"""Exploration: what bounds the FP8 TMA/wgmma kernel where it is furthest from the floor (bench/NOTES.md item 20's
+next steps): small and mid weights at M = 64 (8B qkv / o / down, 70B and 7168 qkv, 7168 o; 70B down as the control
+that reaches 84%) and the 51M-84M weights at M = 16.
+
+The GEMM alone (activations quantized beforehand, no PDL) in its default config, as built and in variants with one
+part of the work taken out (patched copies of the source, built apart; their outputs are wrong by design, only their
+times count):
+  no-mma     the consumers wait for each stage and free it without multiplying: the ring and the epilogue alone
+  no-act     the producer loads only the weight tiles (no activation tile): half the bytes per stage at M = 64
+  no-reduce  no cluster sum of the K splits (every rank writes its own partial)
+  ring-only  no-mma and no-act: the weight stream through the ring, nothing else
+Reading: no-mma close to as built says the consumers are not the bound; no-act much faster says the activation tile
+(read by every row tile from L2) is, and multicasting it over a cluster of row tiles would pay; ring-only against the
+floor is the most the ring can stream with this many CTAs.
+
+Run on the device: cd bench && PYTHONPATH=../src python3 explore_fp8_bounds.py [--json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+import torch
+from explore_small_m_pipeline import cold_weights
+
+import mxgemm
+from mxgemm.bench import MODELS, Problem, floor_us
+from mxgemm.kernels import fp8_gemm, nvcc
+from mxgemm.kernels.act_quant import quantize_1x128_padded
+from mxgemm.timing import SETTLE_MS, time_cuda
+
+NO_MMA = [("ks < BK / 32; ++ks)", "ks < 0; ++ks)")]
+NO_ACT = [
+    ("mbar_expect_tx(&full[it], STAGE + xs_bytes);", "mbar_expect_tx(&full[it], WB + xs_bytes);"),
+    ("mbar_expect_tx(&full[s], STAGE + xs_bytes);", "mbar_expect_tx(&full[s], WB + xs_bytes);"),
+    ("tma_load(smem + it * STAGE + WB, &xmap, (kb0 + it) * BK, tok0, &full[it]);", ""),
+    ("tma_load(smem + s * STAGE + WB, &xmap, k, tok0, &full[s]);", ""),
+]
+NO_REDUCE = [("if (gridDim.y > 1) {", "if (false) {")]
+VARIANTS = {"no-mma": NO_MMA, "no-act": NO_ACT, "no-reduce": NO_REDUCE, "ring-only": NO_MMA + NO_ACT}
+# (model, projection) rows: at M = 64 the misses and a control, at M = 16 the 51M-84M weights
+ROWS = {64: [("llama3-8b", "qkv"), ("llama3-8b", "o"), ("llama3-8b", "down"), ("llama3-70b", "qkv"),
+             ("hidden-7168", "qkv"), ("hidden-7168", "o"), ("llama3-70b", "down")],
+        16: [("llama3-70b", "o"), ("hidden-7168", "o"), ("llama3-8b", "down")]}  # fmt: skip
+
+
+def patched_library(name: str, replacements: list[tuple[str, str]], capability: tuple[int, int]):
+    """The FP8 kernel's source with each (old, new) replaced (each old must occur once), built apart and loaded."""
+    src = fp8_gemm._SOURCE.read_text()
+    for old, new in replacements:
+        if src.count(old) != 1:
+            raise ValueError(f"variant {name}: {old!r} occurs {src.count(old)} times in {fp8_gemm._SOURCE.name}")
+        src = src.replace(old, new)
+    path = Path(tempfile.mkdtemp()) / f"fp8_gemm_{name.replace('-', '_')}.cu"
+    path.write_text(src)
+    lib = nvcc.build(path, capability, suffix="a")
+    lib.mxgemm_fp8_gemm.restype = fp8_gemm.library(capability).mxgemm_fp8_gemm.restype
+    return lib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    dev = mxgemm.describe_device()
+    cap = torch.cuda.get_device_capability()
+    built = fp8_gemm.library(cap)
+    with ThreadPoolExecutor(len(VARIANTS)) as pool:  # nvcc runs in parallel, one variant each
+        patched = dict(zip(VARIANTS, pool.map(lambda v: patched_library(v, VARIANTS[v], cap), VARIANTS), strict=True))
+    libs = {"as built": built} | patched
+    shapes = {(model, proj): (n, k) for model, projs in MODELS.items() for n, k, proj in projs}
+    rows = []
+    for m, wanted in ROWS.items():
+        for model, proj in wanted:
+            n, k = shapes[(model, proj)]
+            ws, bf16 = cold_weights(n, k, dev.l2_bytes)
+            del bf16
+            np_, kp = ws[0].tensors["qdata"].shape
+            cfg = fp8_gemm.default_config(m, np_, kp, torch.cuda.get_device_properties(0).multi_processor_count)
+            xq, xs = quantize_1x128_padded(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            row = {"model": model, "name": proj, "M": m, "N": n, "K": k, "config": cfg,
+                   "floor_us": floor_us(Problem(m, n, k), dev), "us": {}}  # fmt: skip
+            for variant, lib in libs.items():
+                fp8_gemm.library = lambda _cap, lib=lib: lib
+                calls = [partial(fp8_gemm.fp8_gemm, xq, xs, m, w.tensors["qdata"], w.tensors["block_scale"], n, cfg,
+                                 False) for w in ws]  # fmt: skip
+                row["us"][variant] = time_cuda(calls, warmup_ms=SETTLE_MS)
+            fp8_gemm.library = lambda _cap: built
+            rows.append(row)
+            cells = " ".join(f"{v} {t:6.1f}" for v, t in row["us"].items())
+            print(f"{model} {proj} M={m} floor {row['floor_us']:.1f} {cfg}: {cells}", flush=True)
+            del ws
+            torch.cuda.empty_cache()
+    print("\n| model | shape | M | floor | " + " | ".join(libs) + " | % floor as built |")
+    print("|---|---|---|---|" + "---|" * (len(libs) + 1))
+    for r in rows:
+        cells = " | ".join(f"{r['us'][v]:.1f}" for v in libs)
+        print(f"| {r['model']} | {r['name']} | {r['M']} | {r['floor_us']:.1f} | {cells} | "
+              f"{100 * r['floor_us'] / r['us']['as built']:.0f} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(dev), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
