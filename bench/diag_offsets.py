@@ -34,8 +34,7 @@ def main() -> None:
     libs = {"Mp rows": built, "M rows": patched_library("rows-m", rows_m, cap)}
     summary = []
     for n, k in SHAPES:
-        ws, bf16 = cold_weights(n, k, props.L2_cache_size)
-        del bf16
+        ws, _ = cold_weights(n, k, props.L2_cache_size, bf16=False)
         np_, kp = ws[0].tensors["qdata"].shape
         for m in (1, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -78,8 +78,7 @@ def main() -> None:
     for m, wanted in ROWS.items():
         for model, proj in wanted:
             n, k = shapes[(model, proj)]
-            ws, bf16 = cold_weights(n, k, dev.l2_bytes)
-            del bf16
+            ws, _ = cold_weights(n, k, dev.l2_bytes, bf16=False)
             np_, kp = ws[0].tensors["qdata"].shape
             cfg = fp8_gemm.default_config(m, np_, kp, torch.cuda.get_device_properties(0).multi_processor_count)
             xq, xs = quantize_1x128_padded(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))

@@ -45,11 +45,12 @@ def hybrid(q: torch.Tensor, s: torch.Tensor):
     return mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
 
 
-def cold_weights(n: int, k: int, l2_bytes: int) -> tuple[list, list]:
+def cold_weights(n: int, k: int, l2_bytes: int, bf16: bool = True) -> tuple[list, list]:
     """Enough random [n, k] weights to rotate beyond 3x the L2: each as hybrid_sm90 prepares it, and as bf16 (its
-    exact values) for cuBLAS."""
+    exact values) for cuBLAS (an empty list with ``bf16=False``)."""
     mx = [random_mx(n, k, seed) for seed in range(copies_for_cold_l2(n * k, l2_bytes))]
-    return [hybrid(q, s) for q, s in mx], [mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.bfloat16) for q, s in mx]
+    dense = [mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.bfloat16) for q, s in mx] if bf16 else []
+    return [hybrid(q, s) for q, s in mx], dense
 
 
 def run(x, w, cfg):
