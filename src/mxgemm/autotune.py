@@ -228,6 +228,13 @@ class Autotuner:
         timer = self.timer or _default_timer
         copies = _cold_copies(weight)
         failed = 0
+        if self.timer is None and weight.device.type == "cuda":  # the copies were just written: let them settle
+            from .timing import settle
+
+            try:
+                settle(lambda: [backend.run(x, w, None, tactic=tactics[0]) for w in copies])
+            except Exception as exc:  # the default tactic failing is reported by its measurement below
+                logger.debug("mxgemm: settling %s failed: %s", key, exc)
 
         def measure(tactic: Any) -> float:
             nonlocal failed

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["SETTLE_MS", "copies_for_cold_l2", "time_cpu", "time_cuda"]
+__all__ = ["SETTLE_MS", "copies_for_cold_l2", "settle", "time_cpu", "time_cuda"]
 
 DEFAULT_L2_BYTES = 60 * 2**20
 # Untimed replays before timing operands just written: on the H200 the FP8 GEMM read freshly prepared weights ~8%
@@ -64,6 +64,15 @@ def time_cuda(
     per_call = [s.elapsed_time(e) * 1e3 / (rounds * len(calls)) for s, e in zip(starts, ends, strict=True)]
     del graph
     return statistics.median(per_call)
+
+
+def settle(fn: Callable[[], object], ms: float = SETTLE_MS) -> None:
+    """Run ``fn`` (GPU work) back to back, untimed, for about ``ms`` milliseconds: the operands it reads, if just
+    written, read at their steady speed afterwards."""
+    deadline = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < deadline:
+        fn()
+        torch.cuda.synchronize()
 
 
 def time_cpu(call: Callable[[], object], *, repeats: int = 5) -> float:
