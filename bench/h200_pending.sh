@@ -12,6 +12,8 @@
 #           cluster sum, where it is furthest from the floor (M = 64 small weights, M = 16 mid ones)
 #   stream  bench/explore_stream_floor.py: a call's fixed cost against its bytes (empty kernel, pure read, bf16 GEMV,
 #           the FP8 kernel as built / ring-only / tensor maps prefetched) on N = 4096, K = 1024-28672
+#   depth   bench/explore_fp8_depth.py: the FP8 kernel with rings of 8-12 stages beside 2-6, every one-warpgroup config
+#           on the M = 64 and M = 16 misses (outputs compared bitwise with the default config's)
 #   fp8-ncu  Nsight Compute on the FP8 kernel (8B o at M = 64): throughput, warp states, stalls per SASS line
 #   waves   bench/explore_waves.py: the small-M kernel's % of floor at M = 1 over N (wave tails or not)
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
@@ -86,6 +88,10 @@ for stage in "$@"; do
       ( cd bench && timeout 300 python3 explore_stream_floor.py --json "$out/explore-stream-floor-h200.json" ) \
         > "$out/stream.log" 2>&1
       tail -12 "$out/stream.log" ;;
+    depth)
+      ( cd bench && timeout 400 python3 explore_fp8_depth.py --json "$out/explore-fp8-depth-h200.json" ) \
+        > "$out/depth.log" 2>&1
+      tail -14 "$out/depth.log" ;;
     bounds)
       ( cd bench && timeout 300 python3 explore_fp8_bounds.py --json "$out/explore-fp8-bounds-h200.json" ) \
         > "$out/bounds.log" 2>&1
@@ -96,7 +102,7 @@ for stage in "$@"; do
     bench-8b) bench h200-llama3-8b 300 llama3-8b ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
-    *) echo "usage: $0 gate|tune|pipeline|fp8|bounds|stream|fp8-ncu|crossover|diag|waves|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
+    *) echo "usage: $0 gate|tune|pipeline|fp8|bounds|stream|depth|fp8-ncu|crossover|diag|waves|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
   esac
 done
 # at most 8 files come back: the tuning file moves up, the cache folders (lock files) go
