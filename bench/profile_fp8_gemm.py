@@ -1,7 +1,9 @@
 """Run the FP8 TMA/wgmma kernel a few times on one shape and config, for Nsight Compute:
 
 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats -k regex:fp8_gemm -c 1 \\
-    python3 profile_fp8_gemm.py --n 4096 --k 4096 --m 64 --config tn64-rw1-s2-st4
+    python3 profile_fp8_gemm.py --n 4096 --k 4096 --m 64 --config tn64-rw1-s2-st4 [--variant ring-only]
+
+``--variant`` runs one of explore_fp8_bounds.py's patched builds (no-mma, no-act, no-reduce, ring-only) instead.
 """
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+from explore_fp8_bounds import VARIANTS, patched_library
 from explore_fp8_gemm import run
 from explore_small_m_pipeline import hybrid, random_mx
+
+from mxgemm.kernels import fp8_gemm
 
 
 def main() -> None:
@@ -19,7 +24,11 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--m", type=int, default=64)
     parser.add_argument("--config", default="tn64-rw1-s2-st4")
+    parser.add_argument("--variant", choices=list(VARIANTS))
     args = parser.parse_args()
+    if args.variant:
+        lib = patched_library(args.variant, VARIANTS[args.variant], torch.cuda.get_device_capability())
+        fp8_gemm.library = lambda _cap: lib
     tn, rw, s, st = (int(part[2:] if part[:2] in ("tn", "rw", "st") else part[1:]) for part in args.config.split("-"))
     cfg = {"TN": tn, "RW": rw, "SPLITS": s, "ST": st}
     w = hybrid(*random_mx(args.n, args.k, 0))
