@@ -31,8 +31,10 @@ from mxgemm.timing import time_cuda
 
 def configs(m: int, kp: int, stages=(2, 4, 6)) -> list[dict]:
     out = []
-    for tn, rw, splits, st in itertools.product(fp8_gemm.TOKEN_TILES, (1, 2), (1, 2, 4), stages):
-        cfg = {"TN": tn, "RW": rw, "SPLITS": splits, "ST": st}
+    for tn, (rw, kc), splits, st in itertools.product(
+        fp8_gemm.TOKEN_TILES, ((1, 1), (2, 1), (1, 2)), (1, 2, 4), stages
+    ):
+        cfg = {"TN": tn, "RW": rw, "SPLITS": splits, "ST": st} | ({"KC": kc} if kc > 1 else {})
         near = [t for t in fp8_gemm.TOKEN_TILES if t >= min(m, 64) / 2][:3]  # the tiles around M
         if fp8_gemm.valid_config(cfg, kp) and tn in near:
             out.append(cfg)
@@ -40,7 +42,8 @@ def configs(m: int, kp: int, stages=(2, 4, 6)) -> list[dict]:
 
 
 def key(cfg: dict) -> str:
-    return f"tn{cfg['TN']}-rw{cfg['RW']}-s{cfg['SPLITS']}-st{cfg['ST']}"
+    kc = f"-kc{cfg['KC']}" if cfg.get("KC", 1) > 1 else ""
+    return f"tn{cfg['TN']}-rw{cfg['RW']}{kc}-s{cfg['SPLITS']}-st{cfg['ST']}"
 
 
 def run(x, w, cfg, pdl=True):
@@ -107,6 +110,9 @@ def main() -> None:
                 for cfg in timed:
                     row["us"][key(cfg)] = time_cuda([partial(run, x, w, cfg) for w in ws])
                 row["best"] = min(row["us"].items(), key=lambda kv: kv[1])
+                for fam in ("kc1", "kc2"):  # the best with one / two consumer warpgroups per row tile
+                    mine = {c: t for c, t in row["us"].items() if ("-kc2" in c) == (fam == "kc2")}
+                    row[f"best_{fam}"] = min(mine.items(), key=lambda kv: kv[1])
                 best = next(c for c in timed if key(c) == row["best"][0])
                 xq, xs = quantize_1x128_padded(x)  # where the time goes: the quantizer, the GEMM, the launch overlap
                 row["quant_us"] = time_cuda([partial(quantize_1x128_padded, x)] * len(ws))
@@ -115,19 +121,21 @@ def main() -> None:
                 rows.append(row)
                 print(f"{model} {name:8s} M={m:3d} floor {row['floor_us']:6.1f} bf16 {row['bf16']:6.1f} auto "
                       f"{row['auto']:6.1f} cublas {row['cublas']:6.1f} fp8 {row['best'][1]:6.1f} ({row['best'][0]}) "
+                      f"kc1 {row['best_kc1'][1]:6.1f} kc2 {row['best_kc2'][1]:6.1f} "
                       f"quant {row['quant_us']:5.1f} gemm {row['gemm_us']:6.1f} no-pdl {row['no_pdl_us']:6.1f}",
                       flush=True)  # fmt: skip
             del ws, bf16
             torch.cuda.empty_cache()
     print(
-        "\n| model | shape | M | floor | bf16 | auto | cuBLASLt | fp8 best | x bf16 | x auto | config | quant | gemm "
-        "| no PDL |"
+        "\n| model | shape | M | floor | bf16 | auto | cuBLASLt | fp8 best | x bf16 | x auto | config | KC 1 | KC 2 "
+        "| quant | gemm | no PDL |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cfg, us = r["best"]
         print(f"| {r['model']} | {r['name']} | {r['M']} | {r['floor_us']:.1f} | {r['bf16']:.1f} | {r['auto']:.1f} | "
               f"{r['cublas']:.1f} | {us:.1f} | {r['bf16'] / us:.2f} | {r['auto'] / us:.2f} | {cfg} | "
+              f"{r['best_kc1'][1]:.1f} | {r['best_kc2'][1]:.1f} | "
               f"{r['quant_us']:.1f} | {r['gemm_us']:.1f} | {r['no_pdl_us']:.1f} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

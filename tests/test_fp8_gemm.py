@@ -21,6 +21,9 @@ def test_invalid_configs_are_refused():
     assert not fp8_gemm.valid_config({"TN": 48, "RW": 1, "SPLITS": 1, "ST": 2}, 512)
     assert not fp8_gemm.valid_config({"TN": 128, "RW": 2, "SPLITS": 1, "ST": 8}, 512)  # not a ring depth
     assert fp8_gemm.valid_config({"TN": 64, "RW": 2, "SPLITS": 4, "ST": 4}, 512)
+    assert fp8_gemm.valid_config({"TN": 64, "RW": 1, "KC": 2, "SPLITS": 4, "ST": 4}, 512)
+    assert not fp8_gemm.valid_config({"TN": 64, "RW": 2, "KC": 2, "SPLITS": 1, "ST": 4}, 512)  # 544 threads
+    assert not fp8_gemm.valid_config({"TN": 64, "RW": 1, "KC": 3, "SPLITS": 1, "ST": 4}, 512)
 
 
 def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):

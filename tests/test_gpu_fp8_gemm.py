@@ -25,8 +25,10 @@ def _kernel_built():
 
 def _configs(kp: int) -> list[dict]:
     out = []
-    for tn, rw, splits, st in itertools.product(fp8_gemm.TOKEN_TILES, (1, 2), (1, 2, 4, 8), fp8_gemm.STAGES):
-        cfg = {"TN": tn, "RW": rw, "SPLITS": splits, "ST": st}
+    for tn, (rw, kc), splits, st in itertools.product(
+        fp8_gemm.TOKEN_TILES, ((1, 1), (2, 1), (1, 2)), (1, 2, 4, 8), fp8_gemm.STAGES
+    ):
+        cfg = {"TN": tn, "RW": rw, "KC": kc, "SPLITS": splits, "ST": st}
         if fp8_gemm.valid_config(cfg, kp):
             out.append(cfg)
     return out
@@ -76,7 +78,8 @@ def test_poisoned_output_is_fully_written():
     xq, xs = quantize_1x128_padded(x)
     qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
     configs = ({"TN": 64, "RW": 2, "SPLITS": 4, "ST": 2}, {"TN": 32, "RW": 1, "SPLITS": 1, "ST": 6},
-               {"TN": 8, "RW": 1, "SPLITS": 2, "ST": 4})  # fmt: skip
+               {"TN": 8, "RW": 1, "SPLITS": 2, "ST": 4}, {"TN": 128, "RW": 1, "KC": 2, "SPLITS": 2, "ST": 2},
+               {"TN": 16, "RW": 1, "KC": 2, "SPLITS": 1, "ST": 6})  # fmt: skip
     for cfg in configs:
         out = torch.full((100, 4160), float("nan"), device="cuda", dtype=torch.bfloat16)
         fp8_gemm.fp8_gemm(xq, xs, 100, qd, bs, 4160, cfg, out=out)

@@ -27,10 +27,10 @@ STAGES = (2, 4, 6)  # depths of the TMA ring
 _SMEM_PER_SM = 228 * 1024  # SM90
 
 
-def _max_ctas_per_sm(tn: int) -> int:
+def _max_ctas_per_sm(tn: int, kc: int = 1) -> int:
     """CTAs one SM holds by registers: 4 with 32-128 tokens (96+ registers per thread; measured), 8 with 8-16 (~45,
-    ptxas)."""
-    return 4 if tn >= 32 else 8
+    ptxas); half as many with two consumer warpgroups per row tile (``KC`` = 2)."""
+    return (4 if tn >= 32 else 8) // kc
 
 
 @functools.cache
@@ -82,22 +82,22 @@ def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
 
 
 def tactic_configs(m: int, k_padded: int) -> list[dict]:
-    """The configs the tuner tries: the token tile that fits M (and 128 above M = 64), one or two warpgroups, 1, 2 or
-    4 K splits, each ring depth."""
+    """The configs the tuner tries: the token tile that fits M (and 128 above M = 64), one or two row tiles per CTA,
+    one or two consumer warpgroups per row tile (``KC``, with one row tile), 1, 2 or 4 K splits, each ring depth."""
     tiles = (_fitting_tile(m),) if m <= 64 else (64, 128)
-    configs = [{"TN": tn, "RW": rw, "SPLITS": sp, "ST": st} for tn in tiles for rw in (1, 2) for sp in (1, 2, 4)
-               for st in STAGES]  # fmt: skip
+    configs = [{"TN": tn, "RW": rw, "SPLITS": sp, "ST": st} | ({"KC": 2} if kc == 2 else {}) for tn in tiles
+               for rw, kc in ((1, 1), (2, 1), (1, 2)) for sp in (1, 2, 4) for st in STAGES]  # fmt: skip
     return [c for c in configs if valid_config(c, k_padded)]
 
 
 def valid_config(cfg: dict, k_padded: int) -> bool:
-    """``TN`` tokens per CTA (``TOKEN_TILES``), ``RW`` 64-row weight tiles per CTA, one consumer warpgroup each (1, 2),
-    ``SPLITS`` K splits in one cluster (1-8, whole 128-deep blocks each), ``ST`` TMA ring stages
-    (``STAGES``), all in one SM's shared memory."""
+    """``TN`` tokens per CTA (``TOKEN_TILES``), ``RW`` 64-row weight tiles per CTA (1, 2), ``KC`` consumer warpgroups
+    per row tile taking alternate K blocks (1 when absent; 2 with one row tile), ``SPLITS`` K splits in one cluster
+    (1-8, whole 128-deep blocks each), ``ST`` TMA ring stages (``STAGES``), all in one SM's shared memory."""
     splits = cfg.get("SPLITS")
     return (
         cfg.get("TN") in TOKEN_TILES
-        and cfg.get("RW") in (1, 2)
+        and (cfg.get("RW"), cfg.get("KC", 1)) in ((1, 1), (2, 1), (1, 2))
         and splits in range(1, 9)
         and cfg.get("ST") in STAGES
         and _smem_bytes(cfg, k_padded) <= _SMEM_PER_SM
@@ -131,8 +131,8 @@ def fp8_gemm(
     p = ctypes.c_void_p
     err = lib.mxgemm_fp8_gemm(
         p(qdata.data_ptr()), p(block_scale.data_ptr()), block_scale.stride(0), p(xq.data_ptr()), p(xs.data_ptr()),
-        p(y.data_ptr()), y.stride(0), m, mp, n, np_, kp, config["TN"], config["RW"], config["SPLITS"],
-        config["ST"], int(pdl),
+        p(y.data_ptr()), y.stride(0), m, mp, n, np_, kp, config["TN"], config["RW"], config.get("KC", 1),
+        config["SPLITS"], config["ST"], int(pdl),
         p(torch.cuda.current_stream(xq.device).cuda_stream),
     )  # fmt: skip
     if err:

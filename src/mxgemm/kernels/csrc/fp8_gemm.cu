@@ -11,8 +11,10 @@
 // while the quantizer still runs. The consumers (the weight block scales staged in shared memory once) run 4 wgmma
 // per block into a block accumulator, free the stage on a second mbarrier, and add the block's product times the
 // weight block's scale and each token's scale into the fp32 result (the two-level accumulation of blockwise FP8: the
-// tensor cores' own accumulation spans one 128-deep block only). gridDim.y (<= 8) splits K; those CTAs form one
-// cluster and rank 0 adds the others' results from distributed shared memory in rank order. Deterministic.
+// tensor cores' own accumulation spans one 128-deep block only). With KC = 2 each row tile has two consumer
+// warpgroups that take alternate K blocks (one multiplies while the other waits on its wgmma or promotes) and the
+// second's result is added to the first's at the end. gridDim.y (<= 8) splits K; those CTAs form one cluster and rank
+// 0 adds the others' results from distributed shared memory in rank order. Deterministic.
 // Measured versions and what limits this one: bench/NOTES.md items 16 and 18.
 #include <cooperative_groups.h>
 #include <cuda.h>
@@ -131,8 +133,8 @@ struct Args {
   int M, Mp, N, Np, Kp, ldy, kblocks;  // kblocks: 128-deep blocks per split
 };
 
-template <int TN, int RW, int ST>
-__global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_constant__ CUtensorMap wmap,
+template <int TN, int RW, int ST, int KC>
+__global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                  const __grid_constant__ CUtensorMap xmap,
                                                                  const Args a) {
   constexpr int WB = RW * ROWS * BK;   // weight bytes per stage
@@ -144,14 +146,17 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
   uint64_t* full = reinterpret_cast<uint64_t*>(xsc + ST * TN);
   uint64_t* empty = full + ST;
   float* wsc = reinterpret_cast<float*>(empty + ST);  // [RW][kblocks] weight block scales of this CTA
+  constexpr int CT = 128 * RW, NC = CT * KC;  // threads of one K-block group of consumers; all consumer threads
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int wg = warp / 4;  // consumer warpgroup: weight rows row0 + 64 * wg; warpgroup RW is the producer warp
+  // consumer warpgroup wg: weight rows row0 + 64 * (wg % RW), K blocks kc, kc + KC, ... (kc = wg / RW); warpgroup
+  // RW * KC is the producer warp
+  const int wg = warp / 4, r = wg % RW, kc = wg / RW;
   const int row0 = blockIdx.x * RW * ROWS, tok0 = blockIdx.z * TN, kb0 = blockIdx.y * a.kblocks;
   // token scales past Mp are not copied (their activations are zero-filled, their slots masked below)
   const int xs_bytes = (a.Mp - tok0 < TN ? a.Mp - tok0 : TN) * 4;
 
   if (tid == 0) {
-    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * RW);
+    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * RW);  // one K-block group
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -160,7 +165,7 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
 #pragma unroll
   for (int i = 0; i < TN / 2; ++i) acc[i] = 0.f;
 
-  if (wg == RW) {  // producer
+  if (wg == RW * KC) {  // producer
     if (lane == 0) {
       // the weight does not depend on the kernel before this one (the activation quantizer): with programmatic
       // dependent launch this grid starts early, so the first stages' weight tiles load while that kernel runs
@@ -185,24 +190,24 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
         bulk_load(xsc + s * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[s]);
       }
     }
-  } else {  // consumers: RW warpgroups
+  } else {  // consumers: RW x KC warpgroups
     // the weight scales (which do not depend on the kernel before either) staged once, while the first tiles load
-    for (int i = tid; i < RW * a.kblocks; i += 128 * RW)
+    for (int i = tid; i < RW * a.kblocks; i += NC)
       wsc[i] = __ldg(a.S + (size_t)((row0 + (i / a.kblocks) * ROWS) / 128) * a.s_stride + kb0 + i % a.kblocks);
-    asm volatile("bar.sync 1, %0;" ::"r"(128 * RW) : "memory");  // the consumers only
+    asm volatile("bar.sync 1, %0;" ::"r"(NC) : "memory");  // the consumers only
     float blk[TN / 2];
 #pragma unroll
     for (int i = 0; i < TN / 2; ++i) blk[i] = 0.f;
-    for (int it = 0; it < a.kblocks; ++it) {
+    for (int it = kc; it < a.kblocks; it += KC) {
       const int s = it % ST;
       mbar_wait(&full[s], (it / ST) & 1);
       const uint32_t base = smem_u32(smem + s * STAGE);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < BK / 32; ++ks)
-        wgmma<TN>(blk, desc_sw128(base + wg * ROWS * BK + 32 * ks), desc_sw128(base + WB + 32 * ks), ks);
+        wgmma<TN>(blk, desc_sw128(base + r * ROWS * BK + 32 * ks), desc_sw128(base + WB + 32 * ks), ks);
       wgmma_commit();
-      const float sw = wsc[wg * a.kblocks + it];
+      const float sw = wsc[r * a.kblocks + it];
       float tsc[TN / 8][2];  // this thread's tokens' scales times the weight block's (zero past Mp)
 #pragma unroll
       for (int j = 0; j < TN / 8; ++j) {
@@ -221,15 +226,27 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
         acc[4 * j + 3] = fmaf(blk[4 * j + 3], tsc[j][1], acc[4 * j + 3]);
       }
     }
+    if constexpr (KC > 1) {  // the second K-block group's result added to the first's
+      asm volatile("bar.sync 1, %0;" ::"r"(NC) : "memory");  // both groups done with the ring: it holds it now
+      float* part = reinterpret_cast<float*>(smem);             // [TN / 2][CT]
+      if (kc == 1) {
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) part[i * CT + tid - CT] = acc[i];
+      }
+      asm volatile("bar.sync 1, %0;" ::"r"(NC) : "memory");
+      if (kc == 0) {
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) acc[i] += part[i * CT + tid];
+      }
+    }
   }
 
-  constexpr int NC = 128 * RW;  // consumer threads
-  if (gridDim.y > 1) {          // rank 0 of the cluster adds the other ranks' results, in rank order
-    __syncthreads();            // every stage consumed: the ring holds the partials now
-    float* red = reinterpret_cast<float*>(smem);  // [TN / 2][NC]
+  if (gridDim.y > 1) {  // rank 0 of the cluster adds the other ranks' results, in rank order
+    __syncthreads();    // every stage consumed: the ring holds the partials now
+    float* red = reinterpret_cast<float*>(smem);  // [TN / 2][CT]
     if (wg < RW) {
 #pragma unroll
-      for (int i = 0; i < TN / 2; ++i) red[i * NC + tid] = acc[i];
+      for (int i = 0; i < TN / 2; ++i) red[i * CT + tid] = acc[i];
     }
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
@@ -237,7 +254,7 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
       for (unsigned int rank = 1; rank < cluster.num_blocks(); ++rank) {
         const float* other = cluster.map_shared_rank(red, rank);
 #pragma unroll
-        for (int i = 0; i < TN / 2; ++i) acc[i] += other[i * NC + tid];
+        for (int i = 0; i < TN / 2; ++i) acc[i] += other[i * CT + tid];
       }
     }
     // the other ranks keep their shared memory until rank 0 has read it; nothing is published here, so the arrive
@@ -245,7 +262,7 @@ __global__ void __launch_bounds__(128 * RW + 32) fp8_gemm_kernel(const __grid_co
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;" ::: "memory");
     if (cluster.block_rank() != 0) return;
   }
-  if (wg == RW) return;
+  if (wg >= RW) return;  // the producer and the second K-block group
 #pragma unroll
   for (int j = 0; j < TN / 8; ++j)
 #pragma unroll
@@ -276,7 +293,7 @@ int make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_rows
   return res == CUDA_SUCCESS ? 0 : (int)cudaErrorInvalidValue;
 }
 
-template <int TN, int RW, int ST>
+template <int TN, int RW, int ST, int KC>
 int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream_t st) {
   const int blocks = a.Kp / BK;
   a.kblocks = blocks / splits;
@@ -286,11 +303,11 @@ int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream
   if (!err) err = make_map(&xmap, X, a.Mp, a.Kp, TN);
   if (err) return err;
   constexpr int stage = RW * ROWS * BK + TN * BK;
-  constexpr int red = RW * TN / 2 * 128 * 4;  // the split reduction's partials, over the ring at the end
+  constexpr int red = RW * TN / 2 * 128 * 4;  // one group's or split's results, over the ring at the end
   // stages, their token scales, mbarriers, the weight scales; + 1024 for the alignment
   const int used = ST * stage + ST * TN * 4 + 2 * ST * 8 + RW * a.kblocks * 4;
   const int smem = (used > red ? used : red) + 1024;
-  auto kernel = fp8_gemm_kernel<TN, RW, ST>;
+  auto kernel = fp8_gemm_kernel<TN, RW, ST, KC>;
   static int max_smem[64] = {};  // per device: its opt-in shared-memory limit, to which this kernel's is raised once
   int device = 0;
   cudaError_t cerr = cudaGetDevice(&device);
@@ -305,7 +322,7 @@ int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream
   if (smem > limit) return (int)cudaErrorInvalidValue;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((a.Np + RW * ROWS - 1) / (RW * ROWS), splits, (a.M + TN - 1) / TN);
-  config.blockDim = dim3(128 * RW + 32);
+  config.blockDim = dim3(128 * RW * KC + 32);
   config.dynamicSmemBytes = smem;
   config.stream = st;
   cudaLaunchAttribute attr[2];
@@ -321,21 +338,21 @@ int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream
   return (int)(cerr != cudaSuccess ? cerr : cudaGetLastError());
 }
 
-template <int TN, int RW>
+template <int TN, int RW, int KC>
 int launch_st(const void* W, const void* X, const Args& a, int splits, int stages, int pdl, cudaStream_t st) {
-  if (stages == 2) return launch<TN, RW, 2>(W, X, a, splits, pdl, st);
-  if (stages == 4) return launch<TN, RW, 4>(W, X, a, splits, pdl, st);
-  if (stages == 6) return launch<TN, RW, 6>(W, X, a, splits, pdl, st);
+  if (stages == 2) return launch<TN, RW, 2, KC>(W, X, a, splits, pdl, st);
+  if (stages == 4) return launch<TN, RW, 4, KC>(W, X, a, splits, pdl, st);
+  if (stages == 6) return launch<TN, RW, 6, KC>(W, X, a, splits, pdl, st);
   return (int)cudaErrorInvalidValue;
 }
 
-template <int RW>
+template <int RW, int KC>
 int launch_tn(const void* W, const void* X, const Args& a, int tn, int splits, int stages, int pdl, cudaStream_t st) {
-  if (tn == 8) return launch_st<8, RW>(W, X, a, splits, stages, pdl, st);
-  if (tn == 16) return launch_st<16, RW>(W, X, a, splits, stages, pdl, st);
-  if (tn == 32) return launch_st<32, RW>(W, X, a, splits, stages, pdl, st);
-  if (tn == 64) return launch_st<64, RW>(W, X, a, splits, stages, pdl, st);
-  if (tn == 128) return launch_st<128, RW>(W, X, a, splits, stages, pdl, st);
+  if (tn == 8) return launch_st<8, RW, KC>(W, X, a, splits, stages, pdl, st);
+  if (tn == 16) return launch_st<16, RW, KC>(W, X, a, splits, stages, pdl, st);
+  if (tn == 32) return launch_st<32, RW, KC>(W, X, a, splits, stages, pdl, st);
+  if (tn == 64) return launch_st<64, RW, KC>(W, X, a, splits, stages, pdl, st);
+  if (tn == 128) return launch_st<128, RW, KC>(W, X, a, splits, stages, pdl, st);
   return (int)cudaErrorInvalidValue;
 }
 
@@ -343,15 +360,17 @@ int launch_tn(const void* W, const void* X, const Args& a, int tn, int splits, i
 
 // The entry point mxgemm calls through ctypes; returns a cudaError_t (0: launched).
 // xq [Mp, Kp] e4m3 and xs [Kp/128, Mp] fp32 as the 1x128 quantizer writes them; tn: tokens per CTA (8-128; more
-// tokens run more CTAs along z); rw: 64-row weight tiles per CTA, a consumer warpgroup each (1, 2); splits: K splits,
-// one cluster (1-8); stages: TMA ring depth (2, 4, 6); pdl: launch as a programmatic dependent of the kernel before.
+// tokens run more CTAs along z); rw: 64-row weight tiles per CTA, a consumer warpgroup each (1, 2); kc: consumer
+// warpgroups per row tile, taking alternate K blocks (1; 2 with rw = 1); splits: K splits, one cluster (1-8); stages:
+// TMA ring depth (2, 4, 6); pdl: launch as a programmatic dependent of the kernel before.
 extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const void* X, const void* XS, void* Y,
-                               int ldy, int M, int Mp, int N, int Np, int Kp, int tn, int rw, int splits, int stages,
-                               int pdl, void* stream) {
+                               int ldy, int M, int Mp, int N, int Np, int Kp, int tn, int rw, int kc, int splits,
+                               int stages, int pdl, void* stream) {
   if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
   const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0};
   cudaStream_t st = (cudaStream_t)stream;
-  if (rw == 2) return launch_tn<2>(W, X, a, tn, splits, stages, pdl, st);
-  if (rw == 1) return launch_tn<1>(W, X, a, tn, splits, stages, pdl, st);
+  if (rw == 2 && kc == 1) return launch_tn<2, 1>(W, X, a, tn, splits, stages, pdl, st);
+  if (rw == 1 && kc == 1) return launch_tn<1, 1>(W, X, a, tn, splits, stages, pdl, st);
+  if (rw == 1 && kc == 2) return launch_tn<1, 2>(W, X, a, tn, splits, stages, pdl, st);
   return (int)cudaErrorInvalidValue;
 }
