@@ -5,14 +5,19 @@ from mxgemm.kernels.fp8_gemm import default_config
 
 
 def test_fp8_default_config_fills_the_gpu_once():
-    """The FP8 kernel's default: 2 K splits while the row tiles are fewer than two per SM, and the deepest ring with
-    which every CTA is resident (the M = 64 configs measured best on the H200, bench/NOTES.md item 18)."""
-    assert default_config(64, 4096, 4096, 132) == {"TN": 64, "RW": 1, "SPLITS": 2, "ST": 6}  # 8B o: 128 CTAs
+    """The FP8 kernel's default: two consumer warpgroups per row tile where the tiles fit one CTA per SM (2 K splits
+    if those fit too); otherwise 2 K splits while the row tiles are fewer than two per SM, and the deepest ring with
+    which every CTA is resident (the M = 16 / 64 configs measured best on the H200, bench/NOTES.md items 18 and 21)."""
+    kc2 = {"RW": 1, "ST": 6, "KC": 2}
+    assert default_config(64, 4096, 4096, 132) == {"TN": 64, "SPLITS": 2} | kc2  # 8B o: 64 tiles, 128 CTAs
+    assert default_config(16, 6144, 4096, 132) == {"TN": 16, "SPLITS": 1} | kc2  # 8B qkv: 96 tiles
+    assert default_config(64, 9216, 7168, 132) == {"TN": 64, "RW": 1, "SPLITS": 2, "ST": 4}  # 7168 qkv: 144 tiles
     assert default_config(64, 10240, 8192, 132) == {"TN": 64, "RW": 1, "SPLITS": 2, "ST": 4}  # 70B qkv: 320 CTAs
     assert default_config(64, 57344, 8192, 132) == {"TN": 64, "RW": 1, "SPLITS": 1, "ST": 2}  # 70B gate_up: 896
     assert default_config(20, 4096, 4096, 132)["TN"] == 32 and default_config(100, 4096, 4096, 132)["TN"] == 64
     assert default_config(1, 4096, 4096, 132)["TN"] == 8 and default_config(16, 4096, 4096, 132)["TN"] == 16
     assert default_config(64, 4096, 4224, 132)["SPLITS"] == 1  # 33 K blocks: no even split
+    assert all(fp8_gemm.valid_config(default_config(m, n, 4096, 132), 4096) for m in (1, 16, 64) for n in (128, 8192))
 
 
 def test_invalid_configs_are_refused():

@@ -27,10 +27,10 @@ STAGES = (2, 4, 6)  # depths of the TMA ring
 _SMEM_PER_SM = 228 * 1024  # SM90
 
 
-def _max_ctas_per_sm(tn: int, kc: int = 1) -> int:
+def _max_ctas_per_sm(tn: int) -> int:
     """CTAs one SM holds by registers: 4 with 32-128 tokens (96+ registers per thread; measured), 8 with 8-16 (~45,
-    ptxas); half as many with two consumer warpgroups per row tile (``KC`` = 2)."""
-    return (4 if tn >= 32 else 8) // kc
+    ptxas)."""
+    return 4 if tn >= 32 else 8
 
 
 @functools.cache
@@ -67,13 +67,17 @@ def _fitting_tile(m: int) -> int:
 
 
 def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
-    """The smallest token tile that holds M (64 above), one warpgroup; 2 K splits while the row tiles number fewer
-    than two per SM; the deepest ring (6, 4, 2) with which every CTA is resident at once. The best or near-best
-    config of each 8B / 70B / 7168-hidden projection at M = 64 on the H200, within 6% of the best at M = 1 and 16 on
-    every one (bench/NOTES.md items 18 and 19); the tuner picks per shape."""
+    """The smallest token tile that holds M (64 above). Where the tiles fit in one CTA per SM: two consumer
+    warpgroups per row tile (``KC`` = 2), 2 K splits if the CTAs still fit, 6 stages. Otherwise one warpgroup, 2 K
+    splits while the tiles number fewer than two per SM, and the deepest ring (6, 4, 2) with which every CTA is
+    resident at once. The best or near-best config of each 8B / 70B / 7168-hidden projection at M = 16 and 64 on the
+    H200 (bench/NOTES.md items 18, 19 and 21); the tuner picks per shape."""
     tn = _fitting_tile(m)
     tiles = -(-n_padded // 64) * -(-m // tn)
-    splits = 2 if tiles < 2 * sms and (k_padded // 128) % 2 == 0 else 1
+    even = (k_padded // 128) % 2 == 0
+    if tiles <= sms:
+        return {"TN": tn, "RW": 1, "SPLITS": 2 if 2 * tiles <= sms and even else 1, "ST": 6, "KC": 2}
+    splits = 2 if tiles < 2 * sms and even else 1
     for st in (6, 4, 2):
         cfg = {"TN": tn, "RW": 1, "SPLITS": splits, "ST": st}
         if tiles * splits <= sms * min(_max_ctas_per_sm(tn), _SMEM_PER_SM // _smem_bytes(cfg, k_padded)):
