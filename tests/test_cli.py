@@ -99,3 +99,19 @@ def test_tune_model_dir_tunes_the_models_linear_shapes(capsys, monkeypatch, tmp_
     (path,) = (tmp_path / "cache").glob("tuning-*.json")
     keys = sorted(json.loads(path.read_text())["entries"])
     assert [k.split("|")[3:5] for k in keys] == [["n128", "k64"], ["n32", "k64"], ["n64", "k128"], ["n64", "k64"]]
+
+
+def test_dot_scaled_runs_in_a_pass_of_its_own():
+    """Every row gets dot_scaled's time (or None and the runner's note), after the rows were made."""
+    from mxgemm.bench import BenchRow, _time_dot_scaled
+
+    class Runner:
+        def time(self, m, n, k):
+            return (None, f"dot_scaled faulted at M={m}") if m == 2 else (float(m * n * k), "")
+
+    rows = [BenchRow(1, 8, 16, "a", "triton", None), BenchRow(2, 8, 16, "b", "triton", None)]
+    seen = []
+    _time_dot_scaled(rows, Runner(), seen.append)
+    assert [r.us["dot_scaled"] for r in rows] == [128.0, None]
+    assert rows[0].notes == [] and rows[1].notes == ["dot_scaled faulted at M=2"]
+    assert seen == ["dot_scaled M=1 N=8 K=16", "dot_scaled M=2 N=8 K=16"]
