@@ -63,6 +63,22 @@ def patched_library(name: str, replacements: list[tuple[str, str]], capability: 
     return lib
 
 
+def problems(dev):
+    """Each of ``ROWS`` as (row, weights, xq, xs): the row's record begun (model, name, M, N, K, floor_us), enough
+    random hybrid_sm90 weights to rotate beyond 3x the L2, and random activations quantized per 1x128. The weights
+    are given back to the driver before the next row's are made."""
+    shapes = {(model, proj): (n, k) for model, projs in MODELS.items() for n, k, proj in projs}
+    for m, wanted in ROWS.items():
+        for model, proj in wanted:
+            n, k = shapes[(model, proj)]
+            ws, _ = cold_weights(n, k, dev.l2_bytes, bf16=False)
+            xq, xs = quantize_1x128_padded(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            row = {"model": model, "name": proj, "M": m, "N": n, "K": k, "floor_us": floor_us(Problem(m, n, k), dev)}
+            yield row, ws, xq, xs
+            ws.clear()  # the caller's name for the list is still bound: empty it so that the cache can free them
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
@@ -73,28 +89,22 @@ def main() -> None:
     with ThreadPoolExecutor(len(VARIANTS)) as pool:  # nvcc runs in parallel, one variant each
         patched = dict(zip(VARIANTS, pool.map(lambda v: patched_library(v, VARIANTS[v], cap), VARIANTS), strict=True))
     libs = {"as built": built} | patched
-    shapes = {(model, proj): (n, k) for model, projs in MODELS.items() for n, k, proj in projs}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for m, wanted in ROWS.items():
-        for model, proj in wanted:
-            n, k = shapes[(model, proj)]
-            ws, _ = cold_weights(n, k, dev.l2_bytes, bf16=False)
-            np_, kp = ws[0].tensors["qdata"].shape
-            cfg = fp8_gemm.default_config(m, np_, kp, torch.cuda.get_device_properties(0).multi_processor_count)
-            xq, xs = quantize_1x128_padded(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-            row = {"model": model, "name": proj, "M": m, "N": n, "K": k, "config": cfg,
-                   "floor_us": floor_us(Problem(m, n, k), dev), "us": {}}  # fmt: skip
-            for variant, lib in libs.items():
-                fp8_gemm.library = lambda _cap, lib=lib: lib
-                calls = [partial(fp8_gemm.fp8_gemm, xq, xs, m, w.tensors["qdata"], w.tensors["block_scale"], n, cfg,
-                                 False) for w in ws]  # fmt: skip
-                row["us"][variant] = time_cuda(calls, warmup_ms=SETTLE_MS)
-            fp8_gemm.library = lambda _cap: built
-            rows.append(row)
-            cells = " ".join(f"{v} {t:6.1f}" for v, t in row["us"].items())
-            print(f"{model} {proj} M={m} floor {row['floor_us']:.1f} {cfg}: {cells}", flush=True)
-            del ws
-            torch.cuda.empty_cache()
+    for row, ws, xq, xs in problems(dev):
+        m, n = row["M"], row["N"]
+        np_, kp = ws[0].tensors["qdata"].shape
+        cfg = fp8_gemm.default_config(m, np_, kp, sms)
+        row |= {"config": cfg, "us": {}}
+        for variant, lib in libs.items():
+            fp8_gemm.library = lambda _cap, lib=lib: lib
+            calls = [partial(fp8_gemm.fp8_gemm, xq, xs, m, w.tensors["qdata"], w.tensors["block_scale"], n, cfg,
+                             False) for w in ws]  # fmt: skip
+            row["us"][variant] = time_cuda(calls, warmup_ms=SETTLE_MS)
+        fp8_gemm.library = lambda _cap: built
+        rows.append(row)
+        cells = " ".join(f"{v} {t:6.1f}" for v, t in row["us"].items())
+        print(f"{row['model']} {row['name']} M={m} floor {row['floor_us']:.1f} {cfg}: {cells}", flush=True)
     print("\n| model | shape | M | floor | " + " | ".join(libs) + " | % floor as built |")
     print("|---|---|---|---|" + "---|" * (len(libs) + 1))
     for r in rows:

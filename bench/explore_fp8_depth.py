@@ -20,13 +20,10 @@ import json
 from functools import partial
 
 import torch
-from explore_fp8_bounds import ROWS, patched_library
-from explore_small_m_pipeline import cold_weights
+from explore_fp8_bounds import patched_library, problems
 
 import mxgemm
-from mxgemm.bench import MODELS, Problem, floor_us
 from mxgemm.kernels import fp8_gemm
-from mxgemm.kernels.act_quant import quantize_1x128_padded
 from mxgemm.timing import SETTLE_MS, time_cuda
 
 DEEP = (8, 10, 12)
@@ -51,35 +48,28 @@ def main() -> None:
     lib = patched_library("deep", DEPTHS, cap)
     fp8_gemm.library = lambda _cap: lib
     fp8_gemm.STAGES = (*fp8_gemm.STAGES, *DEEP)  # valid_config reads it
-    shapes = {(model, proj): (n, k) for model, projs in MODELS.items() for n, k, proj in projs}
     rows = []
-    for m, wanted in ROWS.items():
-        for model, proj in wanted:
-            n, k = shapes[(model, proj)]
-            ws, _ = cold_weights(n, k, dev.l2_bytes, bf16=False)
-            np_, kp = ws[0].tensors["qdata"].shape
-            default = fp8_gemm.default_config(m, np_, kp, sms)
-            xq, xs = quantize_1x128_padded(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-            run = partial(fp8_gemm.fp8_gemm, xq, xs, m)
-            w0 = ws[0].tensors
-            refs = {}  # K splits -> the output of the first config with them
-            row = {"model": model, "name": proj, "M": m, "N": n, "K": k, "default": default,
-                   "floor_us": floor_us(Problem(m, n, k), dev), "us": {}, "mismatch": []}  # fmt: skip
-            for cfg in [c for c in fp8_gemm.tactic_configs(m, kp) if c["RW"] == 1]:
-                y = run(w0["qdata"], w0["block_scale"], n, cfg, False)
-                if not torch.equal(y, refs.setdefault(cfg["SPLITS"], y)):
-                    row["mismatch"].append(key(cfg))
-                calls = [partial(run, w.tensors["qdata"], w.tensors["block_scale"], n, cfg, False) for w in ws]
-                row["us"][key(cfg)] = time_cuda(calls, warmup_ms=SETTLE_MS)
-            best = min(row["us"], key=row["us"].get)
-            shallow = min((c for c in row["us"] if int(c.split("st")[1]) <= 6), key=row["us"].get)
-            row |= {"best": best, "best_shallow": shallow}
-            rows.append(row)
-            print(f"{model} {proj} M={m} floor {row['floor_us']:.1f} default {key(default)} "
-                  f"{row['us'][key(default)]:.1f} best<=6 {shallow} {row['us'][shallow]:.1f} best {best} "
-                  f"{row['us'][best]:.1f} mismatches {row['mismatch']}", flush=True)  # fmt: skip
-            del ws
-            torch.cuda.empty_cache()
+    for row, ws, xq, xs in problems(dev):
+        m, n = row["M"], row["N"]
+        np_, kp = ws[0].tensors["qdata"].shape
+        default = fp8_gemm.default_config(m, np_, kp, sms)
+        run = partial(fp8_gemm.fp8_gemm, xq, xs, m)
+        w0 = ws[0].tensors
+        refs = {}  # K splits -> the output of the first config with them
+        row |= {"default": default, "us": {}, "mismatch": []}
+        for cfg in [c for c in fp8_gemm.tactic_configs(m, kp) if c["RW"] == 1]:
+            y = run(w0["qdata"], w0["block_scale"], n, cfg, False)
+            if not torch.equal(y, refs.setdefault(cfg["SPLITS"], y)):
+                row["mismatch"].append(key(cfg))
+            calls = [partial(run, w.tensors["qdata"], w.tensors["block_scale"], n, cfg, False) for w in ws]
+            row["us"][key(cfg)] = time_cuda(calls, warmup_ms=SETTLE_MS)
+        best = min(row["us"], key=row["us"].get)
+        shallow = min((c for c in row["us"] if int(c.split("st")[1]) <= 6), key=row["us"].get)
+        row |= {"best": best, "best_shallow": shallow}
+        rows.append(row)
+        print(f"{row['model']} {row['name']} M={m} floor {row['floor_us']:.1f} default {key(default)} "
+              f"{row['us'][key(default)]:.1f} best<=6 {shallow} {row['us'][shallow]:.1f} best {best} "
+              f"{row['us'][best]:.1f} mismatches {row['mismatch']}", flush=True)  # fmt: skip
     print("\n| model | shape | M | floor | default | best of ST <= 6 | best | best config | % floor |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
