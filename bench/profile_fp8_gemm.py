@@ -3,7 +3,8 @@
 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats -k regex:fp8_gemm -c 1 \\
     python3 profile_fp8_gemm.py --n 4096 --k 4096 --m 64 --config tn64-rw1-s2-st4 [--variant ring-only]
 
-``--variant`` runs one of explore_fp8_bounds.py's patched builds (no-mma, no-act, no-reduce, ring-only) instead.
+``--variant`` runs one of explore_fp8_bounds.py's patched builds (no-mma, no-act, no-reduce, ring-only) instead;
+``--config cublas`` runs cuBLASLt's blockwise GEMM on the same operands (for ncu: ``-k regex:sm90``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from explore_fp8_bounds import VARIANTS, patched_library
 from explore_fp8_gemm import run
 from explore_small_m_pipeline import hybrid, random_mx
 
+from mxgemm.backends.cublas_block import cublas_block_linear
 from mxgemm.kernels import fp8_gemm
 
 
@@ -29,12 +31,17 @@ def main() -> None:
     if args.variant:
         lib = patched_library(args.variant, VARIANTS[args.variant], torch.cuda.get_device_capability())
         fp8_gemm.library = lambda _cap: lib
-    tn, rw, s, st = (int(part[2:] if part[:2] in ("tn", "rw", "st") else part[1:]) for part in args.config.split("-"))
-    cfg = {"TN": tn, "RW": rw, "SPLITS": s, "ST": st}
     w = hybrid(*random_mx(args.n, args.k, 0))
     x = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)
+    if args.config == "cublas":
+        call = lambda: cublas_block_linear(x, w, None)  # noqa: E731
+    else:
+        parts = args.config.split("-")
+        tn, rw, s, st = (int(part[2:] if part[:2] in ("tn", "rw", "st") else part[1:]) for part in parts)
+        cfg = {"TN": tn, "RW": rw, "SPLITS": s, "ST": st}
+        call = lambda: run(x, w, cfg)  # noqa: E731
     for _ in range(3):
-        run(x, w, cfg)
+        call()
     torch.cuda.synchronize()
 
 
