@@ -1,6 +1,7 @@
 """Exploration: what bounds the FP8 TMA/wgmma kernel where it is furthest from the floor (bench/NOTES.md item 20's
 next steps): small and mid weights at M = 64 (8B qkv / o / down, 70B and 7168 qkv, 7168 o; 70B down as the control
-that reaches 84%) and the 51M-84M weights at M = 16.
+that reaches 84%) and the 51M-84M weights at M = 16; with ``--m 256`` the M = 256 misses, where cuBLASLt runs (item
+22), in the config ``--config`` names.
 
 The GEMM alone (activations quantized beforehand, no PDL) in its default config, as built and in variants with one
 part of the work taken out (patched copies of the source, built apart; their outputs are wrong by design, only their
@@ -13,7 +14,7 @@ Reading: no-mma close to as built says the consumers are not the bound; no-act m
 (read by every row tile from L2) is, and multicasting it over a cluster of row tiles would pay; ring-only against the
 floor is the most the ring can stream with this many CTAs.
 
-Run on the device: cd bench && PYTHONPATH=../src python3 explore_fp8_bounds.py [--json ...]
+Run on the device: cd bench && PYTHONPATH=../src python3 explore_fp8_bounds.py [--m 64 16] [--config KEY] [--json ...]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from explore_fp8_gemm import config_from_key
 from explore_small_m_pipeline import cold_weights
 
 import mxgemm
@@ -46,7 +48,9 @@ VARIANTS = {"no-mma": NO_MMA, "no-act": NO_ACT, "no-reduce": NO_REDUCE, "ring-on
 # (model, projection) rows: at M = 64 the misses and a control, at M = 16 the 51M-84M weights
 ROWS = {64: [("llama3-8b", "qkv"), ("llama3-8b", "o"), ("llama3-8b", "down"), ("llama3-70b", "qkv"),
              ("hidden-7168", "qkv"), ("hidden-7168", "o"), ("llama3-70b", "down")],
-        16: [("llama3-70b", "o"), ("hidden-7168", "o"), ("llama3-8b", "down")]}  # fmt: skip
+        16: [("llama3-70b", "o"), ("hidden-7168", "o"), ("llama3-8b", "down")],
+        256: [("llama3-8b", "qkv"), ("llama3-8b", "o"), ("llama3-8b", "down"), ("llama3-70b", "qkv"),
+              ("hidden-7168", "qkv")]}  # fmt: skip
 
 
 def patched_library(name: str, replacements: list[tuple[str, str]], capability: tuple[int, int]):
@@ -63,13 +67,13 @@ def patched_library(name: str, replacements: list[tuple[str, str]], capability: 
     return lib
 
 
-def problems(dev):
-    """Each of ``ROWS`` as (row, weights, xq, xs): the row's record begun (model, name, M, N, K, floor_us), enough
-    random hybrid_sm90 weights to rotate beyond 3x the L2, and random activations quantized per 1x128. The weights
-    are given back to the driver before the next row's are made."""
+def problems(dev, ms=(64, 16)):
+    """Each of ``ROWS[m]`` (m in ``ms``) as (row, weights, xq, xs): the row's record begun (model, name, M, N, K,
+    floor_us), enough random hybrid_sm90 weights to rotate beyond 3x the L2, and random activations quantized per
+    1x128. The weights are given back to the driver before the next row's are made."""
     shapes = {(model, proj): (n, k) for model, projs in MODELS.items() for n, k, proj in projs}
-    for m, wanted in ROWS.items():
-        for model, proj in wanted:
+    for m in ms:
+        for model, proj in ROWS[m]:
             n, k = shapes[(model, proj)]
             ws, _ = cold_weights(n, k, dev.l2_bytes, bf16=False)
             xq, xs = quantize_1x128_padded(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
@@ -81,6 +85,8 @@ def problems(dev):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--m", type=int, nargs="+", default=[64, 16], choices=sorted(ROWS))
+    parser.add_argument("--config", help="a config key (tn128-rw2-s2-st4) instead of each row's default config")
     parser.add_argument("--json")
     args = parser.parse_args()
     dev = mxgemm.describe_device()
@@ -91,10 +97,10 @@ def main() -> None:
     libs = {"as built": built} | patched
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for row, ws, xq, xs in problems(dev):
+    for row, ws, xq, xs in problems(dev, args.m):
         m, n = row["M"], row["N"]
         np_, kp = ws[0].tensors["qdata"].shape
-        cfg = fp8_gemm.default_config(m, np_, kp, sms)
+        cfg = config_from_key(args.config) if args.config else fp8_gemm.default_config(m, np_, kp, sms)
         row |= {"config": cfg, "us": {}}
         for variant, lib in libs.items():
             fp8_gemm.library = lambda _cap, lib=lib: lib

@@ -46,6 +46,18 @@ def key(cfg: dict) -> str:
     return f"tn{cfg['TN']}-rw{cfg['RW']}{kc}-s{cfg['SPLITS']}-st{cfg['ST']}"
 
 
+def config_from_key(text: str) -> dict:
+    """``key``'s inverse: "tn128-rw1-kc2-s1-st4" -> {"TN": 128, "RW": 1, "KC": 2, "SPLITS": 1, "ST": 4}."""
+    names = {"tn": "TN", "rw": "RW", "kc": "KC", "st": "ST", "s": "SPLITS"}
+    cfg = {}
+    for part in text.split("-"):
+        prefix = part.rstrip("0123456789")
+        if prefix not in names or prefix == part:
+            raise ValueError(f"{text!r}: {part!r} is not one of tnN, rwN, kcN, sN, stN")
+        cfg[names[prefix]] = int(part[len(prefix) :])
+    return cfg
+
+
 def run(x, w, cfg, pdl=True):
     xq, xs = quantize_1x128_padded(x)
     t = w.tensors

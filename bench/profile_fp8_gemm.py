@@ -13,7 +13,7 @@ import argparse
 
 import torch
 from explore_fp8_bounds import VARIANTS, patched_library
-from explore_fp8_gemm import run
+from explore_fp8_gemm import config_from_key, run
 from explore_small_m_pipeline import hybrid, random_mx
 
 from mxgemm.backends.cublas_block import cublas_block_linear
@@ -36,9 +36,7 @@ def main() -> None:
     if args.config == "cublas":
         call = lambda: cublas_block_linear(x, w, None)  # noqa: E731
     else:
-        parts = args.config.split("-")
-        tn, rw, s, st = (int(part[2:] if part[:2] in ("tn", "rw", "st") else part[1:]) for part in parts)
-        cfg = {"TN": tn, "RW": rw, "SPLITS": s, "ST": st}
+        cfg = config_from_key(args.config)
         call = lambda: run(x, w, cfg)  # noqa: E731
     for _ in range(3):
         call()
