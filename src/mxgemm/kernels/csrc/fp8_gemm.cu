@@ -69,8 +69,22 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes,
                : "memory");
 }
 
+// shared-memory loads by shared-window address (the pointers here are generic: computed from an aligned offset, the
+// compiler would load through the generic path)
+__device__ __forceinline__ float lds(const float* p) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_u32(p)));
+  return v;
+}
+__device__ __forceinline__ float2 lds2(const float* p) {  // p 8-byte aligned
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_u32(p)));
+  return v;
+}
+
 // shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128-byte swizzle: 8-row groups 1024
-// bytes apart; the start address moves by 32 bytes per 32-deep K step inside the swizzle span
+// bytes apart; the start address moves by 32 bytes per 32-deep K step inside the swizzle span. The address sits in
+// the low 14 bits in 16-byte units, so moving the tile by d bytes (d % 16 == 0, inside shared memory) adds d / 16.
 __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
   return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
          ((uint64_t)1 << 62);
@@ -194,6 +208,14 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
     // the weight scales (which do not depend on the kernel before either) staged once, while the first tiles load
     for (int i = tid; i < RW * a.kblocks; i += NC)
       wsc[i] = __ldg(a.S + (size_t)((row0 + (i / a.kblocks) * ROWS) / 128) * a.s_stride + kb0 + i % a.kblocks);
+    // the token-scale slots past Mp are never copied: zero them once (their tokens' activations are zero-filled, and
+    // stale shared memory could hold a NaN), so that the loop reads every slot unmasked
+    const int valid = a.Mp - tok0;
+    if (valid < TN)
+      for (int i = tid; i < ST * TN; i += NC)
+        if (i % TN >= valid) xsc[i] = 0.f;
+    // the stage-0 descriptors of this warpgroup's weight tile and of the activation tile; stage s adds s * STAGE / 16
+    const uint64_t dw0 = desc_sw128(smem_u32(smem) + r * ROWS * BK), dx0 = desc_sw128(smem_u32(smem) + WB);
     asm volatile("bar.sync 1, %0;" ::"r"(NC) : "memory");  // the consumers only
     float blk[TN / 2];
 #pragma unroll
@@ -201,19 +223,18 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
     for (int it = kc; it < a.kblocks; it += KC) {
       const int s = it % ST;
       mbar_wait(&full[s], (it / ST) & 1);
-      const uint32_t base = smem_u32(smem + s * STAGE);
+      const uint64_t off = (uint64_t)(s * (STAGE / 16));
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < BK / 32; ++ks)
-        wgmma<TN>(blk, desc_sw128(base + r * ROWS * BK + 32 * ks), desc_sw128(base + WB + 32 * ks), ks);
+      for (int ks = 0; ks < BK / 32; ++ks) wgmma<TN>(blk, dw0 + off + 2 * ks, dx0 + off + 2 * ks, ks);
       wgmma_commit();
-      const float sw = wsc[r * a.kblocks + it];
+      const float sw = lds(wsc + r * a.kblocks + it);
       float tsc[TN / 8][2];  // this thread's tokens' scales times the weight block's (zero past Mp)
 #pragma unroll
       for (int j = 0; j < TN / 8; ++j) {
-        const int m = 8 * j + 2 * t;  // even; Mp is a multiple of 4
-        tsc[j][0] = tok0 + m < a.Mp ? xsc[s * TN + m] * sw : 0.f;
-        tsc[j][1] = tok0 + m < a.Mp ? xsc[s * TN + m + 1] * sw : 0.f;
+        const float2 x = lds2(xsc + s * TN + 8 * j + 2 * t);  // an even slot
+        tsc[j][0] = x.x * sw;
+        tsc[j][1] = x.y * sw;
       }
       wgmma_wait0();
       __syncwarp();
