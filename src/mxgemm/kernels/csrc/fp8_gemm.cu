@@ -15,7 +15,7 @@
 // warpgroups that take alternate K blocks (one multiplies while the other waits on its wgmma or promotes) and the
 // second's result is added to the first's at the end. gridDim.y (<= 8) splits K; those CTAs form one cluster and rank
 // 0 adds the others' results from distributed shared memory in rank order. Deterministic.
-// Measured versions and what limits this one: bench/NOTES.md items 16 and 18.
+// Measured versions and what limits this one: bench/NOTES.md items 16, 18 and 21-23.
 #include <cooperative_groups.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
