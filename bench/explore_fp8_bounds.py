@@ -10,11 +10,13 @@ times count):
   no-act     the producer loads only the weight tiles (no activation tile): half the bytes per stage at M = 64
   no-reduce  no cluster sum of the K splits (every rank writes its own partial)
   ring-only  no-mma and no-act: the weight stream through the ring, nothing else
+  pre-lean   the K loop before item 23 made it leaner: the same numerics, its outputs compared bit for bit
 Reading: no-mma close to as built says the consumers are not the bound; no-act much faster says the activation tile
 (read by every row tile from L2) is, and multicasting it over a cluster of row tiles would pay; ring-only against the
 floor is the most the ring can stream with this many CTAs.
 
-Run on the device: cd bench && PYTHONPATH=../src python3 explore_fp8_bounds.py [--m 64 16] [--config KEY] [--json ...]
+Run on the device: cd bench && PYTHONPATH=../src python3 explore_fp8_bounds.py [--m 64 16] [--config KEY]
+[--variants ...] [--json ...]
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ NO_ACT = [
     ("tma_load(smem + s * STAGE + WB, &xmap, k, tok0, &full[s]);", ""),
 ]
 NO_REDUCE = [("if (gridDim.y > 1) {", "if (false) {")]
-# the K loop as it was before item 22's lean loop (descriptors rebuilt per step, generic loads of the scales, the
+# the K loop as it was before item 23's lean loop (descriptors rebuilt per step, generic loads of the scales, the
 # token scales masked past Mp): the same numerics, so its outputs must equal the build's bit for bit
 PRE_LEAN = [
     ("""    const int valid = a.Mp - tok0;
