@@ -31,12 +31,10 @@ from mxgemm.timing import time_cuda
 
 def configs(m: int, kp: int, stages=(2, 4, 6)) -> list[dict]:
     out = []
-    for tn, (rw, kc), splits, st in itertools.product(
-        fp8_gemm.TOKEN_TILES, ((1, 1), (2, 1), (1, 2)), (1, 2, 4), stages
-    ):
+    near = [t for t in fp8_gemm.TOKEN_TILES if t >= min(m, 64) / 2][:3]  # the tiles around M
+    for tn, (rw, kc), splits, st in itertools.product(near, ((1, 1), (2, 1), (1, 2)), (1, 2, 4), stages):
         cfg = {"TN": tn, "RW": rw, "SPLITS": splits, "ST": st} | ({"KC": kc} if kc > 1 else {})
-        near = [t for t in fp8_gemm.TOKEN_TILES if t >= min(m, 64) / 2][:3]  # the tiles around M
-        if fp8_gemm.valid_config(cfg, kp) and tn in near:
+        if fp8_gemm.valid_config(cfg, kp):
             out.append(cfg)
     return out
 

@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
   // RW * KC is the producer warp
   const int wg = warp / 4, r = wg % RW, kc = wg / RW;
   const int row0 = blockIdx.x * RW * ROWS, tok0 = blockIdx.z * TN, kb0 = blockIdx.y * a.kblocks;
-  // token scales past Mp are not copied (their activations are zero-filled, their slots masked below)
+  // token scales past Mp are not copied (their activations are zero-filled, their slots zeroed by the consumers)
   const int xs_bytes = (a.Mp - tok0 < TN ? a.Mp - tok0 : TN) * 4;
 
   if (tid == 0) {
