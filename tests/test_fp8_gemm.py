@@ -5,19 +5,38 @@ from mxgemm.kernels.fp8_gemm import default_config
 
 
 def test_fp8_default_config_fills_the_gpu_once():
-    """The FP8 kernel's default: two consumer warpgroups per row tile where the tiles fit one CTA per SM (2 K splits
-    if those fit too); otherwise 2 K splits while the row tiles are fewer than two per SM, and the deepest ring with
-    which every CTA is resident (the M = 16 / 64 configs measured best on the H200, bench/NOTES.md items 18 and 21)."""
+    """The FP8 kernel's default up to M = 32: two consumer warpgroups per row tile where the tiles fit one CTA per SM
+    (2 K splits if those fit too); otherwise 2 K splits while the row tiles are fewer than two per SM, and the deepest
+    ring with which every CTA is resident (the M = 16 configs measured best on the H200, bench/NOTES.md items 18 and
+    21). Above: tokens as wgmma M, 64 weight rows per CTA, 2 K splits while they fit, 6 stages up to four tiles per SM
+    (item 24)."""
     kc2 = {"RW": 1, "ST": 6, "KC": 2}
-    assert default_config(64, 4096, 4096, 132) == {"TN": 64, "SPLITS": 2} | kc2  # 8B o: 64 tiles, 128 CTAs
     assert default_config(16, 6144, 4096, 132) == {"TN": 16, "SPLITS": 1} | kc2  # 8B qkv: 96 tiles
-    assert default_config(64, 9216, 7168, 132) == {"TN": 64, "RW": 1, "SPLITS": 2, "ST": 4}  # 7168 qkv: 144 tiles
-    assert default_config(64, 10240, 8192, 132) == {"TN": 64, "RW": 1, "SPLITS": 2, "ST": 4}  # 70B qkv: 320 CTAs
-    assert default_config(64, 57344, 8192, 132) == {"TN": 64, "RW": 1, "SPLITS": 1, "ST": 2}  # 70B gate_up: 896
-    assert default_config(20, 4096, 4096, 132)["TN"] == 32 and default_config(100, 4096, 4096, 132)["TN"] == 64
-    assert default_config(1, 4096, 4096, 132)["TN"] == 8 and default_config(16, 4096, 4096, 132)["TN"] == 16
+    assert default_config(16, 4096, 4096, 132) == {"TN": 16, "SPLITS": 2} | kc2  # 8B o: 64 tiles, 128 CTAs
+    assert default_config(32, 10240, 8192, 132) == {"TN": 32, "RW": 1, "SPLITS": 2, "ST": 6}  # 160 tiles, 320 CTAs
+    assert default_config(16, 57344, 8192, 132) == {"TN": 16, "RW": 1, "SPLITS": 1, "ST": 2}  # 70B gate_up: 896
+    tokm = {"WN": 64, "ST": 6}
+    assert default_config(64, 4096, 4096, 132) == {"TN": 64, "SPLITS": 2} | tokm  # 8B o: 64 tiles, 128 CTAs
+    assert default_config(64, 6144, 4096, 132) == {"TN": 64, "SPLITS": 1} | tokm  # 8B qkv: 96 tiles
+    assert default_config(64, 28672, 4096, 132) == {"TN": 64, "SPLITS": 1} | tokm  # 8B gate_up: 448 tiles
+    assert default_config(64, 57344, 8192, 132) == {"TN": 64, "WN": 64, "SPLITS": 1, "ST": 4}  # 896 tiles
+    assert default_config(256, 4096, 4096, 132) == {"TN": 128, "SPLITS": 1} | tokm  # 128 tiles
+    assert default_config(20, 4096, 4096, 132)["TN"] == 32 and default_config(100, 4096, 4096, 132)["TN"] == 128
+    assert default_config(1, 4096, 4096, 132)["TN"] == 8 and default_config(40, 4096, 4096, 132)["TN"] == 64
     assert default_config(64, 4096, 4224, 132)["SPLITS"] == 1  # 33 K blocks: no even split
-    assert all(fp8_gemm.valid_config(default_config(m, n, 4096, 132), 4096) for m in (1, 16, 64) for n in (128, 8192))
+    ms = (1, 16, 32, 33, 64, 65, 256)
+    assert all(fp8_gemm.valid_config(default_config(m, n, 4096, 132), 4096) for m in ms for n in (128, 8192))
+
+
+def test_fp8_tactics_add_tokens_as_m_above_32():
+    """The tuner's configs: swap-AB only up to M = 32, both kernels above, every one valid and none twice."""
+    for m, kp in ((16, 4096), (32, 512), (33, 4096), (64, 14336), (256, 8192)):
+        configs = fp8_gemm.tactic_configs(m, kp)
+        tokm = [c for c in configs if "WN" in c]
+        assert all(fp8_gemm.valid_config(c, kp) for c in configs)
+        assert len({tuple(sorted(c.items())) for c in configs}) == len(configs)
+        assert (len(tokm) > 0) == (m > 32) and len(configs) > len(tokm)
+        assert {c["TN"] for c in tokm} <= ({64} if m <= 64 else {64, 128})
 
 
 def test_invalid_configs_are_refused():
@@ -29,6 +48,11 @@ def test_invalid_configs_are_refused():
     assert fp8_gemm.valid_config({"TN": 64, "RW": 1, "KC": 2, "SPLITS": 4, "ST": 4}, 512)
     assert not fp8_gemm.valid_config({"TN": 64, "RW": 2, "KC": 2, "SPLITS": 1, "ST": 4}, 512)  # 544 threads
     assert not fp8_gemm.valid_config({"TN": 64, "RW": 1, "KC": 3, "SPLITS": 1, "ST": 4}, 512)
+    assert fp8_gemm.valid_config({"TN": 128, "WN": 128, "SPLITS": 4, "ST": 6}, 512)
+    assert not fp8_gemm.valid_config({"TN": 32, "WN": 64, "SPLITS": 1, "ST": 4}, 512)  # 64 or 128 tokens
+    assert not fp8_gemm.valid_config({"TN": 64, "WN": 256, "SPLITS": 1, "ST": 4}, 512)
+    assert not fp8_gemm.valid_config({"TN": 64, "WN": 64, "RW": 1, "SPLITS": 1, "ST": 4}, 512)  # RW: swap-AB only
+    assert not fp8_gemm.valid_config({"TN": 64, "WN": 64, "SPLITS": 3, "ST": 4}, 512)
 
 
 def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):

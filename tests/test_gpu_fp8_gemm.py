@@ -31,6 +31,10 @@ def _configs(kp: int) -> list[dict]:
         cfg = {"TN": tn, "RW": rw, "KC": kc, "SPLITS": splits, "ST": st}
         if fp8_gemm.valid_config(cfg, kp):
             out.append(cfg)
+    for tn, wn, splits, st in itertools.product((64, 128), (64, 128), (1, 2, 4, 8), fp8_gemm.STAGES):
+        cfg = {"TN": tn, "WN": wn, "SPLITS": splits, "ST": st}  # tokens as wgmma M
+        if fp8_gemm.valid_config(cfg, kp):
+            out.append(cfg)
     return out
 
 
@@ -79,7 +83,8 @@ def test_poisoned_output_is_fully_written():
     qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
     configs = ({"TN": 64, "RW": 2, "SPLITS": 4, "ST": 2}, {"TN": 32, "RW": 1, "SPLITS": 1, "ST": 6},
                {"TN": 8, "RW": 1, "SPLITS": 2, "ST": 4}, {"TN": 128, "RW": 1, "KC": 2, "SPLITS": 2, "ST": 2},
-               {"TN": 16, "RW": 1, "KC": 2, "SPLITS": 1, "ST": 6})  # fmt: skip
+               {"TN": 16, "RW": 1, "KC": 2, "SPLITS": 1, "ST": 6}, {"TN": 128, "WN": 128, "SPLITS": 2, "ST": 4},
+               {"TN": 64, "WN": 64, "SPLITS": 1, "ST": 6}, {"TN": 64, "WN": 128, "SPLITS": 4, "ST": 2})  # fmt: skip
     for cfg in configs:
         out = torch.full((100, 4160), float("nan"), device="cuda", dtype=torch.bfloat16)
         fp8_gemm.fp8_gemm(xq, xs, 100, qd, bs, 4160, cfg, out=out)

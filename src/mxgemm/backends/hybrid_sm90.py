@@ -51,7 +51,8 @@ def crossover_for(n: int, k: int, small_m: bool = True, fp8: bool = False) -> in
 # Above this M the Triton path is far from competitive (bench/results/crossover-h200.json): one config is enough.
 _TRITON_VARIANTS_MAX_M = 512
 # Our FP8 kernel is the quantized regime's default up to this M (faster than cuBLASLt on 10 of the 12 projections at
-# M = 64, on 2 at M = 128: bench/NOTES.md item 18) and a tactic up to _FP8_TACTICS_MAX_M.
+# M = 64, bench/NOTES.md item 18; on 7 of 12 at M = 128 with tokens as wgmma M, those with N <= 8192, item 24: left to
+# the tuner) and a tactic up to _FP8_TACTICS_MAX_M.
 _FP8_DEFAULT_MAX_M = 64
 _FP8_TACTICS_MAX_M = 256
 _QUANTIZED_PATHS = ("cublas", "fp8")

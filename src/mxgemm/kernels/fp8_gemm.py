@@ -1,7 +1,9 @@
 """The hand-written FP8 GEMM for Hopper (``csrc/fp8_gemm.cu``, sm_90a: TMA loads, ``wgmma``): the ``hybrid_sm90``
 weight (E4M3 ``[Np, Kp]``, fp32 128x128 block scales) times activations quantized per 1x128 (the cuBLASLt path's
 quantizer and numerics), with K split over a thread-block cluster so that small and mid M keep the whole GPU busy,
-where cuBLASLt's blockwise kernel runs few CTAs. Built with nvcc on first use (``kernels/nvcc.py``), loaded with ctypes.
+where cuBLASLt's blockwise kernel runs few CTAs. Two kernels: swap-AB (64 weight rows as wgmma's M, 8-128 tokens its
+N) and, above M = 32 by default, tokens as wgmma's M (64 or 128 tokens per CTA sharing a 64- or 128-row weight
+tile). Built with nvcc on first use (``kernels/nvcc.py``), loaded with ctypes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel for sm_90a. Raises RuntimeError when it cannot be built."""
     lib = nvcc.build(_SOURCE, capability, suffix="a")
     lib.mxgemm_fp8_gemm.restype = ctypes.c_int
+    lib.mxgemm_fp8_gemm_tokm.restype = ctypes.c_int
     return lib
 
 
@@ -56,8 +59,11 @@ def fp8_gemm_status(capability: tuple[int, int] | None) -> Availability:
 
 def _smem_bytes(cfg: dict, k_padded: int) -> int:
     """Shared memory of one CTA, as the launcher sizes it (+ 1 KiB the driver reserves)."""
-    tn, rw, st = cfg["TN"], cfg["RW"], cfg["ST"]
+    tn, st = cfg["TN"], cfg["ST"]
     kblocks = k_padded // 128 // cfg["SPLITS"]
+    if "WN" in cfg:  # tokens as wgmma M: one weight tile of WN rows, one row of weight scales
+        return st * (cfg["WN"] + tn) * 128 + st * tn * 4 + 16 * st + kblocks * 4 + 2048
+    rw = cfg["RW"]
     return st * (rw * 64 + tn) * 128 + st * tn * 4 + 16 * st + rw * kblocks * 4 + 2048
 
 
@@ -67,14 +73,21 @@ def _fitting_tile(m: int) -> int:
 
 
 def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
-    """The smallest token tile that holds M (64 above). Where the tiles fit in one CTA per SM: two consumer
-    warpgroups per row tile (``KC`` = 2), 2 K splits if the CTAs still fit, 6 stages. Otherwise one warpgroup, 2 K
-    splits while the tiles number fewer than two per SM, and the deepest ring (6, 4, 2) with which every CTA is
-    resident at once. The best or near-best config of each 8B / 70B / 7168-hidden projection at M = 16 and 64 on the
-    H200 (bench/NOTES.md items 18, 19 and 21); the tuner picks per shape."""
+    """Above M = 32: tokens as wgmma M (``WN`` = 64 weight rows per CTA, 64 tokens up to M = 64 and 128 above), 2 K
+    splits while twice the tiles fit on the SMs, 6 ring stages up to four tiles per SM (4 beyond). Up to M = 32, the
+    smallest token tile that holds M; where the tiles fit in one CTA per SM, two consumer warpgroups per row tile
+    (``KC`` = 2), 2 K splits if the CTAs still fit, 6 stages; otherwise one warpgroup, 2 K splits while the tiles
+    number fewer than two per SM, and the deepest ring (6, 4, 2) with which every CTA is resident at once. The best or
+    near-best config of each 8B / 70B / 7168-hidden projection at M = 16 and 64 on the H200 (bench/NOTES.md items 18,
+    19, 21 and 24); the tuner picks per shape."""
+    even = (k_padded // 128) % 2 == 0
+    if m > 32:
+        tn = 64 if m <= 64 else 128
+        tiles = -(-n_padded // 64) * -(-m // tn)
+        splits = 2 if 2 * tiles <= sms and even else 1
+        return {"TN": tn, "WN": 64, "SPLITS": splits, "ST": 6 if tiles <= 4 * sms else 4}
     tn = _fitting_tile(m)
     tiles = -(-n_padded // 64) * -(-m // tn)
-    even = (k_padded // 128) % 2 == 0
     if tiles <= sms:
         return {"TN": tn, "RW": 1, "SPLITS": 2 if 2 * tiles <= sms and even else 1, "ST": 6, "KC": 2}
     splits = 2 if tiles < 2 * sms and even else 1
@@ -87,18 +100,34 @@ def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
 
 def tactic_configs(m: int, k_padded: int) -> list[dict]:
     """The configs the tuner tries: the token tile that fits M (and 128 above M = 64), one or two row tiles per CTA,
-    one or two consumer warpgroups per row tile (``KC``, with one row tile), 1, 2 or 4 K splits, each ring depth."""
+    one or two consumer warpgroups per row tile (``KC``, with one row tile), 1, 2 or 4 K splits, each ring depth; above
+    M = 32 also tokens as wgmma M with 64 or 128 weight rows per CTA."""
     tiles = (_fitting_tile(m),) if m <= 64 else (64, 128)
     configs = [{"TN": tn, "RW": rw, "SPLITS": sp, "ST": st} | ({"KC": 2} if kc == 2 else {}) for tn in tiles
                for rw, kc in ((1, 1), (2, 1), (1, 2)) for sp in (1, 2, 4) for st in STAGES]  # fmt: skip
+    if m > 32:
+        configs += [{"TN": tn, "WN": wn, "SPLITS": sp, "ST": st} for tn in tiles for wn in (64, 128)
+                    for sp in (1, 2, 4) for st in STAGES]  # fmt: skip
     return [c for c in configs if valid_config(c, k_padded)]
 
 
 def valid_config(cfg: dict, k_padded: int) -> bool:
-    """``TN`` tokens per CTA (``TOKEN_TILES``), ``RW`` 64-row weight tiles per CTA (1, 2), ``KC`` consumer warpgroups
-    per row tile taking alternate K blocks (1 when absent; 2 with one row tile), ``SPLITS`` K splits in one cluster
-    (1-8, whole 128-deep blocks each), ``ST`` TMA ring stages (``STAGES``), all in one SM's shared memory."""
+    """Swap-AB (weight rows as wgmma M): ``TN`` tokens per CTA (``TOKEN_TILES``), ``RW`` 64-row weight tiles per CTA
+    (1, 2), ``KC`` consumer warpgroups per row tile taking alternate K blocks (1 when absent; 2 with one row tile).
+    Tokens as wgmma M (a ``WN`` key): ``TN`` tokens per CTA (64, 128; a consumer warpgroup per 64), ``WN`` weight rows
+    per CTA (64, 128). Both: ``SPLITS`` K splits in one cluster (1-8, whole 128-deep blocks each), ``ST`` TMA ring
+    stages (``STAGES``), all in one SM's shared memory."""
     splits = cfg.get("SPLITS")
+    if "WN" in cfg:  # tokens as wgmma M: TN tokens (64, 128) and WN weight rows (64, 128) per CTA
+        return (
+            cfg.keys() == {"TN", "WN", "SPLITS", "ST"}
+            and cfg["TN"] in (64, 128)
+            and cfg["WN"] in (64, 128)
+            and splits in range(1, 9)
+            and cfg["ST"] in STAGES
+            and _smem_bytes(cfg, k_padded) <= _SMEM_PER_SM
+            and (k_padded // 128) % splits == 0
+        )
     return (
         cfg.get("TN") in TOKEN_TILES
         and (cfg.get("RW"), cfg.get("KC", 1)) in ((1, 1), (2, 1), (1, 2))
@@ -133,12 +162,15 @@ def fp8_gemm(
     if y.shape != (m, n) or y.dtype != torch.bfloat16 or not y.is_contiguous():
         raise ValueError(f"out must be a contiguous bf16 [{m}, {n}] tensor, got {y.dtype} {tuple(y.shape)}")
     p = ctypes.c_void_p
-    err = lib.mxgemm_fp8_gemm(
-        p(qdata.data_ptr()), p(block_scale.data_ptr()), block_scale.stride(0), p(xq.data_ptr()), p(xs.data_ptr()),
-        p(y.data_ptr()), y.stride(0), m, mp, n, np_, kp, config["TN"], config["RW"], config.get("KC", 1),
-        config["SPLITS"], config["ST"], int(pdl),
-        p(torch.cuda.current_stream(xq.device).cuda_stream),
-    )  # fmt: skip
+    common = (p(qdata.data_ptr()), p(block_scale.data_ptr()), block_scale.stride(0), p(xq.data_ptr()),
+              p(xs.data_ptr()), p(y.data_ptr()), y.stride(0), m, mp, n, np_, kp)  # fmt: skip
+    stream = p(torch.cuda.current_stream(xq.device).cuda_stream)
+    if "WN" in config:
+        err = lib.mxgemm_fp8_gemm_tokm(*common, config["TN"], config["WN"], config["SPLITS"], config["ST"], int(pdl),
+                                       stream)  # fmt: skip
+    else:
+        err = lib.mxgemm_fp8_gemm(*common, config["TN"], config["RW"], config.get("KC", 1), config["SPLITS"],
+                                  config["ST"], int(pdl), stream)  # fmt: skip
     if err:
         raise RuntimeError(f"mxgemm FP8 kernel failed to launch (cudaError {err}) for M={m} config {config}")
     return y

@@ -15,7 +15,10 @@
 // warpgroups that take alternate K blocks (one multiplies while the other waits on its wgmma or promotes) and the
 // second's result is added to the first's at the end. gridDim.y (<= 8) splits K; those CTAs form one cluster and rank
 // 0 adds the others' results from distributed shared memory in rank order. Deterministic.
-// Measured versions and what limits this one: bench/NOTES.md items 16, 18 and 21-23.
+// A second kernel, fp8_gemm_tokm_kernel, turns the roles round for M > 32: tokens are wgmma's M (64 per consumer
+// warpgroup) and 64 or 128 weight rows its N, so one weight tile serves 64-128 tokens and each thread promotes with
+// two token scales per block; same ring, K split and numerics.
+// Measured versions and what limits this one: bench/NOTES.md items 16, 18 and 21-24.
 #include <cooperative_groups.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -137,6 +140,33 @@ __device__ __forceinline__ void wgmma(float (&d)[TN / 2], uint64_t a, uint64_t b
   if constexpr (TN == 32) wgmma_n32(d, a, b, accumulate);
   if constexpr (TN == 64) wgmma_n64(d, a, b, accumulate);
   if constexpr (TN == 128) wgmma_n128(d, a, b, accumulate);
+}
+
+// K split over the cluster (gridDim.y > 1): rank 0 adds the other ranks' results (N floats per consumer thread of
+// CT) into its own, in rank order; returns false on the other ranks, which are done then. The ring holds the partials
+// (every stage consumed).
+template <int N, int CT>
+__device__ __forceinline__ bool cluster_sum(float (&acc)[N], uint8_t* smem, bool consumer, int tid) {
+  if (gridDim.y == 1) return true;
+  __syncthreads();  // every stage consumed: the ring holds the partials now
+  float* red = reinterpret_cast<float*>(smem);  // [N][CT]
+  if (consumer) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) red[i * CT + tid] = acc[i];
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  if (cluster.block_rank() == 0 && consumer) {
+    for (unsigned int rank = 1; rank < cluster.num_blocks(); ++rank) {
+      const float* other = cluster.map_shared_rank(red, rank);
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] += other[i * CT + tid];
+    }
+  }
+  // the other ranks keep their shared memory until rank 0 has read it; nothing is published here, so the arrive
+  // needs no release (cluster.sync's release fence shows in the stall samples: bench/NOTES.md item 18)
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;" ::: "memory");
+  return cluster.block_rank() == 0;
 }
 
 struct Args {
@@ -262,27 +292,7 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
     }
   }
 
-  if (gridDim.y > 1) {  // rank 0 of the cluster adds the other ranks' results, in rank order
-    __syncthreads();    // every stage consumed: the ring holds the partials now
-    float* red = reinterpret_cast<float*>(smem);  // [TN / 2][CT]
-    if (wg < RW) {
-#pragma unroll
-      for (int i = 0; i < TN / 2; ++i) red[i * CT + tid] = acc[i];
-    }
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();
-    if (cluster.block_rank() == 0 && wg < RW) {
-      for (unsigned int rank = 1; rank < cluster.num_blocks(); ++rank) {
-        const float* other = cluster.map_shared_rank(red, rank);
-#pragma unroll
-        for (int i = 0; i < TN / 2; ++i) acc[i] += other[i * CT + tid];
-      }
-    }
-    // the other ranks keep their shared memory until rank 0 has read it; nothing is published here, so the arrive
-    // needs no release (cluster.sync's release fence shows in the stall samples: bench/NOTES.md item 18)
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;" ::: "memory");
-    if (cluster.block_rank() != 0) return;
-  }
+  if (!cluster_sum<TN / 2, CT>(acc, smem, wg < RW, tid)) return;
   if (wg >= RW) return;  // the producer and the second K-block group
 #pragma unroll
   for (int j = 0; j < TN / 8; ++j)
@@ -291,6 +301,121 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
       const int row = row0 + wg * ROWS + 16 * (warp % 4) + g + 8 * (i / 2), m = tok0 + 8 * j + 2 * t + (i % 2);
       if (m < a.M && row < a.N) a.Y[(size_t)m * a.ldy + row] = __float2bfloat16_rn(acc[4 * j + i]);
     }
+}
+
+// Tokens as wgmma's M (for M >= 64): TW consumer warpgroups of 64 tokens each share one tile of WN weight rows (the
+// instruction's N, inside one 128-row scale block), so a stage's weight tile is read once for 64 * TW tokens and each
+// thread promotes with two token scales and one weight scale per K block (the swap-AB kernel above reads TN / 4 token
+// scales). The ring, its producer, the K split over a cluster and the numerics are the swap-AB kernel's.
+template <int WN, int TW, int ST>
+__global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __grid_constant__ CUtensorMap wmap,
+                                                                    const __grid_constant__ CUtensorMap xmap,
+                                                                    const Args a) {
+  constexpr int TN = 64 * TW;           // tokens per CTA
+  constexpr int XB = TN * BK;           // activation bytes per stage
+  constexpr int STAGE = XB + WN * BK;   // + weight bytes; a multiple of 1024, as the swizzle needs
+  static_assert(STAGE % 1024 == 0 && WN % ROWS == 0 && WN <= 128, "stages must stay 1024-byte aligned");
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  float* xsc = reinterpret_cast<float*>(smem + ST * STAGE);  // [ST][TN] token scales of each stage
+  uint64_t* full = reinterpret_cast<uint64_t*>(xsc + ST * TN);
+  uint64_t* empty = full + ST;
+  float* wsc = reinterpret_cast<float*>(empty + ST);  // [kblocks] the weight tile's block scales
+  constexpr int CT = 128 * TW;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, wg = warp / 4;
+  const int trow = wg * 64 + 16 * (warp % 4) + g;  // a consumer thread's tokens in the tile: trow and trow + 8
+  const int row0 = blockIdx.x * WN, tok0 = blockIdx.z * TN, kb0 = blockIdx.y * a.kblocks;
+  const int xs_bytes = (a.Mp - tok0 < TN ? a.Mp - tok0 : TN) * 4;
+
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * TW);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  float acc[WN / 2];
+#pragma unroll
+  for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
+
+  if (wg == TW) {  // producer: the weight tiles of the first stages before the quantizer has finished
+    if (lane == 0) {
+      const int pre = a.kblocks < ST ? a.kblocks : ST;
+      for (int it = 0; it < pre; ++it) {
+        mbar_expect_tx(&full[it], STAGE + xs_bytes);
+        for (int r = 0; r < WN / ROWS; ++r)
+          tma_load(smem + it * STAGE + XB + r * ROWS * BK, &wmap, (kb0 + it) * BK, row0 + r * ROWS, &full[it]);
+      }
+      griddep_wait();
+      for (int it = 0; it < pre; ++it) {
+        tma_load(smem + it * STAGE, &xmap, (kb0 + it) * BK, tok0, &full[it]);
+        bulk_load(xsc + it * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[it]);
+      }
+      for (int it = pre; it < a.kblocks; ++it) {
+        const int s = it % ST;
+        mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);
+        mbar_expect_tx(&full[s], STAGE + xs_bytes);
+        const int k = (kb0 + it) * BK;
+        for (int r = 0; r < WN / ROWS; ++r)
+          tma_load(smem + s * STAGE + XB + r * ROWS * BK, &wmap, k, row0 + r * ROWS, &full[s]);
+        tma_load(smem + s * STAGE, &xmap, k, tok0, &full[s]);
+        bulk_load(xsc + s * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[s]);
+      }
+    }
+  } else {  // consumers
+    for (int i = tid; i < a.kblocks; i += CT) wsc[i] = __ldg(a.S + (size_t)(row0 / 128) * a.s_stride + kb0 + i);
+    const int valid = a.Mp - tok0;  // token-scale slots past Mp zeroed once, as in the swap-AB kernel
+    if (valid < TN)
+      for (int i = tid; i < ST * TN; i += CT)
+        if (i % TN >= valid) xsc[i] = 0.f;
+    const uint64_t dx0 = desc_sw128(smem_u32(smem) + wg * 64 * BK), dw0 = desc_sw128(smem_u32(smem) + XB);
+    asm volatile("bar.sync 1, %0;" ::"r"(CT) : "memory");
+    float blk[WN / 2];
+#pragma unroll
+    for (int i = 0; i < WN / 2; ++i) blk[i] = 0.f;
+    for (int it = 0; it < a.kblocks; ++it) {
+      const int s = it % ST;
+      mbar_wait(&full[s], (it / ST) & 1);
+      const uint64_t off = (uint64_t)(s * (STAGE / 16));
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(blk, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
+      wgmma_commit();
+      const float sw = lds(wsc + it);
+      const float x0 = lds(xsc + s * TN + trow) * sw, x1 = lds(xsc + s * TN + trow + 8) * sw;
+      wgmma_wait0();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[s]);
+#pragma unroll
+      for (int j = 0; j < WN / 8; ++j) {
+        acc[4 * j + 0] = fmaf(blk[4 * j + 0], x0, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(blk[4 * j + 1], x0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(blk[4 * j + 2], x1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(blk[4 * j + 3], x1, acc[4 * j + 3]);
+      }
+    }
+  }
+
+  if (!cluster_sum<WN / 2, CT>(acc, smem, wg < TW, tid)) return;
+  if (wg >= TW) return;
+  // two adjacent columns per store where the row stride and the output keep them 4-byte aligned
+  const bool paired = a.ldy % 2 == 0 && (reinterpret_cast<uintptr_t>(a.Y) & 3) == 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = tok0 + trow + 8 * h;
+    if (m >= a.M) continue;
+    __nv_bfloat16* y = a.Y + (size_t)m * a.ldy;
+#pragma unroll
+    for (int j = 0; j < WN / 8; ++j) {
+      const int col = row0 + 8 * j + 2 * t;
+      const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+      if (paired && col + 1 < a.N) {
+        *reinterpret_cast<__nv_bfloat162*>(y + col) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        if (col < a.N) y[col] = __float2bfloat16_rn(v0);
+        if (col + 1 < a.N) y[col + 1] = __float2bfloat16_rn(v1);
+      }
+    }
+  }
 }
 
 // a 2-D tensor map over a row-major e4m3 matrix [rows, cols] (cols % 16 == 0), boxes of [box_rows x 128] with the
@@ -314,22 +439,17 @@ int make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_rows
   return res == CUDA_SUCCESS ? 0 : (int)cudaErrorInvalidValue;
 }
 
-template <int TN, int RW, int ST, int KC>
-int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream_t st) {
-  const int blocks = a.Kp / BK;
-  a.kblocks = blocks / splits;
-  if (splits < 1 || splits > 8 || a.kblocks * splits != blocks || a.Np % 16 != 0) return (int)cudaErrorInvalidValue;
+using Kernel = void (*)(const CUtensorMap, const CUtensorMap, const Args);
+
+// Launches either kernel: weight tensor map in boxes of 64 rows, activation map in boxes of `tokens` rows, a grid of
+// (weight tiles of `rows`, K splits as one cluster, token tiles), `smem` bytes of shared memory (raised to the
+// device's opt-in limit once per kernel: `max_smem`, per device), as a programmatic dependent when `pdl`.
+int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const void* X, const Args& a, int splits,
+                  int rows, int tokens, int threads, int smem, int pdl, cudaStream_t st) {
   CUtensorMap wmap, xmap;
   int err = make_map(&wmap, W, a.Np, a.Kp, ROWS);
-  if (!err) err = make_map(&xmap, X, a.Mp, a.Kp, TN);
+  if (!err) err = make_map(&xmap, X, a.Mp, a.Kp, tokens);
   if (err) return err;
-  constexpr int stage = RW * ROWS * BK + TN * BK;
-  constexpr int red = RW * TN / 2 * 128 * 4;  // one group's or split's results, over the ring at the end
-  // stages, their token scales, mbarriers, the weight scales; + 1024 for the alignment
-  const int used = ST * stage + ST * TN * 4 + 2 * ST * 8 + RW * a.kblocks * 4;
-  const int smem = (used > red ? used : red) + 1024;
-  auto kernel = fp8_gemm_kernel<TN, RW, ST, KC>;
-  static int max_smem[64] = {};  // per device: its opt-in shared-memory limit, to which this kernel's is raised once
   int device = 0;
   cudaError_t cerr = cudaGetDevice(&device);
   if (cerr != cudaSuccess) return (int)cerr;
@@ -342,8 +462,8 @@ int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream
   }
   if (smem > limit) return (int)cudaErrorInvalidValue;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((a.Np + RW * ROWS - 1) / (RW * ROWS), splits, (a.M + TN - 1) / TN);
-  config.blockDim = dim3(128 * RW * KC + 32);
+  config.gridDim = dim3((a.Np + rows - 1) / rows, splits, (a.M + tokens - 1) / tokens);
+  config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = st;
   cudaLaunchAttribute attr[2];
@@ -357,6 +477,46 @@ int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream
   config.numAttrs = 2;
   cerr = cudaLaunchKernelEx(&config, kernel, wmap, xmap, a);
   return (int)(cerr != cudaSuccess ? cerr : cudaGetLastError());
+}
+
+// the K blocks per split into a.kblocks; false when `splits` does not divide them or the weight is not padded
+bool split_k(Args& a, int splits) {
+  const int blocks = a.Kp / BK;
+  a.kblocks = blocks / splits;
+  return splits >= 1 && splits <= 8 && a.kblocks * splits == blocks && a.Np % 16 == 0;
+}
+
+// shared memory of a ring of ST stages of `stage` bytes, their token scales, mbarriers and `wsc` weight scales, or
+// the consumers' results when larger (over the ring at the end); + 1024 for the alignment
+constexpr int smem_bytes(int ST, int stage, int TN, int wsc, int red) {
+  return (ST * stage + ST * TN * 4 + 2 * ST * 8 + wsc * 4 > red ? ST * stage + ST * TN * 4 + 2 * ST * 8 + wsc * 4
+                                                                 : red) + 1024;
+}
+
+template <int TN, int RW, int ST, int KC>
+int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream_t st) {
+  if (!split_k(a, splits)) return (int)cudaErrorInvalidValue;
+  static int max_smem[64] = {};
+  const int smem = smem_bytes(ST, RW * ROWS * BK + TN * BK, TN, RW * a.kblocks, RW * TN / 2 * 128 * 4);
+  return launch_kernel(fp8_gemm_kernel<TN, RW, ST, KC>, max_smem, W, X, a, splits, RW * ROWS, TN, 128 * RW * KC + 32,
+                       smem, pdl, st);
+}
+
+template <int WN, int TW, int ST>
+int launch_tokm(const void* W, const void* X, Args a, int splits, int pdl, cudaStream_t st) {
+  if (!split_k(a, splits)) return (int)cudaErrorInvalidValue;
+  static int max_smem[64] = {};
+  const int smem = smem_bytes(ST, (64 * TW + WN) * BK, 64 * TW, a.kblocks, WN / 2 * 128 * TW * 4);
+  return launch_kernel(fp8_gemm_tokm_kernel<WN, TW, ST>, max_smem, W, X, a, splits, WN, 64 * TW, 128 * TW + 32, smem,
+                       pdl, st);
+}
+
+template <int WN, int TW>
+int launch_tokm_st(const void* W, const void* X, const Args& a, int splits, int stages, int pdl, cudaStream_t st) {
+  if (stages == 2) return launch_tokm<WN, TW, 2>(W, X, a, splits, pdl, st);
+  if (stages == 4) return launch_tokm<WN, TW, 4>(W, X, a, splits, pdl, st);
+  if (stages == 6) return launch_tokm<WN, TW, 6>(W, X, a, splits, pdl, st);
+  return (int)cudaErrorInvalidValue;
 }
 
 template <int TN, int RW, int KC>
@@ -393,5 +553,20 @@ extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const
   if (rw == 2 && kc == 1) return launch_tn<2, 1>(W, X, a, tn, splits, stages, pdl, st);
   if (rw == 1 && kc == 1) return launch_tn<1, 1>(W, X, a, tn, splits, stages, pdl, st);
   if (rw == 1 && kc == 2) return launch_tn<1, 2>(W, X, a, tn, splits, stages, pdl, st);
+  return (int)cudaErrorInvalidValue;
+}
+
+// Tokens as wgmma's M: tn tokens per CTA (64, 128: a consumer warpgroup per 64), wn weight rows per CTA (64, 128);
+// splits and stages as above.
+extern "C" int mxgemm_fp8_gemm_tokm(const void* W, const void* S, int s_stride, const void* X, const void* XS, void* Y,
+                                    int ldy, int M, int Mp, int N, int Np, int Kp, int tn, int wn, int splits,
+                                    int stages, int pdl, void* stream) {
+  if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
+  const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0};
+  cudaStream_t st = (cudaStream_t)stream;
+  if (tn == 64 && wn == 64) return launch_tokm_st<64, 1>(W, X, a, splits, stages, pdl, st);
+  if (tn == 64 && wn == 128) return launch_tokm_st<128, 1>(W, X, a, splits, stages, pdl, st);
+  if (tn == 128 && wn == 64) return launch_tokm_st<64, 2>(W, X, a, splits, stages, pdl, st);
+  if (tn == 128 && wn == 128) return launch_tokm_st<128, 2>(W, X, a, splits, stages, pdl, st);
   return (int)cudaErrorInvalidValue;
 }

@@ -1,0 +1,109 @@
+"""Exploration: the FP8 kernel with tokens as wgmma's M (`fp8_gemm_tokm_kernel`, configs with a ``WN`` key) against
+the shipped path (`auto`: the tuned swap-AB config or cuBLASLt), cuBLASLt's blockwise GEMM and bf16 cuBLAS at M = 64,
+128 and 256 on the 8B / 70B / 7168-hidden projections (bench/NOTES.md item 24).
+
+Every tokens-as-M config is first checked against the emulated twin on odd shapes, into an output filled with NaN
+(every element must be written), then timed as the benchmark times (graph replay, weights rotated beyond 3x L2,
+median; the activation quantizer inside the timed call). Prints a table last.
+
+Run on the device: cd bench && PYTHONPATH=../src python3 explore_fp8_tokm.py [--m 64 128 256] [--json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from explore_fp8_gemm import key, twin
+from explore_small_m_pipeline import cold_weights, hybrid, random_mx
+
+import mxgemm
+from mxgemm.backends.cublas_block import cublas_block_linear
+from mxgemm.bench import MODELS, Problem, floor_us
+from mxgemm.kernels import fp8_gemm
+from mxgemm.kernels.act_quant import quantize_1x128_padded
+from mxgemm.timing import time_cuda
+
+
+def configs(m: int, kp: int, stages=(2, 4, 6)) -> list[dict]:
+    tiles = (64,) if m <= 64 else (64, 128)
+    out = [{"TN": tn, "WN": wn, "SPLITS": sp, "ST": st}
+           for tn, wn, sp, st in itertools.product(tiles, (64, 128), (1, 2, 4), stages)]  # fmt: skip
+    return [c for c in out if fp8_gemm.valid_config(c, kp)]
+
+
+def run(x, w, cfg, out=None):
+    xq, xs = quantize_1x128_padded(x)
+    t = w.tensors
+    return fp8_gemm.fp8_gemm(xq, xs, x.shape[0], t["qdata"], t["block_scale"], w.out_features, cfg, True, out)
+
+
+def check() -> dict:
+    errs = {}
+    for n, k in ((4160, 8000), (130, 96), (4096, 4096), (6144, 4096)):
+        w = hybrid(*random_mx(n, k, 0))
+        kp = w.tensors["qdata"].shape[1]
+        for m in (1, 17, 64, 100, 256, 300):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = twin(x, w)
+            for cfg in configs(m, kp):
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                run(x, w, cfg, y)
+                errs[f"{n}x{k}-m{m}-{key(cfg)}"] = ((y.double() - ref).norm() / ref.norm()).item()
+    bad = {k_: e for k_, e in errs.items() if not e < 4e-3}
+    print(f"correctness: {len(errs)} runs, worst rel err {max(errs.values()):.2e}, {len(bad)} bad: "
+          f"{dict(list(bad.items())[:6])}", flush=True)  # fmt: skip
+    return errs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--m", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--stages", type=int, nargs="+", default=[4, 6])
+    args = parser.parse_args()
+    dev = mxgemm.describe_device()
+    errs = check()
+    if not max(errs.values()) < 4e-3:
+        return
+    rows = []
+    for model in args.models:
+        for n, k, name in MODELS[model]:
+            ws, bf16 = cold_weights(n, k, dev.l2_bytes)
+            kp = ws[0].tensors["qdata"].shape[1]
+            for m in args.m:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                row = {"model": model, "name": name, "M": m, "N": n, "K": k,
+                       "floor_us": floor_us(Problem(m, n, k), dev),
+                       "bf16": time_cuda([partial(F.linear, x, b) for b in bf16]),
+                       "auto": time_cuda([partial(mxgemm.linear, x, w) for w in ws]),
+                       "cublas": time_cuda([partial(cublas_block_linear, x, w, None) for w in ws]),
+                       "us": {key(c): time_cuda([partial(run, x, w, c) for w in ws])
+                              for c in configs(m, kp, args.stages)}}  # fmt: skip
+                row["best"] = min(row["us"].items(), key=lambda kv: kv[1])
+                rows.append(row)
+                print(f"{model} {name:8s} M={m:3d} floor {row['floor_us']:6.1f} bf16 {row['bf16']:6.1f} auto "
+                      f"{row['auto']:6.1f} cublas {row['cublas']:6.1f} tokm {row['best'][1]:6.1f} "
+                      f"({row['best'][0]})", flush=True)  # fmt: skip
+            del ws, bf16
+            torch.cuda.empty_cache()
+    print("\n| model | shape | M | floor | bf16 | auto | cuBLASLt | tokm best | config | x bf16 auto | x bf16 tokm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cfg, us = r["best"]
+        print(
+            f"| {r['model']} | {r['name']} | {r['M']} | {r['floor_us']:.1f} | {r['bf16']:.1f} | {r['auto']:.1f} | "
+            f"{r['cublas']:.1f} | {us:.1f} | {cfg} | {r['bf16'] / r['auto']:.2f} | {r['bf16'] / us:.2f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(dev), "checks": errs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
