@@ -59,10 +59,10 @@ def config_from_key(text: str) -> dict:
     return cfg
 
 
-def run(x, w, cfg, pdl=True):
+def run(x, w, cfg, pdl=True, out=None):
     xq, xs = quantize_1x128_padded(x)
     t = w.tensors
-    return fp8_gemm.fp8_gemm(xq, xs, x.shape[0], t["qdata"], t["block_scale"], w.out_features, cfg, pdl)
+    return fp8_gemm.fp8_gemm(xq, xs, x.shape[0], t["qdata"], t["block_scale"], w.out_features, cfg, pdl, out)
 
 
 def gemm_only(xq, xs, m, w, cfg):
@@ -78,21 +78,30 @@ def twin(x, w) -> torch.Tensor:
     return (xf @ wf.T)[: x.shape[0], : w.out_features]
 
 
-def check() -> dict:
+def check(configs_for=configs, shapes=((4160, 8000), (130, 96), (4096, 4096)), ms=(1, 17, 64, 100, 256)) -> dict:
+    """Every config ``configs_for(m, kp)`` gives against the emulated twin, into an output filled with NaN first."""
     errs = {}
-    for n, k in ((4160, 8000), (130, 96), (4096, 4096)):
+    for n, k in shapes:
         w = hybrid(*random_mx(n, k, 0))
         kp = w.tensors["qdata"].shape[1]
-        for m in (1, 17, 64, 100, 256):
+        for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = twin(x, w)
-            for cfg in configs(m, kp):
-                y = run(x, w, cfg)
+            for cfg in configs_for(m, kp):
+                y = run(x, w, cfg, out=torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16))
                 errs[f"{n}x{k}-m{m}-{key(cfg)}"] = ((y.double() - ref).norm() / ref.norm()).item()
     bad = {k_: e for k_, e in errs.items() if not e < 4e-3}
     print(f"correctness: {len(errs)} runs, worst rel err {max(errs.values()):.2e}, {len(bad)} bad: "
           f"{dict(list(bad.items())[:6])}", flush=True)  # fmt: skip
     return errs
+
+
+def baselines(model, name, m, n, k, x, ws, bf16, dev) -> dict:
+    """A row's shape, floor and the times it is compared with: bf16 cuBLAS, ``auto``, cuBLASLt's blockwise GEMM."""
+    return {"model": model, "name": name, "M": m, "N": n, "K": k, "floor_us": floor_us(Problem(m, n, k), dev),
+            "bf16": time_cuda([partial(F.linear, x, b) for b in bf16]),
+            "auto": time_cuda([partial(mxgemm.linear, x, w) for w in ws]),
+            "cublas": time_cuda([partial(cublas_block_linear, x, w, None) for w in ws])}  # fmt: skip
 
 
 def main() -> None:
@@ -113,12 +122,7 @@ def main() -> None:
             kp = ws[0].tensors["qdata"].shape[1]
             for m in args.m:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                row = {"model": model, "name": name, "M": m, "N": n, "K": k,
-                       "floor_us": floor_us(Problem(m, n, k), dev),
-                       "bf16": time_cuda([partial(F.linear, x, b) for b in bf16]),
-                       "auto": time_cuda([partial(mxgemm.linear, x, w) for w in ws]),
-                       "cublas": time_cuda([partial(cublas_block_linear, x, w, None) for w in ws]),
-                       "us": {}}  # fmt: skip
+                row = baselines(model, name, m, n, k, x, ws, bf16, dev) | {"us": {}}
                 timed = configs(m, kp, args.stages)
                 for cfg in timed:
                     row["us"][key(cfg)] = time_cuda([partial(run, x, w, cfg) for w in ws])

@@ -16,16 +16,14 @@ import itertools
 import json
 from functools import partial
 
+import explore_fp8_gemm
 import torch
-import torch.nn.functional as F
-from explore_fp8_gemm import key, twin
-from explore_small_m_pipeline import cold_weights, hybrid, random_mx
+from explore_fp8_gemm import baselines, key, run
+from explore_small_m_pipeline import cold_weights
 
 import mxgemm
-from mxgemm.backends.cublas_block import cublas_block_linear
-from mxgemm.bench import MODELS, Problem, floor_us
+from mxgemm.bench import MODELS
 from mxgemm.kernels import fp8_gemm
-from mxgemm.kernels.act_quant import quantize_1x128_padded
 from mxgemm.timing import time_cuda
 
 
@@ -36,28 +34,9 @@ def configs(m: int, kp: int, stages=(2, 4, 6)) -> list[dict]:
     return [c for c in out if fp8_gemm.valid_config(c, kp)]
 
 
-def run(x, w, cfg, out=None):
-    xq, xs = quantize_1x128_padded(x)
-    t = w.tensors
-    return fp8_gemm.fp8_gemm(xq, xs, x.shape[0], t["qdata"], t["block_scale"], w.out_features, cfg, True, out)
-
-
 def check() -> dict:
-    errs = {}
-    for n, k in ((4160, 8000), (130, 96), (4096, 4096), (6144, 4096)):
-        w = hybrid(*random_mx(n, k, 0))
-        kp = w.tensors["qdata"].shape[1]
-        for m in (1, 17, 64, 100, 256, 300):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = twin(x, w)
-            for cfg in configs(m, kp):
-                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                run(x, w, cfg, y)
-                errs[f"{n}x{k}-m{m}-{key(cfg)}"] = ((y.double() - ref).norm() / ref.norm()).item()
-    bad = {k_: e for k_, e in errs.items() if not e < 4e-3}
-    print(f"correctness: {len(errs)} runs, worst rel err {max(errs.values()):.2e}, {len(bad)} bad: "
-          f"{dict(list(bad.items())[:6])}", flush=True)  # fmt: skip
-    return errs
+    shapes = ((4160, 8000), (130, 96), (4096, 4096), (6144, 4096))
+    return explore_fp8_gemm.check(configs, shapes, (1, 17, 64, 100, 256, 300))
 
 
 def main() -> None:
@@ -78,13 +57,10 @@ def main() -> None:
             kp = ws[0].tensors["qdata"].shape[1]
             for m in args.m:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                row = {"model": model, "name": name, "M": m, "N": n, "K": k,
-                       "floor_us": floor_us(Problem(m, n, k), dev),
-                       "bf16": time_cuda([partial(F.linear, x, b) for b in bf16]),
-                       "auto": time_cuda([partial(mxgemm.linear, x, w) for w in ws]),
-                       "cublas": time_cuda([partial(cublas_block_linear, x, w, None) for w in ws]),
-                       "us": {key(c): time_cuda([partial(run, x, w, c) for w in ws])
-                              for c in configs(m, kp, args.stages)}}  # fmt: skip
+                row = baselines(model, name, m, n, k, x, ws, bf16, dev)
+                row["us"] = {
+                    key(c): time_cuda([partial(run, x, w, c) for w in ws]) for c in configs(m, kp, args.stages)
+                }
                 row["best"] = min(row["us"].items(), key=lambda kv: kv[1])
                 rows.append(row)
                 print(f"{model} {name:8s} M={m:3d} floor {row['floor_us']:6.1f} bf16 {row['bf16']:6.1f} auto "

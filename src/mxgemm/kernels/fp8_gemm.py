@@ -117,20 +117,13 @@ def valid_config(cfg: dict, k_padded: int) -> bool:
     Tokens as wgmma M (a ``WN`` key): ``TN`` tokens per CTA (64, 128; a consumer warpgroup per 64), ``WN`` weight rows
     per CTA (64, 128). Both: ``SPLITS`` K splits in one cluster (1-8, whole 128-deep blocks each), ``ST`` TMA ring
     stages (``STAGES``), all in one SM's shared memory."""
-    splits = cfg.get("SPLITS")
     if "WN" in cfg:  # tokens as wgmma M: TN tokens (64, 128) and WN weight rows (64, 128) per CTA
-        return (
-            cfg.keys() == {"TN", "WN", "SPLITS", "ST"}
-            and cfg["TN"] in (64, 128)
-            and cfg["WN"] in (64, 128)
-            and splits in range(1, 9)
-            and cfg["ST"] in STAGES
-            and _smem_bytes(cfg, k_padded) <= _SMEM_PER_SM
-            and (k_padded // 128) % splits == 0
-        )
+        tiles = cfg.keys() == {"TN", "WN", "SPLITS", "ST"} and cfg["TN"] in (64, 128) and cfg["WN"] in (64, 128)
+    else:
+        tiles = cfg.get("TN") in TOKEN_TILES and (cfg.get("RW"), cfg.get("KC", 1)) in ((1, 1), (2, 1), (1, 2))
+    splits = cfg.get("SPLITS")
     return (
-        cfg.get("TN") in TOKEN_TILES
-        and (cfg.get("RW"), cfg.get("KC", 1)) in ((1, 1), (2, 1), (1, 2))
+        tiles
         and splits in range(1, 9)
         and cfg.get("ST") in STAGES
         and _smem_bytes(cfg, k_padded) <= _SMEM_PER_SM

@@ -490,8 +490,8 @@ bool split_k(Args& a, int splits) {
 // shared memory of a ring of ST stages of `stage` bytes, their token scales, mbarriers and `wsc` weight scales, or
 // the consumers' results when larger (over the ring at the end); + 1024 for the alignment
 constexpr int smem_bytes(int ST, int stage, int TN, int wsc, int red) {
-  return (ST * stage + ST * TN * 4 + 2 * ST * 8 + wsc * 4 > red ? ST * stage + ST * TN * 4 + 2 * ST * 8 + wsc * 4
-                                                                 : red) + 1024;
+  const int ring = ST * stage + ST * TN * 4 + 2 * ST * 8 + wsc * 4;
+  return (ring > red ? ring : red) + 1024;
 }
 
 template <int TN, int RW, int ST, int KC>
