@@ -40,22 +40,21 @@ def configs(m: int, kp: int, stages=(2, 4, 6)) -> list[dict]:
 
 
 def key(cfg: dict) -> str:
-    """ "tn128-rw1-kc2-s1-st4" (swap-AB) or "tn128-wn64-s1-st4[-db1]" (tokens as wgmma M)."""
+    """ "tn128-rw1-kc2-s1-st4" (swap-AB) or "tn128-wn64-s1-st4" (tokens as wgmma M)."""
     if "WN" in cfg:
-        db = "-db1" if cfg.get("DB") else ""
-        return f"tn{cfg['TN']}-wn{cfg['WN']}-s{cfg['SPLITS']}-st{cfg['ST']}{db}"
+        return f"tn{cfg['TN']}-wn{cfg['WN']}-s{cfg['SPLITS']}-st{cfg['ST']}"
     kc = f"-kc{cfg['KC']}" if cfg.get("KC", 1) > 1 else ""
     return f"tn{cfg['TN']}-rw{cfg['RW']}{kc}-s{cfg['SPLITS']}-st{cfg['ST']}"
 
 
 def config_from_key(text: str) -> dict:
     """``key``'s inverse: "tn128-rw1-kc2-s1-st4" -> {"TN": 128, "RW": 1, "KC": 2, "SPLITS": 1, "ST": 4}."""
-    names = {"tn": "TN", "rw": "RW", "kc": "KC", "wn": "WN", "st": "ST", "s": "SPLITS", "db": "DB"}
+    names = {"tn": "TN", "rw": "RW", "kc": "KC", "wn": "WN", "st": "ST", "s": "SPLITS"}
     cfg = {}
     for part in text.split("-"):
         prefix = part.rstrip("0123456789")
         if prefix not in names or prefix == part:
-            raise ValueError(f"{text!r}: {part!r} is not one of tnN, rwN, kcN, wnN, sN, stN, dbN")
+            raise ValueError(f"{text!r}: {part!r} is not one of tnN, rwN, kcN, wnN, sN, stN")
         cfg[names[prefix]] = int(part[len(prefix) :])
     return cfg
 

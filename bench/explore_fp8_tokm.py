@@ -6,9 +6,6 @@ Every tokens-as-M config is first checked against the emulated twin on odd shape
 (every element must be written), then timed as the benchmark times (graph replay, weights rotated beyond 3x L2,
 median; the activation quantizer inside the timed call). Prints a table last.
 
-Each config with one block product per consumer (as merged in item 24) and with two (``DB``: the next block's
-wgmma running while one is promoted; item 25).
-
 Run on the device: cd bench && PYTHONPATH=../src python3 explore_fp8_tokm.py [--m 64 128 256] [--json ...]
 """
 
@@ -30,15 +27,15 @@ from mxgemm.kernels import fp8_gemm
 from mxgemm.timing import time_cuda
 
 
-def configs(m: int, kp: int, stages=(2, 4, 6), splits=(1, 2, 4), db=(0, 1)) -> list[dict]:
+def configs(m: int, kp: int, stages=(2, 4, 6), splits=(1, 2, 4)) -> list[dict]:
     tiles = (64,) if m <= 64 else (64, 128)
-    out = [{"TN": tn, "WN": wn, "SPLITS": sp, "ST": st} | ({"DB": 1} if d else {})
-           for tn, wn, sp, st, d in itertools.product(tiles, (64, 128), splits, stages, db)]  # fmt: skip
+    out = [{"TN": tn, "WN": wn, "SPLITS": sp, "ST": st}
+           for tn, wn, sp, st in itertools.product(tiles, (64, 128), splits, stages)]  # fmt: skip
     return [c for c in out if fp8_gemm.valid_config(c, kp)]
 
 
 def check() -> dict:
-    # K = 1408 (12 blocks): 3 per split with 4 splits, an odd count for the two-product loop's last block
+    # K = 1408 (12 blocks): 3 per split with 4 splits, an odd count
     shapes = ((4160, 8000), (130, 96), (4096, 4096), (6144, 4096), (256, 1408))
     return explore_fp8_gemm.check(configs, shapes, (1, 17, 64, 100, 256, 300))
 
@@ -51,7 +48,6 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[4, 6])
     # 4 splits were never the best at M >= 64 (explore-fp8-tokm-h200.json of item 24)
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--db", type=int, nargs="+", default=[0, 1])
     args = parser.parse_args()
     dev = mxgemm.describe_device()
     errs = check()
@@ -67,7 +63,7 @@ def main() -> None:
                 row = baselines(model, name, m, n, k, x, ws, bf16, dev)
                 row["us"] = {
                     key(c): time_cuda([partial(run, x, w, c) for w in ws])
-                    for c in configs(m, kp, args.stages, args.splits, args.db)
+                    for c in configs(m, kp, args.stages, args.splits)
                 }
                 row["best"] = min(row["us"].items(), key=lambda kv: kv[1])
                 rows.append(row)
@@ -77,17 +73,13 @@ def main() -> None:
                       f"({row['best'][0]})", flush=True)  # fmt: skip
             del ws, bf16
             torch.cuda.empty_cache()
-    print("\n| model | shape | M | floor | bf16 | auto | cuBLASLt | tokm best | config | one product | two products "
-          "| x bf16 auto | x bf16 tokm |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | shape | M | floor | bf16 | auto | cuBLASLt | tokm best | config | x bf16 auto | x bf16 tokm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cfg, us = r["best"]
-        by_db = [min((t for c, t in r["us"].items() if c.endswith("-db1") == db), default=float("nan"))
-                 for db in (False, True)]  # fmt: skip
         print(
             f"| {r['model']} | {r['name']} | {r['M']} | {r['floor_us']:.1f} | {r['bf16']:.1f} | {r['auto']:.1f} | "
-            f"{r['cublas']:.1f} | {us:.1f} | {cfg} | {by_db[0]:.1f} | {by_db[1]:.1f} | {r['bf16'] / r['auto']:.2f} | "
-            f"{r['bf16'] / us:.2f} |"
+            f"{r['cublas']:.1f} | {us:.1f} | {cfg} | {r['bf16'] / r['auto']:.2f} | {r['bf16'] / us:.2f} |"
         )
 
 

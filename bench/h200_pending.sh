@@ -14,8 +14,7 @@
 #           the FP8 kernel as built / ring-only / tensor maps prefetched) on N = 4096, K = 1024-28672
 #   depth   bench/explore_fp8_depth.py: the FP8 kernel with rings of 8-12 stages beside 2-6, every one-warpgroup config
 #           on the M = 64 and M = 16 misses (outputs compared bitwise with the default config's)
-#   tokm    the FP8 kernel's GPU tests, then bench/explore_fp8_tokm.py: tokens as wgmma M at M = 64 / 128 / 256, one
-#           and two block products per consumer
+#   tokm    the FP8 kernel's GPU tests, then bench/explore_fp8_tokm.py: tokens as wgmma M at M = 64 / 128 / 256
 #   fp8-ncu  Nsight Compute on the FP8 kernel (8B o at M = 64): throughput, warp states, stalls per SASS line
 #   waves   bench/explore_waves.py: the small-M kernel's % of floor at M = 1 over N (wave tails or not)
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
@@ -61,10 +60,9 @@ for stage in "$@"; do
       ( timeout 400 python3 bench/explore_small_m_pipeline.py --m 1 16 \
           --json "$out/explore-small-m-pipeline-h200.json" ) > "$out/pipeline.log" 2>&1
       tail -28 "$out/pipeline.log" ;;
-    tokm)  # tokens as wgmma M, one and two block products: the FP8 kernel's GPU tests, then every config against the
-      # shipped path (items 24 and 25)
+    tokm)  # tokens as wgmma M: the FP8 kernel's GPU tests, then every config against the shipped path (item 24)
       timeout 150 python3 -m pytest tests/test_gpu_fp8_gemm.py -q -p no:warnings --tb=short -x 2>&1 | tail -4
-      ( cd bench && timeout 400 python3 explore_fp8_tokm.py --json "$out/explore-fp8-tokm-db-h200.json" ) \
+      ( cd bench && timeout 400 python3 explore_fp8_tokm.py --json "$out/explore-fp8-tokm-h200.json" ) \
         > "$out/tokm.log" 2>&1
       tail -40 "$out/tokm.log" ;;
     fp8)  # the FP8 TMA/wgmma kernel: its GPU tests, then its exploration

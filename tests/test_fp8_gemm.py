@@ -51,9 +51,8 @@ def test_invalid_configs_are_refused():
     assert fp8_gemm.valid_config({"TN": 128, "WN": 128, "SPLITS": 4, "ST": 6}, 512)
     assert not fp8_gemm.valid_config({"TN": 32, "WN": 64, "SPLITS": 1, "ST": 4}, 512)  # 64 or 128 tokens
     assert not fp8_gemm.valid_config({"TN": 64, "WN": 256, "SPLITS": 1, "ST": 4}, 512)
-    assert fp8_gemm.valid_config({"TN": 64, "WN": 64, "SPLITS": 1, "ST": 4, "DB": 1}, 512)  # two block products
-    assert not fp8_gemm.valid_config({"TN": 64, "WN": 64, "SPLITS": 1, "ST": 4, "DB": 2}, 512)
-    assert not fp8_gemm.valid_config({"TN": 64, "RW": 1, "SPLITS": 1, "ST": 4, "DB": 1}, 512)  # DB: tokens as M only
+    assert not fp8_gemm.valid_config({"TN": 64, "WN": 64, "SPLITS": 1, "ST": 4, "KC": 2}, 512)  # KC: swap-AB only
+    assert not fp8_gemm.valid_config({"TN": 64, "RW": 1, "SPLITS": 1, "ST": 4, "XX": 1}, 512)  # no unknown keys
     assert not fp8_gemm.valid_config({"TN": 64, "WN": 64, "RW": 1, "SPLITS": 1, "ST": 4}, 512)  # RW: swap-AB only
     assert not fp8_gemm.valid_config({"TN": 64, "WN": 64, "SPLITS": 3, "ST": 4}, 512)
 

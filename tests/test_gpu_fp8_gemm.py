@@ -31,15 +31,15 @@ def _configs(kp: int) -> list[dict]:
         cfg = {"TN": tn, "RW": rw, "KC": kc, "SPLITS": splits, "ST": st}
         if fp8_gemm.valid_config(cfg, kp):
             out.append(cfg)
-    for tn, wn, splits, st, db in itertools.product((64, 128), (64, 128), (1, 2, 4, 8), fp8_gemm.STAGES, (0, 1)):
-        cfg = {"TN": tn, "WN": wn, "SPLITS": splits, "ST": st} | ({"DB": 1} if db else {})  # tokens as wgmma M
+    for tn, wn, splits, st in itertools.product((64, 128), (64, 128), (1, 2, 4, 8), fp8_gemm.STAGES):
+        cfg = {"TN": tn, "WN": wn, "SPLITS": splits, "ST": st}  # tokens as wgmma M
         if fp8_gemm.valid_config(cfg, kp):
             out.append(cfg)
     return out
 
 
 @pytest.mark.parametrize("m", [1, 3, 5, 64, 100, 256])
-@pytest.mark.parametrize("n,k", [(130, 96), (4160, 4160), (4096, 14336)])  # 1, 9 (4 splits), 112 K blocks
+@pytest.mark.parametrize("n,k", [(130, 96), (4160, 4160), (4096, 14336)])  # 4, 36 (9 a split with 4), 112 K blocks
 def test_every_config_matches_the_twin(m, n, k):
     q, s = random_mx_weight(n, k, seed=n + m, device="cuda")
     w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
@@ -47,17 +47,10 @@ def test_every_config_matches_the_twin(m, n, k):
     twin = hybrid_twin(x, q, s, quantized=True)
     xq, xs = quantize_1x128_padded(x)
     qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
-    one_product = {}
     for cfg in _configs(qd.shape[1]):
         y = fp8_gemm.fp8_gemm(xq, xs, m, qd, bs, n, cfg)
         assert y.shape == (m, n) and torch.isfinite(y).all(), cfg
         assert sqnr_db(y, twin) >= 45, cfg
-        if "WN" in cfg:  # two block products in flight add the blocks in the same order as one: the same bits
-            same = {c: v for c, v in cfg.items() if c != "DB"}
-            if cfg.get("DB"):
-                assert torch.equal(y, one_product[str(same)]), cfg
-            else:
-                one_product[str(same)] = y
 
 
 @pytest.mark.parametrize("m", [1, 5, 64, 100, 256])

@@ -115,12 +115,10 @@ def valid_config(cfg: dict, k_padded: int) -> bool:
     """Swap-AB (weight rows as wgmma M): ``TN`` tokens per CTA (``TOKEN_TILES``), ``RW`` 64-row weight tiles per CTA
     (1, 2), ``KC`` consumer warpgroups per row tile taking alternate K blocks (1 when absent; 2 with one row tile).
     Tokens as wgmma M (a ``WN`` key): ``TN`` tokens per CTA (64, 128; a consumer warpgroup per 64), ``WN`` weight rows
-    per CTA (64, 128), ``DB`` 1: two block products per consumer, the next block's ``wgmma`` running while one is
-    promoted (0 when absent). Both: ``SPLITS`` K splits in one cluster (1-8, whole 128-deep blocks each), ``ST`` TMA
-    ring stages (``STAGES``), all in one SM's shared memory."""
+    per CTA (64, 128). Both: ``SPLITS`` K splits in one cluster (1-8, whole 128-deep blocks each), ``ST`` TMA ring
+    stages (``STAGES``), all in one SM's shared memory."""
     if "WN" in cfg:  # tokens as wgmma M: TN tokens (64, 128) and WN weight rows (64, 128) per CTA
-        keys = cfg.keys() - {"DB"} == {"TN", "WN", "SPLITS", "ST"} and cfg.get("DB", 0) in (0, 1)
-        tiles = keys and cfg["TN"] in (64, 128) and cfg["WN"] in (64, 128)
+        tiles = cfg.keys() == {"TN", "WN", "SPLITS", "ST"} and cfg["TN"] in (64, 128) and cfg["WN"] in (64, 128)
     else:
         keys = cfg.keys() - {"KC"} == {"TN", "RW", "SPLITS", "ST"}
         tiles = keys and cfg["TN"] in TOKEN_TILES and (cfg["RW"], cfg.get("KC", 1)) in ((1, 1), (2, 1), (1, 2))
@@ -162,8 +160,8 @@ def fp8_gemm(
               p(xs.data_ptr()), p(y.data_ptr()), y.stride(0), m, mp, n, np_, kp)  # fmt: skip
     stream = p(torch.cuda.current_stream(xq.device).cuda_stream)
     if "WN" in config:
-        err = lib.mxgemm_fp8_gemm_tokm(*common, config["TN"], config["WN"], config["SPLITS"], config["ST"],
-                                       config.get("DB", 0), int(pdl), stream)  # fmt: skip
+        err = lib.mxgemm_fp8_gemm_tokm(*common, config["TN"], config["WN"], config["SPLITS"], config["ST"], int(pdl),
+                                       stream)  # fmt: skip
     else:
         err = lib.mxgemm_fp8_gemm(*common, config["TN"], config["RW"], config.get("KC", 1), config["SPLITS"],
                                   config["ST"], int(pdl), stream)  # fmt: skip

@@ -46,14 +46,6 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
-// mbar_arrive where `pred`, as a predicated instruction rather than a branch (wgmma may be in flight: a divergent
-// branch there makes ptxas serialize them)
-__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}" ::"r"(
-                   smem_u32(bar)),
-               "r"((int)pred)
-               : "memory");
-}
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
   asm volatile(
       "{\n.reg .pred done;\nWAIT_%=:\n"
@@ -106,7 +98,6 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 __device__ __forceinline__ void wgmma_n8(float (&d)[4], uint64_t a, uint64_t b, int accumulate) {
   asm volatile(
@@ -319,7 +310,7 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
 // tokens and each thread promotes with two token scales and one weight scale per K block (the swap-AB kernel above
 // reads TN / 4 token scales). The ring, its producer, the K split over a cluster and the numerics are the swap-AB
 // kernel's.
-template <int WN, int TW, int ST, bool DB>
+template <int WN, int TW, int ST>
 __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                     const __grid_constant__ CUtensorMap xmap,
                                                                     const Args a) {
@@ -381,63 +372,28 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
         if (i % TN >= valid) xsc[i] = 0.f;
     const uint64_t dx0 = desc_sw128(smem_u32(smem) + wg * 64 * BK), dw0 = desc_sw128(smem_u32(smem) + XB);
     asm volatile("bar.sync 1, %0;" ::"r"(CT) : "memory");
-    // block it's product into b: wait for its stage, 4 wgmma, one commit group
-    auto issue = [&](float(&b)[WN / 2], int it) {
+    float blk[WN / 2];
+#pragma unroll
+    for (int i = 0; i < WN / 2; ++i) blk[i] = 0.f;
+    for (int it = 0; it < a.kblocks; ++it) {
       const int s = it % ST;
       mbar_wait(&full[s], (it / ST) & 1);
       const uint64_t off = (uint64_t)(s * (STAGE / 16));
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(b, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
+      for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(blk, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
       wgmma_commit();
-    };
-    // block it's product promoted into acc with its weight scale and this thread's two token scales, once b holds it
-    // (all commit groups but the newest PENDING done), and its stage freed
-    auto promote = [&](const float(&b)[WN / 2], int it, auto pending) {
-      const int s = it % ST;
       const float sw = lds(wsc + it);
       const float x0 = lds(xsc + s * TN + trow) * sw, x1 = lds(xsc + s * TN + trow + 8) * sw;
-      if constexpr (pending.value)
-        wgmma_wait1();
-      else
-        wgmma_wait0();
+      wgmma_wait0();
       __syncwarp();
-      mbar_arrive_if(&empty[s], lane == 0);
+      if (lane == 0) mbar_arrive(&empty[s]);
 #pragma unroll
       for (int j = 0; j < WN / 8; ++j) {
-        acc[4 * j + 0] = fmaf(b[4 * j + 0], x0, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(b[4 * j + 1], x0, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(b[4 * j + 2], x1, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(b[4 * j + 3], x1, acc[4 * j + 3]);
-      }
-    };
-    constexpr std::true_type one_pending{};
-    constexpr std::false_type none_pending{};
-    float b0[WN / 2];
-    if constexpr (DB) {
-      // two block products: block it + 1's wgmma run while block it is promoted. ptxas tracks the groups in flight
-      // without regard to the path taken, so every wgmma and wait sits where the number in flight is the same on
-      // every path to it (1 at the loop's head); otherwise it serializes them
-      float b1[WN / 2];
-      issue(b0, 0);
-      int it = 0;
-      for (; it + 2 < a.kblocks; it += 2) {
-        issue(b1, it + 1);
-        promote(b0, it, one_pending);
-        issue(b0, it + 2);
-        promote(b1, it + 1, one_pending);
-      }
-      if (it + 1 < a.kblocks) {  // the last two blocks
-        issue(b1, it + 1);
-        promote(b0, it, one_pending);
-        promote(b1, it + 1, none_pending);
-      } else {
-        promote(b0, it, none_pending);
-      }
-    } else {
-      for (int it = 0; it < a.kblocks; ++it) {
-        issue(b0, it);
-        promote(b0, it, none_pending);
+        acc[4 * j + 0] = fmaf(blk[4 * j + 0], x0, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(blk[4 * j + 1], x0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(blk[4 * j + 2], x1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(blk[4 * j + 3], x1, acc[4 * j + 3]);
       }
     }
   }
@@ -549,13 +505,13 @@ int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream
                        smem, pdl, st);
 }
 
-template <int WN, int TW, int ST, bool DB>
+template <int WN, int TW, int ST>
 int launch_tokm(const void* W, const void* X, Args a, int splits, int pdl, cudaStream_t st) {
   if (!split_k(a, splits)) return (int)cudaErrorInvalidValue;
   static int max_smem[64] = {};
   const int smem = smem_bytes(ST, (64 * TW + WN) * BK, 64 * TW, a.kblocks, WN / 2 * 128 * TW * 4);
-  return launch_kernel(fp8_gemm_tokm_kernel<WN, TW, ST, DB>, max_smem, W, X, a, splits, WN, 64 * TW, 128 * TW + 32,
-                       smem, pdl, st);
+  return launch_kernel(fp8_gemm_tokm_kernel<WN, TW, ST>, max_smem, W, X, a, splits, WN, 64 * TW, 128 * TW + 32, smem,
+                       pdl, st);
 }
 
 // f(std::integral_constant<int, ST>{}) for a ring depth of 2, 4 or 6
@@ -581,12 +537,8 @@ int launch_tn(const void* W, const void* X, const Args& a, int tn, int splits, i
 }
 
 template <int WN, int TW>
-int launch_tokm_st(const void* W, const void* X, const Args& a, int splits, int stages, int db, int pdl,
-                   cudaStream_t st) {
-  return by_stages(stages, [&](auto s) {
-    return db ? launch_tokm<WN, TW, s.value, true>(W, X, a, splits, pdl, st)
-              : launch_tokm<WN, TW, s.value, false>(W, X, a, splits, pdl, st);
-  });
+int launch_tokm_st(const void* W, const void* X, const Args& a, int splits, int stages, int pdl, cudaStream_t st) {
+  return by_stages(stages, [&](auto s) { return launch_tokm<WN, TW, s.value>(W, X, a, splits, pdl, st); });
 }
 
 }  // namespace
@@ -609,17 +561,16 @@ extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const
 }
 
 // Tokens as wgmma's M: tn tokens per CTA (64, 128: a consumer warpgroup per 64), wn weight rows per CTA (64, 128);
-// db: two block products per consumer, the next block's wgmma running while one is promoted; splits and stages as
-// above.
+// splits and stages as above.
 extern "C" int mxgemm_fp8_gemm_tokm(const void* W, const void* S, int s_stride, const void* X, const void* XS, void* Y,
                                     int ldy, int M, int Mp, int N, int Np, int Kp, int tn, int wn, int splits,
-                                    int stages, int db, int pdl, void* stream) {
+                                    int stages, int pdl, void* stream) {
   if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
   const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0};
   cudaStream_t st = (cudaStream_t)stream;
-  if (tn == 64 && wn == 64) return launch_tokm_st<64, 1>(W, X, a, splits, stages, db, pdl, st);
-  if (tn == 64 && wn == 128) return launch_tokm_st<128, 1>(W, X, a, splits, stages, db, pdl, st);
-  if (tn == 128 && wn == 64) return launch_tokm_st<64, 2>(W, X, a, splits, stages, db, pdl, st);
-  if (tn == 128 && wn == 128) return launch_tokm_st<128, 2>(W, X, a, splits, stages, db, pdl, st);
+  if (tn == 64 && wn == 64) return launch_tokm_st<64, 1>(W, X, a, splits, stages, pdl, st);
+  if (tn == 64 && wn == 128) return launch_tokm_st<128, 1>(W, X, a, splits, stages, pdl, st);
+  if (tn == 128 && wn == 64) return launch_tokm_st<64, 2>(W, X, a, splits, stages, pdl, st);
+  if (tn == 128 && wn == 128) return launch_tokm_st<128, 2>(W, X, a, splits, stages, pdl, st);
   return (int)cudaErrorInvalidValue;
 }
