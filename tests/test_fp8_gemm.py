@@ -28,6 +28,18 @@ def test_fp8_default_config_fills_the_gpu_once():
     assert all(fp8_gemm.valid_config(default_config(m, n, 4096, 132), 4096) for m in ms for n in (128, 8192))
 
 
+def test_fp8_kernel_is_the_default_up_to_m_64_and_in_one_wave_up_to_128():
+    """Over cuBLASLt: up to M = 64 always, up to M = 128 while one CTA per 64 weight rows fits on the SMs
+    (bench/NOTES.md items 24 and 25: faster at M = 128 on the H200's projections with N <= 8192, slower from N = 9216).
+    """
+    beats = fp8_gemm.default_beats_cublas
+    assert beats(1, 57344, 132) and beats(64, 57344, 132)
+    assert beats(65, 4096, 132) and beats(128, 8192, 132) and beats(128, 8448, 132)  # 132 tiles
+    assert not beats(128, 8464, 132) and not beats(100, 9216, 132) and not beats(128, 28672, 132)
+    assert not beats(129, 128, 132) and not beats(256, 4096, 132)
+    assert beats(128, 9216, 144) and not beats(128, 8192, 100)  # per the GPU's SMs
+
+
 def test_fp8_tactics_add_tokens_as_m_above_32():
     """The tuner's configs: swap-AB only up to M = 32, both kernels above, every one valid and none twice."""
     for m, kp in ((16, 4096), (32, 512), (33, 4096), (64, 14336), (256, 8192)):
@@ -58,9 +70,10 @@ def test_invalid_configs_are_refused():
 
 
 def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):
-    """Without a GPU, the kernels recorded instead of run: up to M = 64 from the crossover the FP8 kernel with its
-    default config or the tactic's, cuBLASLt for a cuBLASLt tactic or where the kernel is not built, the default config
-    for a config it does not know, and below the crossover no quantized tactic at all."""
+    """Without a GPU, the kernels recorded instead of run: from the crossover up to M = 64 (up to 128 while its CTAs
+    fit one wave) the FP8 kernel with its default config or the tactic's, cuBLASLt for a cuBLASLt tactic or where the
+    kernel is not built, the default config for a config it does not know, and below the crossover no quantized tactic
+    at all."""
     import torch
 
     import mxgemm
@@ -89,6 +102,14 @@ def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):
     b.run(x40, w, None, tactic={"path": "fp8", "config": tuned})  # a bucket spanning the crossover: not followed
     default = default_config(64, 4096, 4096, 132)
     assert ran == [("fp8", default), ("fp8", tuned), ("fp8", default), ("cublas", None), ("triton", None)]
+    ran.clear()
+    x128 = torch.zeros(128, 4096, dtype=torch.bfloat16)
+    b.run(x128, w, None)  # 64 CTAs of 64 weight rows: one wave
+    wide_tensors = tensors | {"qdata": torch.empty(9216, 4096)}
+    wide = mxgemm.PreparedWeight("hybrid_sm90", "hybrid-block128", 9216, 4096, wide_tensors, info)
+    b.run(x128, wide, None)  # 144 CTAs: cuBLASLt
+    b.run(x128, wide, None, tactic={"path": "fp8", "config": tuned | {"TN": 128}})  # a tuned config still runs
+    assert ran == [("fp8", default_config(128, 4096, 4096, 132)), ("cublas", None), ("fp8", tuned | {"TN": 128})]
     ran.clear()
     del w.info["fp8_sms"]  # a tuning file's FP8 tactic where the kernel is not built
     b.run(x64, w, None, tactic={"path": "fp8", "config": tuned})

@@ -5,12 +5,13 @@ Below a crossover M (memory-bound decode) our kernels read that weight and multi
 given: up to M = 16 a hand-written CUDA kernel (``kernels/csrc/small_m.cu``, built with nvcc on first use; without nvcc
 the Triton kernel takes its place), above that a Triton kernel; at and above the crossover activations are quantized per
 1x128 and a blockwise FP8 GEMM runs: up to M = 64 our TMA/wgmma kernel (``kernels/csrc/fp8_gemm.cu``, K split over a
-cluster; where it is built), above that cuBLASLt (the tuner picks either per shape, same numerics). Where our FP8 kernel
-is built, the crossover of large weights is M = 1: it streams them faster than the exact kernels even at decode
-(``crossover_for``). Recipe ``hybrid-block128``: the first regime is exact with respect to the re-encoded weight (the
-CUDA kernel for ``|x| < 2^64``), which itself differs from the MX weight only as its exactness report says; a weight
-whose re-encoding error exceeds ``MXGEMM_REENCODE_MAX_ERROR`` (relative, default 1e-5) is refused, and ``auto`` then
-gives that layer to the next backend (the exact ``triton`` one).
+cluster; where it is built; up to M = 128 where its CTAs fit on the SMs in one wave), above that cuBLASLt (the tuner
+picks either per shape up to M = 256, same numerics). Where our FP8 kernel is built, the crossover of large weights is
+M = 1: it streams them faster than the exact kernels even at decode (``crossover_for``). Recipe ``hybrid-block128``:
+the first regime is exact with respect to the re-encoded weight (the CUDA kernel for ``|x| < 2^64``), which itself
+differs from the MX weight only as its exactness report says; a weight whose re-encoding error exceeds
+``MXGEMM_REENCODE_MAX_ERROR`` (relative, default 1e-5) is refused, and ``auto`` then gives that layer to the next
+backend (the exact ``triton`` one).
 """
 
 from __future__ import annotations
@@ -50,10 +51,7 @@ def crossover_for(n: int, k: int, small_m: bool = True, fp8: bool = False) -> in
 
 # Above this M the Triton path is far from competitive (bench/results/crossover-h200.json): one config is enough.
 _TRITON_VARIANTS_MAX_M = 512
-# Our FP8 kernel is the quantized regime's default up to this M (faster than cuBLASLt on 10 of the 12 projections at
-# M = 64, bench/NOTES.md item 18; on 7 of 12 at M = 128 with tokens as wgmma M, those with N <= 8192, item 24: left to
-# the tuner) and a tactic up to _FP8_TACTICS_MAX_M.
-_FP8_DEFAULT_MAX_M = 64
+# Our FP8 kernel is a tactic of the quantized regime up to this M, its default where fp8_gemm.default_beats_cublas.
 _FP8_TACTICS_MAX_M = 256
 _QUANTIZED_PATHS = ("cublas", "fp8")
 
@@ -80,7 +78,8 @@ class HybridSM90Backend(Backend):
         return Availability(
             True,
             f"{'CUDA kernel up to M = 16, ' if small else ''}Triton below a measured crossover M, "
-            f"{'our FP8 kernel up to M = 64 and ' if fp8 else ''}cuBLASLt blockwise FP8 above; one weight"
+            f"{'our FP8 kernel up to M = 64 (128 while its CTAs fit one wave) and ' if fp8 else ''}cuBLASLt blockwise "
+            f"FP8 above; one weight"
             f"{f' ({missing})' if missing else ''}",
         )
 
@@ -104,7 +103,8 @@ class HybridSM90Backend(Backend):
     @staticmethod
     def _default_path(m: int, weight: PreparedWeight) -> str:
         if m >= weight.info["crossover"]:
-            return "fp8" if m <= _FP8_DEFAULT_MAX_M and "fp8_sms" in weight.info else "cublas"
+            sms, np_ = weight.info.get("fp8_sms"), weight.tensors["qdata"].shape[0]
+            return "fp8" if sms and fp8_gemm.default_beats_cublas(m, np_, sms) else "cublas"
         return "cuda" if m <= MAX_M and weight.info.get("small_m") else "triton"
 
     @staticmethod

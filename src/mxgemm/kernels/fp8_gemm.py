@@ -20,8 +20,8 @@ from . import nvcc
 
 logger = logging.getLogger("mxgemm")
 
-__all__ = ["TOKEN_TILES", "default_config", "fp8_gemm", "fp8_gemm_status", "fp8_linear", "library", "tactic_configs",
-           "valid_config"]  # fmt: skip
+__all__ = ["TOKEN_TILES", "default_beats_cublas", "default_config", "fp8_gemm", "fp8_gemm_status", "fp8_linear",
+           "library", "tactic_configs", "valid_config"]  # fmt: skip
 
 _SOURCE = Path(__file__).parent / "csrc" / "fp8_gemm.cu"
 TOKEN_TILES = (8, 16, 32, 64, 128)  # tokens per CTA (wgmma N); more tokens run more CTAs
@@ -96,6 +96,15 @@ def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
         if tiles * splits <= sms * min(_max_ctas_per_sm(tn), _SMEM_PER_SM // _smem_bytes(cfg, k_padded)):
             break
     return cfg
+
+
+def default_beats_cublas(m: int, n_padded: int, sms: int) -> bool:
+    """Whether ``default_config`` is the better default than cuBLASLt's blockwise GEMM for M tokens and ``n_padded``
+    weight rows: up to M = 64 always; up to M = 128 while its CTAs (one per 64 weight rows, 128 tokens) fit on the SMs
+    in one wave. Measured on the H200 (132 SMs, bench/NOTES.md items 24 and 25): at M = 128 faster on the 7 of 12
+    projections with N <= 8192 (128 tiles; 8-30%), slower on the 5 with N >= 9216 (144+ tiles: a second, near-empty
+    wave; 9-30%); at M = 256 cuBLASLt is faster on 10 of 12 (the tuner takes ours where it wins)."""
+    return m <= 64 or (m <= 128 and -(-n_padded // 64) <= sms)
 
 
 def tactic_configs(m: int, k_padded: int) -> list[dict]:
