@@ -179,6 +179,40 @@ struct Args {
   int M, Mp, N, Np, Kp, ldy, kblocks;  // kblocks: 128-deep blocks per split
 };
 
+// The producer warp's lane 0 of either kernel: each 128-deep K block's weight tile (WR rows, in boxes of 64, at byte
+// WOFF of the stage) and activation tile (TN tokens at byte XOFF) into the ring's next stage with TMA, and its token
+// scales (a bulk copy of xs_bytes) into xsc, all completing on the stage's `full` mbarrier; a stage is refilled once
+// its `empty` mbarrier says the consumers are done with it. The weight does not depend on the kernel before this one
+// (the activation quantizer): with programmatic dependent launch this grid starts early, so the first stages' weight
+// tiles load while that kernel runs.
+template <int ST, int STAGE, int WR, int WOFF, int TN, int XOFF>
+__device__ __forceinline__ void produce(const CUtensorMap& wmap, const CUtensorMap& xmap, const Args& a,
+                                        uint8_t* smem, float* xsc, uint64_t* full, uint64_t* empty, int row0, int tok0,
+                                        int kb0, int xs_bytes) {
+  auto weights = [&](int s, int it) {
+    for (int r = 0; r < WR / ROWS; ++r)
+      tma_load(smem + s * STAGE + WOFF + r * ROWS * BK, &wmap, (kb0 + it) * BK, row0 + r * ROWS, &full[s]);
+  };
+  auto activations = [&](int s, int it) {
+    tma_load(smem + s * STAGE + XOFF, &xmap, (kb0 + it) * BK, tok0, &full[s]);
+    bulk_load(xsc + s * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[s]);
+  };
+  const int pre = a.kblocks < ST ? a.kblocks : ST;
+  for (int it = 0; it < pre; ++it) {
+    mbar_expect_tx(&full[it], STAGE + xs_bytes);
+    weights(it, it);
+  }
+  griddep_wait();
+  for (int it = 0; it < pre; ++it) activations(it, it);
+  for (int it = pre; it < a.kblocks; ++it) {
+    const int s = it % ST;
+    mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);  // the consumers are done with its last use
+    mbar_expect_tx(&full[s], STAGE + xs_bytes);
+    weights(s, it);
+    activations(s, it);
+  }
+}
+
 template <int TN, int RW, int ST, int KC>
 __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                  const __grid_constant__ CUtensorMap xmap,
@@ -211,31 +245,9 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
 #pragma unroll
   for (int i = 0; i < TN / 2; ++i) acc[i] = 0.f;
 
-  if (wg == RW * KC) {  // producer
-    if (lane == 0) {
-      // the weight does not depend on the kernel before this one (the activation quantizer): with programmatic
-      // dependent launch this grid starts early, so the first stages' weight tiles load while that kernel runs
-      const int pre = a.kblocks < ST ? a.kblocks : ST;
-      for (int it = 0; it < pre; ++it) {
-        mbar_expect_tx(&full[it], STAGE + xs_bytes);
-        for (int r = 0; r < RW; ++r)
-          tma_load(smem + it * STAGE + r * ROWS * BK, &wmap, (kb0 + it) * BK, row0 + r * ROWS, &full[it]);
-      }
-      griddep_wait();
-      for (int it = 0; it < pre; ++it) {
-        tma_load(smem + it * STAGE + WB, &xmap, (kb0 + it) * BK, tok0, &full[it]);
-        bulk_load(xsc + it * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[it]);
-      }
-      for (int it = pre; it < a.kblocks; ++it) {
-        const int s = it % ST;
-        mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);  // the consumers are done with its last use
-        mbar_expect_tx(&full[s], STAGE + xs_bytes);
-        const int k = (kb0 + it) * BK;
-        for (int r = 0; r < RW; ++r) tma_load(smem + s * STAGE + r * ROWS * BK, &wmap, k, row0 + r * ROWS, &full[s]);
-        tma_load(smem + s * STAGE + WB, &xmap, k, tok0, &full[s]);
-        bulk_load(xsc + s * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[s]);
-      }
-    }
+  if (wg == RW * KC) {  // producer: weight tiles first in the stage, the activation tile after them
+    if (lane == 0)
+      produce<ST, STAGE, RW * ROWS, 0, TN, WB>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0, xs_bytes);
   } else {  // consumers: RW x KC warpgroups
     // the weight scales (which do not depend on the kernel before either) staged once, while the first tiles load
     for (int i = tid; i < RW * a.kblocks; i += NC)
@@ -340,30 +352,9 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
 #pragma unroll
   for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
 
-  if (wg == TW) {  // producer: the weight tiles of the first stages before the quantizer has finished
-    if (lane == 0) {
-      const int pre = a.kblocks < ST ? a.kblocks : ST;
-      for (int it = 0; it < pre; ++it) {
-        mbar_expect_tx(&full[it], STAGE + xs_bytes);
-        for (int r = 0; r < WN / ROWS; ++r)
-          tma_load(smem + it * STAGE + XB + r * ROWS * BK, &wmap, (kb0 + it) * BK, row0 + r * ROWS, &full[it]);
-      }
-      griddep_wait();
-      for (int it = 0; it < pre; ++it) {
-        tma_load(smem + it * STAGE, &xmap, (kb0 + it) * BK, tok0, &full[it]);
-        bulk_load(xsc + it * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[it]);
-      }
-      for (int it = pre; it < a.kblocks; ++it) {
-        const int s = it % ST;
-        mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);
-        mbar_expect_tx(&full[s], STAGE + xs_bytes);
-        const int k = (kb0 + it) * BK;
-        for (int r = 0; r < WN / ROWS; ++r)
-          tma_load(smem + s * STAGE + XB + r * ROWS * BK, &wmap, k, row0 + r * ROWS, &full[s]);
-        tma_load(smem + s * STAGE, &xmap, k, tok0, &full[s]);
-        bulk_load(xsc + s * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[s]);
-      }
-    }
+  if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it
+    if (lane == 0)
+      produce<ST, STAGE, WN, XB, TN, 0>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0, xs_bytes);
   } else {  // consumers
     for (int i = tid; i < a.kblocks; i += CT) wsc[i] = __ldg(a.S + (size_t)(row0 / 128) * a.s_stride + kb0 + i);
     const int valid = a.Mp - tok0;  // token-scale slots past Mp zeroed once, as in the swap-AB kernel
