@@ -318,10 +318,10 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
 }
 
 // Tokens as wgmma's M (the default config above M = 32; up to which M our kernel is the default:
-// fp8_gemm.default_beats_cublas): TW consumer warpgroups of 64 tokens each share one tile of WN weight rows (the instruction's N, inside one 128-row
-// scale block), so a stage's weight tile is read once for 64 * TW tokens and each thread promotes with two token
-// scales and one weight scale per K block (the swap-AB kernel above reads TN / 4 token scales). The ring, its
-// producer, the K split over a cluster and the numerics are the swap-AB kernel's.
+// fp8_gemm.default_beats_cublas): TW consumer warpgroups of 64 tokens each share one tile of WN weight rows (the
+// instruction's N, inside one 128-row scale block), so a stage's weight tile is read once for 64 * TW tokens and each
+// thread promotes with two token scales and one weight scale per K block (the swap-AB kernel above reads TN / 4 token
+// scales). The ring, its producer, the K split over a cluster and the numerics are the swap-AB kernel's.
 template <int WN, int TW, int ST>
 __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                     const __grid_constant__ CUtensorMap xmap,
