@@ -73,6 +73,11 @@ def test_act_quant_kernel_layout_and_scales():
     q, s = quantize_1x128_padded(x)
     rq, rs = quantize_1x128(x)
     assert q.shape == (8, 512) and s.shape == (8, 4) and s.stride() == (1, 8)
+    q64, s64 = quantize_1x128_padded(x, 64)  # whole token tiles for the FP8 kernel
+    assert q64.shape == (64, 512) and s64.stride() == (1, 64) and torch.equal(s64[:5], s[:5])
+    assert torch.equal(q64[:8].view(torch.uint8), q.view(torch.uint8)) and int(q64[8:].view(torch.uint8).sum()) == 0
+    with pytest.raises(ValueError, match="multiple of 4"):
+        quantize_1x128_padded(x, 6)
     assert torch.equal(s[:5, :4], rs)  # bit-exact scales
     assert int(q[5:].view(torch.uint8).sum()) == 0 and int(q[:, 416:].view(torch.uint8).sum()) == 0
     # Triton 3.6's interpreter rounds fp32 -> fp8 wrongly across binades (125.9 -> 64), so only signs and

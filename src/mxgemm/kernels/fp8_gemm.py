@@ -184,5 +184,7 @@ def fp8_linear(x: torch.Tensor, qdata: torch.Tensor, block_scale: torch.Tensor, 
     ``cublas_block_linear``)."""
     from .act_quant import quantize_1x128_padded
 
-    xq, xs = quantize_1x128_padded(x)
+    # tokens as M: whole token tiles of rows (zeros past M), so that no activation box reads past the tensor (with
+    # 56 of 128 rows past it, at M = 72, the kernel ran up to 1.6x slower; bench/NOTES.md item 25)
+    xq, xs = quantize_1x128_padded(x, config["TN"] if "WN" in config else 1)
     return fp8_gemm(xq, xs, x.shape[0], qdata, block_scale, n, config)
