@@ -101,9 +101,10 @@ def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
 def default_beats_cublas(m: int, n_padded: int, sms: int) -> bool:
     """Whether ``default_config`` is the better default than cuBLASLt's blockwise GEMM for M tokens and ``n_padded``
     weight rows: up to M = 64 always; up to M = 128 while its CTAs (one per 64 weight rows, 128 tokens) fit on the SMs
-    in one wave. Measured on the H200 (132 SMs, bench/NOTES.md items 24 and 25): at M = 128 faster on the 7 of 12
-    projections with N <= 8192 (128 tiles; 8-30%), slower on the 5 with N >= 9216 (144+ tiles: a second, near-empty
-    wave; 9-30%); at M = 256 cuBLASLt is faster on 10 of 12 (the tuner takes ours where it wins)."""
+    in one wave. Measured on the H200 (132 SMs, bench/NOTES.md items 24 and 25): at M = 72, 96 and 128 faster on the
+    7 of 12 projections with N <= 8192 (up to 128 tiles; 11-44% less time), slower on the 5 with N >= 9216 (144+
+    tiles: a second, near-empty wave; 10-45% more); at M = 256 cuBLASLt is faster on 10 of 12 (the tuner takes ours
+    where it wins)."""
     return m <= 64 or (m <= 128 and -(-n_padded // 64) <= sms)
 
 

@@ -179,6 +179,19 @@ struct Args {
   int M, Mp, N, Np, Kp, ldy, kblocks;  // kblocks: 128-deep blocks per split
 };
 
+// A consumer warpgroup of either kernel: K block it's product into blk once its ring stage is full, 4
+// wgmma.m64nNk32 from the stage-0 descriptors of the A and B tiles moved to the stage, as one commit group
+template <int N, int ST, int STAGE>
+__device__ __forceinline__ void mma_block(float (&blk)[N / 2], uint64_t* full, int it, uint64_t a0, uint64_t b0) {
+  const int s = it % ST;
+  mbar_wait(&full[s], (it / ST) & 1);
+  const uint64_t off = (uint64_t)(s * (STAGE / 16));
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < BK / 32; ++ks) wgmma<N>(blk, a0 + off + 2 * ks, b0 + off + 2 * ks, ks);
+  wgmma_commit();
+}
+
 // The producer warp's lane 0 of either kernel: each 128-deep K block's weight tile (WR rows, in boxes of 64, at byte
 // WOFF of the stage) and activation tile (TN tokens at byte XOFF) into the ring's next stage with TMA, and its token
 // scales (a bulk copy of xs_bytes) into xsc, all completing on the stage's `full` mbarrier; a stage is refilled once
@@ -266,12 +279,7 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
     for (int i = 0; i < TN / 2; ++i) blk[i] = 0.f;
     for (int it = kc; it < a.kblocks; it += KC) {
       const int s = it % ST;
-      mbar_wait(&full[s], (it / ST) & 1);
-      const uint64_t off = (uint64_t)(s * (STAGE / 16));
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BK / 32; ++ks) wgmma<TN>(blk, dw0 + off + 2 * ks, dx0 + off + 2 * ks, ks);
-      wgmma_commit();
+      mma_block<TN, ST, STAGE>(blk, full, it, dw0, dx0);
       const float sw = lds(wsc + r * a.kblocks + it);
       float tsc[TN / 8][2];  // this thread's tokens' scales times the weight block's (zero past Mp)
 #pragma unroll
@@ -368,12 +376,7 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
     for (int i = 0; i < WN / 2; ++i) blk[i] = 0.f;
     for (int it = 0; it < a.kblocks; ++it) {
       const int s = it % ST;
-      mbar_wait(&full[s], (it / ST) & 1);
-      const uint64_t off = (uint64_t)(s * (STAGE / 16));
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(blk, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
-      wgmma_commit();
+      mma_block<WN, ST, STAGE>(blk, full, it, dx0, dw0);
       const float sw = lds(wsc + it);
       const float x0 = lds(xsc + s * TN + trow) * sw, x1 = lds(xsc + s * TN + trow + 8) * sw;
       wgmma_wait0();
