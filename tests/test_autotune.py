@@ -14,6 +14,7 @@ import mxgemm
 from mxgemm import autotune
 from mxgemm.autotune import Autotuner, TuneKey, TuningCache, bucket
 from mxgemm.backends.emulation import EmulationBackend
+from mxgemm.ops import linear_op
 
 META = {"mxgemm": "test", "torch": "x", "triton": None, "cuda": None, "gpu": "pretend", "sm": 90}
 
@@ -160,7 +161,8 @@ def test_key_names_everything_that_matters(weight):
 
 
 def test_hot_path_lookup_and_opt_in_tuning(weight, monkeypatch):
-    """Through the op: lookups by default; tuning on a miss only with MXGEMM_AUTOTUNE=1."""
+    """Lookups by default; tuning on a miss only with MXGEMM_AUTOTUNE=1, read when a call's plan is made (a layer
+    whose plan for this M exists keeps it until tuning changes the cache), through the op as eagerly."""
     from mxgemm.backends import _REGISTRY
 
     b = FakeTunable()
@@ -175,9 +177,15 @@ def test_hot_path_lookup_and_opt_in_tuning(weight, monkeypatch):
     tuner.timer = lambda fn: (fn(), b.last_cost)[1]
     b.calls.clear()
     mxgemm.linear(x, w)
-    assert b.calls[:5] == ["default", "fast", "broken", "near", "also_fast"] and b.calls[-1] == "fast"
+    assert b.calls == ["default"]  # the plan made before
+    w.plans.clear()
+    mxgemm.linear(x, w)
+    assert b.calls[1:6] == ["default", "fast", "broken", "near", "also_fast"] and b.calls[-1] == "fast"
     b.calls.clear()
     mxgemm.linear(x, w)  # tuned now: straight to the chosen tactic
+    assert b.calls == ["fast"]
+    b.calls.clear()
+    linear_op(x, w.op_tensors, None, w.backend, w.op_meta)  # the op, as compiled graphs call it: the same tactic
     assert b.calls == ["fast"]
 
 

@@ -81,12 +81,15 @@ def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):
 
     ran = []
 
-    def fake_fp8(x, qdata, block_scale, n, config):
-        ran.append(("fp8", config))
-        return torch.zeros(x.shape[0], n, dtype=torch.bfloat16)
+    def fake_plan(qdata, block_scale, n, k, m, config):
+        def launch(x, bias):
+            ran.append(("fp8", config))
+            return torch.zeros(x.shape[0], n, dtype=torch.bfloat16)
 
-    monkeypatch.setattr(fp8_gemm, "fp8_linear", fake_fp8)
-    monkeypatch.setattr("mxgemm.backends.hybrid_sm90.cublas_block_linear", lambda *a: ran.append(("cublas", None)))
+        return launch
+
+    monkeypatch.setattr(fp8_gemm, "linear_plan", fake_plan)
+    monkeypatch.setattr("mxgemm.backends.hybrid_sm90.cublas_block_linear", lambda *a, **k: ran.append(("cublas", None)))
     monkeypatch.setattr("mxgemm.kernels.w8a16.w8a16_linear", lambda *a, **k: ran.append(("triton", None)))
     tensors = {"qdata": torch.empty(4096, 4096, dtype=torch.uint8), "block_scale": torch.ones(32, 32)}
     info = {"crossover": 48, "small_m": True, "fp8_sms": 132}

@@ -97,7 +97,7 @@ def test_a_cached_tactic_of_the_other_regime_is_not_followed(monkeypatch):
     activations of an M below the crossover."""
     b = HybridSM90Backend()
     ran = []
-    monkeypatch.setattr("mxgemm.backends.hybrid_sm90.cublas_block_linear", lambda *a: ran.append("cublas"))
+    monkeypatch.setattr("mxgemm.backends.hybrid_sm90.cublas_block_linear", lambda *a, **k: ran.append("cublas"))
     monkeypatch.setattr("mxgemm.kernels.w8a16.w8a16_linear", lambda *a, **k: ran.append("triton"))
     w = _weight(4096, 14336, 96, False)
     w.tensors["block_scale"] = torch.ones(32, 28)

@@ -260,6 +260,7 @@ class Autotuner:
             record = {"tactic": result.tactic, "us": result.best_us, "default_us": result.default_us, "failed": failed}
             self.cache.put({str(key): record})
             self._memo.clear()
+            _GENERATION[0] += 1
         return result
 
 
@@ -274,7 +275,8 @@ def _cold_copies(weight: PreparedWeight) -> list[PreparedWeight]:
     count = copies_for_cold_l2(nbytes, describe_device(weight.device).l2_bytes)
 
     def clone() -> PreparedWeight:  # op tensors and meta recomputed from the cloned tensors
-        return replace(weight, tensors={n: t.clone() for n, t in weight.tensors.items()}, op_tensors=None, op_meta=None)
+        tensors = {n: t.clone() for n, t in weight.tensors.items()}
+        return replace(weight, tensors=tensors, op_tensors=None, op_meta=None, plans={})
 
     return [weight] + [clone() for _ in range(count - 1)]
 
@@ -288,6 +290,12 @@ def _default_timer(fn: Callable[[], object]) -> float:
 
 
 _TUNERS: dict[Any, Autotuner] = {}
+_GENERATION = [0]  # bumped whenever a tuner writes: eager launch plans made before it are stale
+
+
+def generation() -> int:
+    """How many times tuning has changed a cache in this process (part of the key of eager launch plans)."""
+    return _GENERATION[0]
 
 
 def tuner_for(device: torch.device) -> Autotuner:

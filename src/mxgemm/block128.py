@@ -23,6 +23,7 @@ __all__ = [
     "GROUP",
     "Block128Weight",
     "ReencodeReport",
+    "block128_to_mx",
     "dequantize_1x128",
     "dequantize_block128",
     "quantize_1x128",
@@ -100,11 +101,56 @@ def dequantize_block128(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return qdata.float() * scale.repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)[:n, :k]
 
 
-def reencode_block128(qdata: torch.Tensor, scale: torch.Tensor) -> Block128Weight:
-    """Re-encode an MXFP8 E4M3 weight ``[N, K]`` to FP8 with one power-of-two scale per 128x128 block."""
+def reencode_block128(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> Block128Weight:
+    """Re-encode an MXFP8 E4M3 weight ``[N, K]`` to FP8 with one power-of-two scale per 128x128 block.
+
+    Works through 128-row groups in chunks of about ``_CHUNK_ELEMENTS`` elements, so its fp32 temporaries stay small
+    (a few hundred MiB at most) whatever the weight's size. ``out``: where to write the re-encoded elements, a float8
+    ``[>= N, >= K]`` tensor (e.g. a padded buffer; the returned ``qdata`` is then its ``[N, K]`` view)."""
     check_mx_pair(qdata, scale)
     if qdata.dtype != torch.float8_e4m3fn or qdata.dim() != 2:
         raise ValueError(f"expected a 2-D float8_e4m3fn weight, got {qdata.dtype} with shape {tuple(qdata.shape)}")
+    n, k = qdata.shape
+    if out is None:
+        out = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=qdata.device)
+    if out.dtype != torch.float8_e4m3fn or out.shape[0] < n or out.shape[1] < k:
+        raise ValueError(f"out must be float8_e4m3fn of at least [{n}, {k}], got {out.dtype} {tuple(out.shape)}")
+    kb = k // BLOCK_SIZE
+    nb, kg = -(-n // GROUP), -(-kb // _SCALES_PER_GROUP)
+    block_e = torch.empty((nb, kg), dtype=torch.int32, device=qdata.device)
+    changed = max_shift = 0
+    ref_sq = err_sq = 0.0
+    rows = max(GROUP, _CHUNK_ELEMENTS // max(k, 1) // GROUP * GROUP)
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        c = _reencode_rows(qdata[r0:r1], scale[r0:r1], out[r0:r1, :k])
+        block_e[r0 // GROUP : -(-r1 // GROUP)] = c.block_e
+        changed, max_shift = changed + c.changed, max(max_shift, c.max_shift)
+        ref_sq, err_sq = ref_sq + c.ref_sq, err_sq + c.err_sq
+    ref_norm = ref_sq**0.5
+    report = ReencodeReport(
+        elements=n * k,
+        changed=changed,
+        max_shift=max_shift,
+        rel_error=err_sq**0.5 / ref_norm if ref_norm > 0 else 0.0,
+    )
+    return Block128Weight(out[:n, :k], e8m0_to_float32(block_e.to(torch.uint8)), report)
+
+
+_CHUNK_ELEMENTS = 1 << 23  # 8Mi elements a chunk: about 200 MiB of fp32 temporaries
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    block_e: torch.Tensor  # [row groups, kg] int32
+    changed: int
+    max_shift: int
+    ref_sq: float
+    err_sq: float
+
+
+def _reencode_rows(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> _Chunk:
+    """Re-encode rows that start a 128-row group (the last group may be short) into ``out``."""
     n, k = qdata.shape
     kb = k // BLOCK_SIZE
     nb, kg = -(-n // GROUP), -(-kb // _SCALES_PER_GROUP)
@@ -118,19 +164,29 @@ def reencode_block128(qdata: torch.Tensor, scale: torch.Tensor) -> Block128Weigh
     moved = q32 * torch.exp2(-shift.float()).unsqueeze(-1)  # exact: a power-of-two scaling in fp32
     nan_block = (s == E8M0_NAN).unsqueeze(-1)
     new_q = torch.where(nan_block, float("nan"), moved).to(torch.float8_e4m3fn).reshape(n, k)
-    block_scale = e8m0_to_float32(block_e.to(torch.uint8))
+    out.copy_(new_q)
 
     # exactness: compare the values the two encodings stand for (in fp32: each is an exact fp8 x power of two)
     old_v = (q32 * e8m0_to_float32(scale).unsqueeze(-1)).reshape(n, k)
     new_v = new_q.float() * e8m0_to_float32(e_per_32.to(torch.uint8)).repeat_interleave(BLOCK_SIZE, 1)
     finite = torch.isfinite(old_v)
     changed = finite & (old_v != new_v)
-    ref_norm = old_v[finite].double().norm().item()
-    err_norm = (new_v[changed].double() - old_v[changed].double()).norm().item()
-    report = ReencodeReport(
-        elements=n * k,
+    return _Chunk(
+        block_e=block_e,
         changed=int(changed.sum().item()),
         max_shift=int(shift.max().item()) if shift.numel() else 0,
-        rel_error=err_norm / ref_norm if ref_norm > 0 else 0.0,
+        ref_sq=old_v[finite].double().square().sum().item(),
+        err_sq=(new_v[changed].double() - old_v[changed].double()).square().sum().item(),
     )
-    return Block128Weight(new_q, block_scale, report)
+
+
+def block128_to_mx(qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 128x128-block weight as the MX checkpoint tensors it equals: (float8 ``[n, k]``, uint8 E8M0 ``[n, k/32]``).
+
+    A block's power-of-two scale is an E8M0 exponent shared by its 32-blocks, so this is exact: the pair dequantizes
+    to the same values as :func:`dequantize_block128`. ``qdata`` may be padded (``[>= n, >= k]``); the first tensor is
+    a view of it when it is contiguous along K."""
+    # 2^(E-127) in fp32 has E in its exponent field: normal for E >= 1, the subnormal 2^-127 (field 0) for E = 0
+    e = ((block_scale.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    scale = e.repeat_interleave(GROUP, 0).repeat_interleave(_SCALES_PER_GROUP, 1)[:n, : k // BLOCK_SIZE]
+    return qdata[:n, :k], scale.contiguous()

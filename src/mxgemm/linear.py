@@ -1,27 +1,30 @@
-"""``MXFP8Linear``: an ``nn.Module`` holding an MXFP8 weight prepared for its resolved backend."""
+"""``MXFP8Linear``: an ``nn.Module`` holding an MXFP8 weight prepared for its resolved backend, and nothing else."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .backends import get_backend
 from .format import ScaleMode, check_mx_pair, quantize
 from .weights import PreparedWeight, linear, prepare_weight
 
 __all__ = ["MXFP8Linear"]
 
+_MX_KEYS = ("weight", "weight_scale")
+
 
 class MXFP8Linear(nn.Module):
-    """``y = x @ W^T + b``, ``W`` stored as MXFP8: buffers ``weight`` float8 [N, K], ``weight_scale`` uint8 [N, K/32].
+    """``y = x @ W^T + b`` with ``W`` an MXFP8 weight ``weight`` float8 [N, K] with ``weight_scale`` uint8 [N, K/32].
 
-    The backend is resolved when the layer is built and again whenever it moves to another device; a named backend
-    that cannot run there raises. Dtype casts of the module (``.half()``, ``.to(torch.bfloat16)``) leave the
-    quantized weight as it is and cast only the bias. bf16/fp16 inputs run as they are; fp32/fp64 inputs (models
-    kept in fp32) are cast to bf16 for the GEMM and the result back to their dtype.
+    The layer keeps one copy of the weight on its device: the backend's prepared tensors. ``weight`` and
+    ``weight_scale`` (attributes and ``state_dict`` entries) are the MX checkpoint tensors rebuilt from them, which
+    dequantize exactly to what the layer computes; loading a state dict re-prepares from the MX tensors it holds,
+    checked for dtype and shape. The backend is resolved when the layer is built and again whenever it moves to
+    another device; a named backend that cannot run there raises. Dtype casts of the module (``.half()``,
+    ``.to(torch.bfloat16)``) leave the quantized weight as it is and cast only the bias. bf16/fp16 inputs run as they
+    are; fp32/fp64 inputs (models kept in fp32) are cast to bf16 for the GEMM and the result back to their dtype.
     """
-
-    weight: torch.Tensor
-    weight_scale: torch.Tensor
 
     def __init__(
         self,
@@ -39,13 +42,10 @@ class MXFP8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.requested_backend = backend
         self.requested_recipe = recipe
-        self.register_buffer("weight", weight)
-        self.register_buffer("weight_scale", weight_scale)
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
         self.register_buffer("bias", bias)
-        self.register_load_state_dict_post_hook(lambda module, _keys: module._prepare())
-        self._prepare()
+        self._prepare(weight, weight_scale)
 
     @classmethod
     def from_linear(
@@ -86,32 +86,74 @@ class MXFP8Linear(nn.Module):
     def recipe(self) -> str:
         return self._prepared.recipe
 
-    def _prepare(self) -> None:
+    def mx_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``weight``, ``weight_scale``): the MX checkpoint tensors of what the layer computes, rebuilt from the
+        prepared weight (views of it where its layout allows)."""
+        return get_backend(self._prepared.backend).export_mx(self._prepared)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.mx_weight()[0]
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        return self.mx_weight()[1]
+
+    def _prepare(self, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
         self._prepared = prepare_weight(
-            self.weight, self.weight_scale, backend=self.requested_backend, recipe=self.requested_recipe
+            weight, weight_scale, backend=self.requested_backend, recipe=self.requested_recipe
         )
 
     @torch.no_grad()
     def load_mx_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
-        """Replace the MX weight in place (same shapes and dtypes) and re-prepare it, as a fresh layer would."""
-        check_mx_pair(weight, weight_scale)
-        if weight.shape != self.weight.shape or weight.dtype != self.weight.dtype:
-            raise ValueError(
-                f"new weight must be {self.weight.dtype} {tuple(self.weight.shape)}, "
-                f"got {weight.dtype} {tuple(weight.shape)}"
-            )
-        self.weight.copy_(weight)
-        self.weight_scale.copy_(weight_scale)
-        self._prepare()
+        """Replace the MX weight (same shapes and dtypes) and re-prepare it, as a fresh layer would. The tensors
+        passed in are read, never written."""
+        self._check_mx(weight, weight_scale, "new weight", "new weight_scale")
+        self._prepare(weight.to(self._prepared.device), weight_scale.to(self._prepared.device))
+
+    def _check_mx(self, weight: torch.Tensor, scale: torch.Tensor, wname: str, sname: str) -> None:
+        n, k = self.out_features, self.in_features
+        current = self._prepared.tensors["qdata"].dtype
+        if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or weight.shape != (n, k):
+            raise ValueError(f"{wname} must be float8 [{n}, {k}] (e.g. {current}), got {weight.dtype} "
+                             f"{tuple(weight.shape)}")  # fmt: skip
+        if scale.dtype != torch.uint8 or scale.shape != (n, k // 32):
+            raise ValueError(f"{sname} must be uint8 [{n}, {k // 32}], got {scale.dtype} {tuple(scale.shape)}")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        weight, scale = self.mx_weight()
+        destination[prefix + "weight"], destination[prefix + "weight_scale"] = weight, scale
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):  # fmt: skip
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        keys = [prefix + name for name in _MX_KEYS]
+        unexpected_keys[:] = [key for key in unexpected_keys if key not in keys]
+        present = [key in state_dict for key in keys]
+        if not all(present):
+            missing_keys.extend(key for key, there in zip(keys, present, strict=True) if not there)
+            if any(present):
+                error_msgs.append(f"{keys[0]} and {keys[1]} must be loaded together")
+            return
+        weight, scale = (state_dict[key] for key in keys)
+        try:
+            self._check_mx(weight, scale, keys[0], keys[1])
+        except ValueError as exc:
+            error_msgs.append(str(exc))
+            return
+        device = self._prepared.device
+        self._prepare(weight.to(device), scale.to(device))
 
     def _apply(self, fn, recurse=True):
-        dtypes = {"weight": self.weight.dtype, "weight_scale": self.weight_scale.dtype}
-        super()._apply(fn, recurse)
-        for name, dtype in dtypes.items():
-            t = getattr(self, name)
-            if t.dtype != dtype:  # a module-wide dtype cast: fp8 -> fp16/bf16 -> fp8 is exact, so restore it
-                setattr(self, name, t.to(dtype))
-        self._prepare()
+        super()._apply(fn, recurse)  # the bias
+        device = self._prepared.device
+        target = fn(torch.empty(0, dtype=torch.uint8, device=device)).device  # dtype casts leave uint8 alone
+        if target != device:
+            weight, scale = self.mx_weight()
+            self._prepare(weight.to(target), scale.to(target))
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

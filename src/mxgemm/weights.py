@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .backends import PreparedWeight
+from . import autotune
+from .backends import PreparedWeight, get_backend
 from .format import check_mx_pair
 from .ops import linear_op
 from .resolve import resolve_and_prepare
@@ -42,11 +43,45 @@ def _check_inputs(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | 
 
 
 def linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x @ W^T (+ bias)`` for ``x`` of shape ``[..., K]``, on the backend the weight was prepared for."""
+    """``y = x @ W^T (+ bias)`` for ``x`` of shape ``[..., K]``, on the backend the weight was prepared for.
+
+    Traced (``torch.compile``, export, fake or subclass tensors, autograd) the call is one ``mxgemm::linear`` op;
+    eager it runs the same backend code directly, through the weight's launch plan for this M (the op's Python
+    wrapper alone costs several times a kernel launch)."""
     _check_inputs(x, weight, bias)
-    x2 = x.reshape(-1, weight.in_features)
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, weight.in_features)
     if x2.shape[0] == 0:
         y = x2.new_empty((0, weight.out_features))
+    elif _direct(x2, bias):
+        y = run_planned(x2, weight, bias)
     else:
         y = linear_op(x2, weight.op_tensors, bias, weight.backend, weight.op_meta)
-    return y.reshape(*x.shape[:-1], weight.out_features)
+    return y if flat else y.reshape(*x.shape[:-1], weight.out_features)
+
+
+_MAX_PLANS = 256  # per weight; a workload with more distinct M starts over
+
+
+def _direct(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a call may skip the op: plain tensors, nothing tracing it, no gradient asked for."""
+    if type(x) is not torch.Tensor or (bias is not None and type(bias) is not torch.Tensor):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    return not torch.compiler.is_compiling()
+
+
+def run_planned(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Run ``x`` [M, K] through the weight's plan for (M, dtype), made on first use with the tactic the op would
+    take (:func:`mxgemm.autotune.tactic_for_call`, which reads ``MXGEMM_AUTOTUNE`` then); a plan is remade when
+    tuning changes the cache."""
+    key = (x.shape[0], x.dtype, autotune.generation())
+    plan = weight.plans.get(key)
+    if plan is None:
+        backend = get_backend(weight.backend)
+        plan = backend.plan(weight, x.shape[0], x.dtype, autotune.tactic_for_call(backend, weight, x))
+        if len(weight.plans) >= _MAX_PLANS:
+            weight.plans.clear()
+        weight.plans[key] = plan
+    return plan(x, bias)

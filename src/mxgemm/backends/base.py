@@ -68,8 +68,11 @@ class PreparedWeight:
     info: dict[str, Any] = field(default_factory=dict)
     op_tensors: list[torch.Tensor] | None = field(default=None, repr=False, compare=False)
     op_meta: str | None = field(default=None, repr=False, compare=False)
+    # eager calls' launch plans by (M, activation dtype, tuning generation): see ``Backend.plan``
+    plans: dict[tuple, Callable] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_device", next(iter(self.tensors.values())).device)  # read on every call
         if self.op_meta is not None:  # rebuilt from op arguments: nothing to compute
             return
         fp8 = {name: str(t.dtype) for name, t in self.tensors.items() if str(t.dtype) in _FP8}
@@ -85,9 +88,18 @@ class PreparedWeight:
         object.__setattr__(self, "op_tensors", views)
         object.__setattr__(self, "op_meta", json.dumps(meta, sort_keys=True))
 
+    def __getstate__(self) -> dict[str, Any]:  # pickling and deep copies: plans hold raw pointers, make new ones
+        return {**self.__dict__, "plans": {}}
+
     @property
     def device(self) -> torch.device:
-        return next(iter(self.tensors.values())).device
+        return self._device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the prepared tensors hold (distinct storages counted once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors.values()}
+        return sum(storages.values())
 
     @classmethod
     def from_op_args(cls, backend: str, tensors: list[torch.Tensor], meta: str) -> PreparedWeight:
@@ -171,6 +183,20 @@ class Backend(ABC):
     ) -> torch.Tensor:
         """``x`` [M, K] -> [M, N] in ``x.dtype``; inputs are already validated. ``tactic``: one of
         :meth:`tactics`, or None for the default."""
+
+    def plan(
+        self, weight: PreparedWeight, m: int, x_dtype: torch.dtype, tactic: Any = None
+    ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+        """What an eager call of M rows runs: ``(x, bias) -> y``, the same as :meth:`run` with ``tactic``, with
+        whatever can be worked out ahead worked out once. Backends with a launch path of their own override it."""
+        return lambda x, bias: self.run(x, weight, bias, tactic=tactic)
+
+    def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MX checkpoint tensors (float8 ``[N, K]``, uint8 E8M0 ``[N, K/32]``) that dequantize to exactly the
+        weight this backend computes with, rebuilt from the prepared tensors (views of them where the layout allows):
+        a prepared weight is the only copy a layer keeps. This default serves backends that keep the MX pair as
+        given."""
+        return weight.tensors["qdata"], weight.tensors["scale"]
 
     def tuning_context(self) -> contextlib.AbstractContextManager:
         """Entered while the autotuner times this backend: a backend whose library tunes itself (FlashInfer)

@@ -9,11 +9,12 @@ refusing a valid input: M to a multiple of 4, N to a multiple of 16, K to a mult
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..block128 import CUBLASLT_K_ALIGN, reencode_block128
+from ..block128 import CUBLASLT_K_ALIGN, block128_to_mx, reencode_block128
 from ..device import DeviceInfo
 from ..layouts import round_up
 from .base import (
@@ -33,21 +34,28 @@ N_ALIGN = 16
 
 def prepare_block128(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:
     """Re-encode an MX weight for cuBLASLt: fp8 ``[Np, Kp]`` (zero padded), fp32 block scales ``[Np/128, Kp/128]``."""
-    block = reencode_block128(qdata, scale)
     n, k = qdata.shape
     np_, kp = round_up(n, N_ALIGN), round_up(k, CUBLASLT_K_ALIGN)
-    q = F.pad(block.qdata.view(torch.uint8), (0, kp - k, 0, np_ - n)).view(torch.float8_e4m3fn)
+    q = torch.zeros((np_, kp), dtype=torch.uint8, device=qdata.device).view(torch.float8_e4m3fn)
+    block = reencode_block128(qdata, scale, out=q)  # written into the padded buffer: no second copy
     nb = -(-np_ // 128)
     s = F.pad(block.scale, (0, kp // 128 - block.scale.shape[1], 0, nb - block.scale.shape[0]), value=1.0)
-    return {"qdata": q.contiguous(), "block_scale": s.contiguous()}, {"reencode": block.report}
+    return {"qdata": q, "block_scale": s.contiguous()}, {"reencode": block.report}
 
 
-def cublas_block_linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Quantize ``x`` per 1x128 and run cuBLASLt's blockwise FP8 GEMM; [M, N] in ``x.dtype``."""
-    from ..kernels.act_quant import quantize_1x128_padded
+def cublas_block_linear(
+    x: torch.Tensor,
+    weight: PreparedWeight,
+    bias: torch.Tensor | None,
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> torch.Tensor:
+    """Quantize ``x`` per 1x128 (with ``quantize``, bit-exact to the Triton quantizer it defaults to) and run
+    cuBLASLt's blockwise FP8 GEMM; [M, N] in ``x.dtype``."""
+    if quantize is None:
+        from ..kernels.act_quant import quantize_1x128_padded as quantize
 
     m, n = x.shape[0], weight.out_features
-    xq, xs = quantize_1x128_padded(x)
+    xq, xs = quantize(x if x.stride(1) == 1 else x.contiguous())
     q, s = weight.tensors["qdata"], weight.tensors["block_scale"]
     # cuBLASLt writes bf16 for block scaling; fp16 callers get it converted
     y = torch._scaled_mm(xq, q.t(), xs, s.t(), out_dtype=torch.bfloat16)[:m]
@@ -99,3 +107,7 @@ class CublasBlockBackend(Backend):
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return cublas_block_linear(x, weight, bias)
+
+    def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        t = weight.tensors
+        return block128_to_mx(t["qdata"], t["block_scale"], weight.out_features, weight.in_features)

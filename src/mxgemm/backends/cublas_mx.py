@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ..device import DeviceInfo
-from ..layouts import round_up, to_128x4
+from ..format import BLOCK_SIZE
+from ..layouts import from_128x4, round_up, to_128x4
 from .base import (
     Availability,
     Backend,
@@ -79,3 +80,7 @@ class CublasMXBackend(Backend):
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return cublas_mx_linear(x, weight, bias)
+
+    def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        q, n, k = weight.tensors["qdata"], weight.out_features, weight.in_features
+        return q[:n], from_128x4(weight.tensors["scale"], q.shape[0], k // BLOCK_SIZE)[:n]

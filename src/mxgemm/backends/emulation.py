@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..block128 import dequantize_1x128, dequantize_block128, quantize_1x128, reencode_block128
+from ..block128 import block128_to_mx, dequantize_1x128, dequantize_block128, quantize_1x128, reencode_block128
 from ..device import DeviceInfo
 from ..format import MXTensor, dequantize, quantize
 from .base import RECIPES, Availability, Backend, PreparedWeight
@@ -64,3 +64,9 @@ class EmulationBackend(Backend):
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return emulate_linear(x, weight, bias)
+
+    def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        t = weight.tensors
+        if "block_scale" in t:
+            return block128_to_mx(t["qdata"], t["block_scale"], weight.out_features, weight.in_features)
+        return t["qdata"], t["scale"]

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..device import DeviceInfo
-from ..layouts import round_up, to_128x4
+from ..format import BLOCK_SIZE
+from ..layouts import from_128x4, round_up, to_128x4
 from .base import Availability, Backend, PreparedWeight, finish_output
 
 __all__ = ["FlashInferCuteDSL", "FlashInferCutlass", "FlashInferTRTLLM"]
@@ -91,6 +92,10 @@ class _FlashInferMX(Backend):
         xq, xs = mx_quantize(x, scale_mode=ACT_SCALE_MODE, layout=self.act_layout)
         return finish_output(self._mm(xq, xs, weight), x, bias, weight.out_features)
 
+    def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        n, k = weight.out_features, weight.in_features
+        return weight.tensors["qdata"], from_128x4(weight.tensors["scale"], n, k // BLOCK_SIZE)
+
     act_layout: ClassVar[str] = "128x4"
 
 
@@ -134,3 +139,33 @@ class FlashInferTRTLLM(_FlashInferMX):
         t = weight.tensors
         return _flashinfer().mm_mxfp8(xq, t["qdata"].t(), xs, t["scale"], out_dtype=torch.bfloat16,
                                       backend=self.fi_backend, use_8x4_sf_layout=True)  # fmt: skip
+
+    def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlashInfer's shuffles undone: where each stored byte came from is found by running the same shuffles on
+        the bytes of position indices (they move bytes and never look at them)."""
+        fi, t = _flashinfer(), weight.tensors
+        n, k = weight.out_features, weight.in_features
+        np_ = t["qdata"].shape[0]
+        rows = _source_positions(lambda b: fi.shuffle_matrix_a(b, TRTLLM_TILE), (np_, 1), t["qdata"].device)
+        q = torch.empty_like(t["qdata"])
+        q[rows] = t["qdata"]
+        shape = (np_, k // BLOCK_SIZE)
+        src = _source_positions(
+            lambda b: fi.shuffle_matrix_sf_a(b, TRTLLM_TILE, num_elts_per_sf=BLOCK_SIZE), shape, t["scale"].device
+        )
+        kept = src >= 0
+        s = torch.empty(shape[0] * shape[1], dtype=torch.uint8, device=t["scale"].device)
+        s[src[kept]] = t["scale"].reshape(-1)[kept]
+        return q[:n], s.reshape(shape)[:n]
+
+
+def _source_positions(move, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """For ``move``, a function that only rearranges (and possibly zero-pads) the bytes of a uint8 tensor of
+    ``shape``: the flat source index of each byte it returns, -1 for padding. Runs it on the four bytes of
+    ``index + 1``, one byte plane at a time."""
+    pos = torch.arange(1, shape[0] * shape[1] + 1, dtype=torch.int64, device=device)
+    out = torch.zeros((), dtype=torch.int64, device=device)
+    for b in range(4):
+        plane = ((pos >> (8 * b)) & 0xFF).to(torch.uint8).reshape(shape)
+        out = out + (move(plane).reshape(-1).to(torch.int64) << (8 * b))
+    return out - 1

@@ -20,10 +20,12 @@ import os
 
 import torch
 
+from ..block128 import block128_to_mx
 from ..device import DeviceInfo
 from ..kernels import fp8_gemm
-from ..kernels.small_m import MAX_M, accepts, small_m_linear, small_m_status
+from ..kernels.small_m import MAX_M, accepts, small_m_status
 from ..kernels.small_m import default_config as small_m_default
+from ..kernels.small_m import linear_plan as small_m_plan
 from ..kernels.small_m import valid_config as valid_small_m
 from .base import Availability, Backend, PreparedWeight, UnsupportedWeightError, finish_output
 from .cublas_block import blockwise_device_check, cublas_block_linear, prepare_block128
@@ -35,16 +37,18 @@ def crossover_for(n: int, k: int, small_m: bool = True, fp8: bool = False) -> in
     """The M from which quantize + blockwise FP8 beats our exact kernels for an [n, k] weight (``small_m``: whether
     the CUDA small-M kernel is built here; ``fp8``: whether our FP8 kernel is).
 
-    Measured on the H200 (bench/NOTES.md items 5, 12, 18 and 19). Our FP8 kernel, with 8 or 16 tokens per CTA, streams
-    large weights faster than the exact kernels from M = 1: it wins from M = 1 on every weight of 96Mi elements or more
-    (117M-470M), from M = 16 on the 51M-84M ones (at M = 8 2-9% slower on four of five), from M = 32 on the 17M and 25M
-    ones. Without it: against the Triton kernel cuBLASLt already wins at M = 16 on weights of 117M and 470M elements,
-    from M = 48 on 16.7M-67M-element weights, and from M = 96 on the K = 14336 down projection; the CUDA kernel beats
-    cuBLASLt up to M = 8 on every measured weight and at M = 16 on all but the 8B gate_up (3% slower there), so with it
-    no crossover falls below M = 17.
+    Measured on the H200. Our FP8 kernel, with 8 or 16 tokens per CTA, streams large weights faster than the exact
+    kernels from M = 1: it wins from M = 1 on every weight of 96Mi elements or more (117M-470M), from M = 16 on the
+    51M-84M ones (at M = 8 2-9% slower on four of five). On the 17M and 25M ones it takes over from M = 17, where the
+    CUDA kernel stops: at M = 16-32 the two are within 9% of each other under graph replay
+    (bench/results/crossover-fp8-h200.json), and an eager call of the Triton kernel between them would pay Triton's
+    Python launcher (40-80 µs on the H200). Without the FP8 kernel: against the Triton kernel cuBLASLt wins at M = 16
+    on weights of 117M and 470M elements, from M = 48 on 16.7M-67M-element weights, and from M = 96 on the K = 14336
+    down projection; the CUDA kernel beats cuBLASLt up to M = 8 on every measured weight and at M = 16 on all but the
+    8B gate_up (3% slower there), so with it no crossover falls below M = 17.
     """
     if fp8:
-        return 1 if n * k >= 96 * 2**20 else 16 if n * k >= 32 * 2**20 else 32
+        return 1 if n * k >= 96 * 2**20 else 16 if n * k >= 32 * 2**20 else MAX_M + 1
     rule = 1 if n * k >= 96 * 2**20 else 96 if k >= 12288 else 48
     return max(rule, MAX_M + 1) if small_m else rule
 
@@ -150,8 +154,9 @@ class HybridSM90Backend(Backend):
         first = self._default_path(m, weight)
         return paths[first] + [t for name, ts in paths.items() if name != first for t in ts]
 
-    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
-        m = x.shape[0]
+    def _choose(self, m: int, weight: PreparedWeight, tactic) -> tuple[str, dict | None]:
+        """The kernel path and config for M rows: the tactic's where it computes this M's regime, else the
+        default's; configs an older tuning file holds that the current kernels reject give way to their defaults."""
         default = self._default_path(m, weight)
         if tactic and (tactic["path"] in _QUANTIZED_PATHS) != (default in _QUANTIZED_PATHS):
             tactic = None  # a cached tactic of the other regime (its bucket spans the crossover) would change numerics
@@ -159,22 +164,51 @@ class HybridSM90Backend(Backend):
         config = (tactic or {}).get("config")
         if path == "fp8" and "fp8_sms" not in weight.info:
             path = "cublas"  # a tuning file's FP8 tactic where the kernel is not built: the same numerics
-        if path == "cublas":
-            return cublas_block_linear(x, weight, bias)
-        if path == "fp8":
-            qd = weight.tensors["qdata"]
-            if config is None or not fp8_gemm.valid_config(config, qd.shape[1]):
-                config = self._fp8_default(m, weight)  # as for the CUDA kernel: an older tuning file's config
-            y = fp8_gemm.fp8_linear(x, qd, weight.tensors["block_scale"], weight.out_features, config)
-            return finish_output(y, x, bias, weight.out_features)
+        qd = weight.tensors["qdata"]
+        if path == "fp8" and (config is None or not fp8_gemm.valid_config(config, qd.shape[1])):
+            config = self._fp8_default(m, weight)
+        if path == "cuda" and (not weight.info.get("small_m") or m > MAX_M):
+            path, config = "triton", None
+        if path == "cuda" and config is not None and not valid_small_m(config, *qd.shape):
+            config = None
+        return path, config
+
+    def plan(self, weight: PreparedWeight, m: int, x_dtype: torch.dtype, tactic=None):
+        path, config = self._choose(m, weight, tactic)
         n, k = weight.out_features, weight.in_features
-        if path == "cuda" and accepts(x):
-            if config is not None and not valid_small_m(config, *weight.tensors["qdata"].shape):
-                config = None  # a tuning file's config from an older kernel: the default config, same numerics
-            y = small_m_linear(x, weight.tensors["qdata"], weight.tensors["block_scale"], n, config)
-            return finish_output(y, x, bias, n)
+        qd, bs = weight.tensors["qdata"], weight.tensors["block_scale"]
+        if path == "cublas":
+            quantize = fp8_gemm.quantize_1x128 if "fp8_sms" in weight.info else None  # CUDA where built, else Triton
+            return lambda x, bias: cublas_block_linear(x, weight, bias, quantize=quantize)
+        if path == "fp8":
+            fp8 = fp8_gemm.linear_plan(qd, bs, n, k, m, config)
+            return _bf16_epilogue(lambda x, bias: fp8(x if x.stride(1) == 1 else x.contiguous(), bias), n)
         from ..kernels.w8a16 import default_config, w8a16_linear
 
-        q = weight.tensors["qdata"][:n].view(torch.uint8)
+        q8 = qd[:n].view(torch.uint8)
         cfg = config if path == "triton" and config else default_config(m, n, k, block_scaled=True)
-        return w8a16_linear(x, q, weight.tensors["block_scale"], bias, block_scaled=True, config=cfg)
+        triton = lambda x, bias: w8a16_linear(x, q8, bs, bias, block_scaled=True, config=cfg)  # noqa: E731
+        if path == "triton" or x_dtype != torch.bfloat16:
+            return triton
+        small = _bf16_epilogue(small_m_plan(qd, bs, n, m, config), n)
+        return lambda x, bias: small(x if accepts(x) else x.contiguous(), bias)  # a copy: a fresh aligned buffer
+
+    def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
+        return self.plan(weight, x.shape[0], x.dtype, tactic)(x, bias)
+
+    def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        t = weight.tensors
+        return block128_to_mx(t["qdata"], t["block_scale"], weight.out_features, weight.in_features)
+
+
+def _bf16_epilogue(launch, n: int):
+    """``(x, bias) -> y`` in ``x.dtype`` around a launch that writes bf16 and adds a contiguous bf16 bias in its
+    epilogue: any other bias is added after it, and fp16 callers get the output converted."""
+
+    def call(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            return finish_output(launch(x, None), x, bias, n)
+        y = launch(x, bias)
+        return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+
+    return call

@@ -3,7 +3,9 @@ weight (E4M3 ``[Np, Kp]``, fp32 128x128 block scales) times activations quantize
 quantizer and numerics), with K split over a thread-block cluster so that small and mid M keep the whole GPU busy,
 where cuBLASLt's blockwise kernel runs few CTAs. Two kernels: swap-AB (64 weight rows as wgmma's M, 8-128 tokens its
 N) and, above M = 32 by default, tokens as wgmma's M (64 or 128 tokens per CTA sharing a 64- or 128-row weight
-tile). Built with nvcc on first use (``kernels/nvcc.py``), loaded with ctypes.
+tile). The 1x128 activation quantizer is a CUDA kernel of the same library, and :func:`linear_plan` launches it and
+the GEMM (as its programmatic dependent) in one ctypes call, its arguments worked out once. Built with nvcc on first
+use (``kernels/nvcc.py``), loaded with ctypes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,7 +24,7 @@ from . import nvcc
 logger = logging.getLogger("mxgemm")
 
 __all__ = ["TOKEN_TILES", "default_beats_cublas", "default_config", "fp8_gemm", "fp8_gemm_status", "fp8_linear",
-           "library", "tactic_configs", "valid_config"]  # fmt: skip
+           "library", "linear_plan", "quantize_1x128", "tactic_configs", "valid_config"]  # fmt: skip
 
 _SOURCE = Path(__file__).parent / "csrc" / "fp8_gemm.cu"
 TOKEN_TILES = (8, 16, 32, 64, 128)  # tokens per CTA (wgmma N); more tokens run more CTAs
@@ -35,13 +38,32 @@ def _max_ctas_per_sm(tn: int) -> int:
     return 4 if tn >= 32 else 8
 
 
+_P, _I = ctypes.c_void_p, ctypes.c_int
+# W, S, s_stride, X, XS, bias, Y, ldy, M, Mp, N, Np, Kp
+_GEMM_ARGS = [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
+_QUANT_ARGS = [_P, _I, _I, _I, _I, _P, _P, _I, _I, _P]  # X, ldx, x_fp16, M, K, XQ, XS, Mp, Kp, stream
+# X, ldx, x_fp16, K, XQ, XS, W, S, s_stride, bias, Y, ldy, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages, stream
+_LINEAR_ARGS = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, *[_I] * 12, _P]
+
+
 @functools.cache
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel for sm_90a. Raises RuntimeError when it cannot be built."""
     lib = nvcc.build(_SOURCE, capability, suffix="a")
-    lib.mxgemm_fp8_gemm.restype = ctypes.c_int
-    lib.mxgemm_fp8_gemm_tokm.restype = ctypes.c_int
+    for name, args in (
+        ("mxgemm_fp8_gemm", [*_GEMM_ARGS, *[_I] * 6, _P]),  # + tn, rw, kc, splits, stages, pdl, stream
+        ("mxgemm_fp8_gemm_tokm", [*_GEMM_ARGS, *[_I] * 5, _P]),  # + tn, wn, splits, stages, pdl, stream
+        ("mxgemm_quant_1x128", _QUANT_ARGS),
+        ("mxgemm_fp8_linear", _LINEAR_ARGS),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, _I
     return lib
+
+
+def _raw_stream(device_index: int) -> int:
+    """The current CUDA stream of a device as an integer handle (what Triton's launcher reads too)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 @functools.cache
@@ -152,11 +174,12 @@ def fp8_gemm(
     config: dict,
     pdl: bool = True,
     out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``xq`` e4m3 [Mp, Kp] and ``xs`` fp32 [Mp, Kp/128] (a view with strides (1, Mp)) as the 1x128 quantizer writes
     them, ``qdata`` e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128] -> bf16 [m, n]. ``pdl``: launch as a
     programmatic dependent of the kernel before (the quantizer), loading the first weight tiles while it runs;
-    ``out``: a contiguous bf16 [m, n] to write into."""
+    ``out``: a contiguous bf16 [m, n] to write into; ``bias``: bf16 [n], added before the output's rounding."""
     mp, kp = xq.shape
     np_ = qdata.shape[0]
     if not valid_config(config, kp) or xs.stride() != (1, mp) or qdata.shape[1] != kp:
@@ -165,10 +188,10 @@ def fp8_gemm(
     y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device) if out is None else out
     if y.shape != (m, n) or y.dtype != torch.bfloat16 or not y.is_contiguous():
         raise ValueError(f"out must be a contiguous bf16 [{m}, {n}] tensor, got {y.dtype} {tuple(y.shape)}")
-    p = ctypes.c_void_p
-    common = (p(qdata.data_ptr()), p(block_scale.data_ptr()), block_scale.stride(0), p(xq.data_ptr()),
-              p(xs.data_ptr()), p(y.data_ptr()), y.stride(0), m, mp, n, np_, kp)  # fmt: skip
-    stream = p(torch.cuda.current_stream(xq.device).cuda_stream)
+    bias_ptr = None if bias is None else _bias(bias, n).data_ptr()
+    common = (qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), xq.data_ptr(), xs.data_ptr(),
+              bias_ptr, y.data_ptr(), y.stride(0), m, mp, n, np_, kp)  # fmt: skip
+    stream = _raw_stream(xq.device.index)
     if "WN" in config:
         err = lib.mxgemm_fp8_gemm_tokm(*common, config["TN"], config["WN"], config["SPLITS"], config["ST"], int(pdl),
                                        stream)  # fmt: skip
@@ -180,12 +203,85 @@ def fp8_gemm(
     return y
 
 
-def fp8_linear(x: torch.Tensor, qdata: torch.Tensor, block_scale: torch.Tensor, n: int, config: dict) -> torch.Tensor:
-    """``x`` [M, K] bf16/fp16, quantized per 1x128, times the re-encoded weight -> bf16 [M, n] (the numerics of
-    ``cublas_block_linear``)."""
-    from .act_quant import quantize_1x128_padded
+def _bias(bias: torch.Tensor, n: int) -> torch.Tensor:
+    if bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous():
+        raise ValueError(f"bias must be a contiguous bf16 [{n}] tensor, got {bias.dtype} {tuple(bias.shape)}")
+    return bias
 
-    # tokens as M: whole token tiles of rows (zeros past M), so that no activation box reads past the tensor (with
-    # 56 of 128 rows past it, at M = 72, the kernel ran up to 1.6x slower; bench/NOTES.md item 25)
-    xq, xs = quantize_1x128_padded(x, config["TN"] if "WN" in config else 1)
-    return fp8_gemm(xq, xs, x.shape[0], qdata, block_scale, n, config)
+
+def quantize_1x128(x: torch.Tensor, rows_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA 1x128 quantizer, with the contract of :func:`mxgemm.kernels.act_quant.quantize_1x128_padded`
+    (bit-exact to :func:`mxgemm.block128.quantize_1x128`): ``x`` [M, K] bf16/fp16 (unit stride along K) ->
+    (float8_e4m3fn [Mp, Kp], fp32 scale view [Mp, Kp/128] with strides (1, Mp)), zeros past M and K."""
+    m, k = x.shape
+    mp, kp = _padded_rows(m, rows_multiple), -(-k // 512) * 512
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
+        raise ValueError(f"x must be bf16/fp16 with unit stride along K, got {x.dtype} strides {x.stride()}")
+    q = torch.empty((mp, kp), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((kp // 128, mp), dtype=torch.float32, device=x.device)
+    lib = library(torch.cuda.get_device_capability(x.device))
+    err = lib.mxgemm_quant_1x128(x.data_ptr(), x.stride(0), int(x.dtype == torch.float16), m, k, q.data_ptr(),
+                                 s.data_ptr(), mp, kp, _raw_stream(x.device.index))  # fmt: skip
+    if err:
+        raise RuntimeError(f"mxgemm 1x128 quantizer failed to launch (cudaError {err}) for x {tuple(x.shape)}")
+    return q, s.t()
+
+
+def _padded_rows(m: int, rows_multiple: int) -> int:
+    """The quantizer's rows: M rounded up to cuBLASLt's 4 and to ``rows_multiple`` (whole token tiles)."""
+    if rows_multiple < 1 or (rows_multiple > 1 and rows_multiple % 4):
+        raise ValueError(f"rows_multiple must be 1 or a multiple of 4, got {rows_multiple}")
+    mp = -(-m // 4) * 4
+    return -(-mp // rows_multiple) * rows_multiple
+
+
+def linear_plan(
+    qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, config: dict
+) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """``(x, bias) -> y`` for M rows on this weight and config: ``x`` [M, k] bf16/fp16 (unit stride along K),
+    ``bias`` contiguous bf16 [n] or None, ``y`` bf16 [M, n]. Quantizer and GEMM launch in one ctypes call whose
+    arguments, but for the pointers of ``x``, ``bias`` and the fresh buffers, are computed here, once."""
+    np_, kp = qdata.shape
+    if not valid_config(config, kp):
+        raise ValueError(f"the FP8 kernel cannot run config {config} on a [{np_}, {kp}] weight")
+    tokm = "WN" in config
+    mp = _padded_rows(m, config["TN"] if tokm else 1)  # whole token tiles: no activation box reads past the tensor
+    q_bytes = mp * kp
+    # one allocation a call (each costs microseconds of host time): the output's m rows, then, 256-byte aligned, the
+    # quantized activations and their scales in rows past m
+    ws_offset = -(-m * n * 2 // 256) * 256
+    rows = -(-(ws_offset + q_bytes + 4 * mp * (kp // 128)) // (2 * n))
+    device = qdata.device
+    fn = library(torch.cuda.get_device_capability(device)).mxgemm_fp8_linear
+    weight_args = (qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0))
+    shape_args = (n, m, mp, n, np_, kp, int(tokm), config["TN"], config["WN"] if tokm else config["RW"],
+                  config.get("KC", 1), config["SPLITS"], config["ST"])  # fmt: skip
+    index = device.index
+
+    def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        buf = torch.empty((rows, n), dtype=torch.bfloat16, device=device)
+        y = buf.data_ptr()
+        xq = y + ws_offset
+        err = fn(x.data_ptr(), x.stride(0), x.dtype == torch.float16, k, xq, xq + q_bytes, *weight_args,
+                 None if bias is None else bias.data_ptr(), y, *shape_args, _raw_stream(index))  # fmt: skip
+        if err:
+            raise RuntimeError(f"mxgemm FP8 linear failed to launch (cudaError {err}) for M={m} config {config}")
+        return buf[:m]
+
+    return launch
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    block_scale: torch.Tensor,
+    n: int,
+    config: dict,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x`` [M, K] bf16/fp16, quantized per 1x128, times the re-encoded weight (+ a bf16 ``bias``) -> bf16 [M, n]
+    (the numerics of ``cublas_block_linear``)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    launch = linear_plan(qdata, block_scale, n, x.shape[1], x.shape[0], config)
+    return launch(x, None if bias is None else _bias(bias, n))

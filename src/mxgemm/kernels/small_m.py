@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "accepts",
     "default_config",
     "library",
+    "linear_plan",
     "small_m_linear",
     "small_m_status",
     "valid_config",
@@ -42,7 +44,10 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel library for a GPU architecture. Raises RuntimeError with
     nvcc's message when it cannot be built."""
     lib = nvcc.build(_SOURCE, capability)
-    lib.mxgemm_small_m.restype = ctypes.c_int
+    p, i = ctypes.c_void_p, ctypes.c_int
+    # W, S, s_stride, X, bias, Y, ldy, M, K, N, Np, Kp, rt, splits, stages, stream
+    lib.mxgemm_small_m.argtypes = [p, p, i, p, p, p, *[i] * 9, p]
+    lib.mxgemm_small_m.restype = i
     return lib
 
 
@@ -87,24 +92,45 @@ def accepts(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.shape[0] <= MAX_M and x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
-def small_m_linear(
-    x: torch.Tensor, qdata: torch.Tensor, block_scale: torch.Tensor, n: int, config: dict | None = None
-) -> torch.Tensor:
-    """``x`` bf16 [M, K] (M <= 16, contiguous, K % 16 == 0), ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32
-    [>= Np/128, Kp/128] -> bf16 [M, n]."""
-    m, k = x.shape
+def linear_plan(
+    qdata: torch.Tensor, block_scale: torch.Tensor, n: int, m: int, config: dict | None = None
+) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """``(x, bias) -> y`` for M rows (M <= 16): ``x`` bf16 [M, K] that :func:`accepts`, ``bias`` contiguous bf16
+    [n] or None, ``y`` bf16 [M, n]; ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128]. One
+    ctypes call per launch, its arguments but the pointers computed here, once."""
     np_, kp = qdata.shape
     cfg = config or default_config(np_, kp)
-    if not valid_config(cfg, np_, kp):
-        raise ValueError(f"config {cfg} does not tile a [{np_}, {kp}] weight")
-    lib = library(torch.cuda.get_device_capability(x.device))
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    p = ctypes.c_void_p
-    err = lib.mxgemm_small_m(
-        p(qdata.data_ptr()), p(block_scale.data_ptr()), block_scale.stride(0), p(x.data_ptr()), p(y.data_ptr()),
-        y.stride(0), m, k, n, np_, kp, cfg["RT"], cfg["SPLITS"], cfg["ST"],
-        p(torch.cuda.current_stream(x.device).cuda_stream),
-    )  # fmt: skip
-    if err:
-        raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {cfg}")
-    return y
+    if not 1 <= m <= MAX_M or not valid_config(cfg, np_, kp):
+        raise ValueError(f"the small-M kernel cannot run M={m} with config {cfg} on a [{np_}, {kp}] weight")
+    device = qdata.device
+    fn = library(torch.cuda.get_device_capability(device)).mxgemm_small_m
+    weight_args = (qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0))
+    index = device.index
+
+    def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        err = fn(*weight_args, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n, m,
+                 x.shape[1], n, np_, kp, cfg["RT"], cfg["SPLITS"], cfg["ST"], stream)  # fmt: skip
+        if err:
+            raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {cfg}")
+        return y
+
+    return launch
+
+
+def small_m_linear(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    block_scale: torch.Tensor,
+    n: int,
+    config: dict | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x`` bf16 [M, K] (M <= 16, contiguous, K % 16 == 0), ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32
+    [>= Np/128, Kp/128] (+ a contiguous bf16 ``bias`` [n]) -> bf16 [M, n]."""
+    if not accepts(x):
+        raise ValueError(f"the small-M kernel takes contiguous 16-byte-aligned bf16 x of <= {MAX_M} rows")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous bf16 [{n}] tensor, got {bias.dtype} {tuple(bias.shape)}")
+    return linear_plan(qdata, block_scale, n, x.shape[0], config)(x, bias)

@@ -23,6 +23,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <stdint.h>
 
 #include <type_traits>
@@ -177,7 +178,10 @@ struct Args {
   const float* XS;   // activation scales [Kp/128, Mp]
   __nv_bfloat16* Y;  // [M, ldy]
   int M, Mp, N, Np, Kp, ldy, kblocks;  // kblocks: 128-deep blocks per split
+  const __nv_bfloat16* bias;  // [N] added in fp32 before the output's one rounding; null: none
 };
+
+__device__ __forceinline__ float bias_at(const Args& a, int col) { return a.bias ? __bfloat162float(a.bias[col]) : 0.f; }
 
 // A consumer warpgroup of either kernel: K block it's product into blk once its ring stage is full, 4
 // wgmma.m64nNk32 from the stage-0 descriptors of the A and B tiles moved to the stage, as one commit group
@@ -321,7 +325,7 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int row = row0 + wg * ROWS + 16 * (warp % 4) + g + 8 * (i / 2), m = tok0 + 8 * j + 2 * t + (i % 2);
-      if (m < a.M && row < a.N) a.Y[(size_t)m * a.ldy + row] = __float2bfloat16_rn(acc[4 * j + i]);
+      if (m < a.M && row < a.N) a.Y[(size_t)m * a.ldy + row] = __float2bfloat16_rn(acc[4 * j + i] + bias_at(a, row));
     }
 }
 
@@ -404,7 +408,8 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
 #pragma unroll
     for (int j = 0; j < WN / 8; ++j) {
       const int col = row0 + 8 * j + 2 * t;
-      const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+      const float v0 = acc[4 * j + 2 * h] + (col < a.N ? bias_at(a, col) : 0.f);
+      const float v1 = acc[4 * j + 2 * h + 1] + (col + 1 < a.N ? bias_at(a, col + 1) : 0.f);
       if (paired && col + 1 < a.N) {
         *reinterpret_cast<__nv_bfloat162*>(y + col) = __floats2bfloat162_rn(v0, v1);
       } else {
@@ -413,6 +418,40 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
       }
     }
   }
+}
+
+// The 1x128 activation quantizer (bit-exact to mxgemm.block128.quantize_1x128): a warp per row and 128-wide K
+// group, 4 elements a lane; amax floored at 2^-64, q = satfinite_e4m3(clamp(x * (448 / amax))) with IEEE divisions,
+// scale = amax / 448 written K-group-major ([Kp/128, Mp]); rows past M and columns past K are zeros. It lets the
+// GEMM launched after it as a programmatic dependent start at once.
+template <typename T>
+__global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ X, int ldx, int M, int K,
+                                                          uint32_t* __restrict__ Q, float* __restrict__ XS, int Mp,
+                                                          int Kp) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32, col = blockIdx.y * BK + 4 * lane;
+  float v[4];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[i] = row < M && col + i < K ? static_cast<float>(X[(size_t)row * ldx + col + i]) : 0.f;
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  amax = fmaxf(amax, 0x1p-64f);
+  const float inv = __fdiv_rn(448.f, amax);
+  uint32_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < 4; i += 2) {
+    const float lo = fminf(fmaxf(__fmul_rn(v[i], inv), -448.f), 448.f);
+    const float hi = fminf(fmaxf(__fmul_rn(v[i + 1], inv), -448.f), 448.f);
+    uint16_t pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+    bits |= (uint32_t)pair << (16 * (i / 2));
+  }
+  Q[((size_t)row * Kp + col) / 4] = bits;
+  if (lane == 0) XS[(size_t)blockIdx.y * Mp + row] = __fdiv_rn(amax, 448.f);
 }
 
 // a 2-D tensor map over a row-major e4m3 matrix [rows, cols] (cols % 16 == 0), boxes of [box_rows x 128] with the
@@ -436,6 +475,26 @@ int make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_rows
   return res == CUDA_SUCCESS ? 0 : (int)cudaErrorInvalidValue;
 }
 
+// make_map through a small per-thread cache: a map encodes only the pointer, shape and box, so an entry with the same
+// four stays valid (eager calls reuse the weight's map, and the activation buffer's whenever the allocator hands the
+// same address back)
+int cached_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_rows) {
+  struct Entry {
+    const void* ptr;
+    int rows, cols, box_rows;
+    CUtensorMap map;
+  };
+  thread_local Entry cache[64] = {};
+  Entry& e = cache[((reinterpret_cast<uintptr_t>(ptr) >> 7) ^ (uintptr_t)rows ^ ((uintptr_t)box_rows << 3)) % 64];
+  if (e.ptr == ptr && e.rows == rows && e.cols == cols && e.box_rows == box_rows) {
+    *map = e.map;
+    return 0;
+  }
+  const int err = make_map(map, ptr, rows, cols, box_rows);
+  if (!err) e = Entry{ptr, rows, cols, box_rows, *map};
+  return err;
+}
+
 using Kernel = void (*)(const CUtensorMap, const CUtensorMap, const Args);
 
 // Launches either kernel: weight tensor map in boxes of 64 rows, activation map in boxes of `tokens` rows, a grid of
@@ -444,8 +503,8 @@ using Kernel = void (*)(const CUtensorMap, const CUtensorMap, const Args);
 int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const void* X, const Args& a, int splits,
                   int rows, int tokens, int threads, int smem, int pdl, cudaStream_t st) {
   CUtensorMap wmap, xmap;
-  int err = make_map(&wmap, W, a.Np, a.Kp, ROWS);
-  if (!err) err = make_map(&xmap, X, a.Mp, a.Kp, tokens);
+  int err = cached_map(&wmap, W, a.Np, a.Kp, ROWS);
+  if (!err) err = cached_map(&xmap, X, a.Mp, a.Kp, tokens);
   if (err) return err;
   int device = 0;
   cudaError_t cerr = cudaGetDevice(&device);
@@ -542,11 +601,12 @@ int launch_tokm_st(const void* W, const void* X, const Args& a, int splits, int 
 // tokens run more CTAs along z); rw: 64-row weight tiles per CTA, a consumer warpgroup each (1, 2); kc: consumer
 // warpgroups per row tile, taking alternate K blocks (1; 2 with rw = 1); splits: K splits, one cluster (1-8); stages:
 // TMA ring depth (2, 4, 6); pdl: launch as a programmatic dependent of the kernel before.
-extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const void* X, const void* XS, void* Y,
-                               int ldy, int M, int Mp, int N, int Np, int Kp, int tn, int rw, int kc, int splits,
-                               int stages, int pdl, void* stream) {
+extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const void* X, const void* XS,
+                               const void* bias, void* Y, int ldy, int M, int Mp, int N, int Np, int Kp, int tn,
+                               int rw, int kc, int splits, int stages, int pdl, void* stream) {
   if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
-  const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0};
+  const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0,
+               (const __nv_bfloat16*)bias};
   cudaStream_t st = (cudaStream_t)stream;
   if (rw == 2 && kc == 1) return launch_tn<2, 1>(W, X, a, tn, splits, stages, pdl, st);
   if (rw == 1 && kc == 1) return launch_tn<1, 1>(W, X, a, tn, splits, stages, pdl, st);
@@ -556,15 +616,45 @@ extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const
 
 // Tokens as wgmma's M: tn tokens per CTA (64, 128: a consumer warpgroup per 64), wn weight rows per CTA (64, 128);
 // splits and stages as above.
-extern "C" int mxgemm_fp8_gemm_tokm(const void* W, const void* S, int s_stride, const void* X, const void* XS, void* Y,
-                                    int ldy, int M, int Mp, int N, int Np, int Kp, int tn, int wn, int splits,
-                                    int stages, int pdl, void* stream) {
+extern "C" int mxgemm_fp8_gemm_tokm(const void* W, const void* S, int s_stride, const void* X, const void* XS,
+                                    const void* bias, void* Y, int ldy, int M, int Mp, int N, int Np, int Kp, int tn,
+                                    int wn, int splits, int stages, int pdl, void* stream) {
   if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
-  const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0};
+  const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0,
+               (const __nv_bfloat16*)bias};
   cudaStream_t st = (cudaStream_t)stream;
   if (tn == 64 && wn == 64) return launch_tokm_st<64, 1>(W, X, a, splits, stages, pdl, st);
   if (tn == 64 && wn == 128) return launch_tokm_st<128, 1>(W, X, a, splits, stages, pdl, st);
   if (tn == 128 && wn == 64) return launch_tokm_st<64, 2>(W, X, a, splits, stages, pdl, st);
   if (tn == 128 && wn == 128) return launch_tokm_st<128, 2>(W, X, a, splits, stages, pdl, st);
   return (int)cudaErrorInvalidValue;
+}
+
+// The 1x128 quantizer alone: x [M, K] bf16 (x_fp16 = 0) or fp16 with row stride ldx, into xq [Mp, Kp] e4m3 and
+// xs [Kp/128, Mp] fp32 (Mp % 4 == 0, K % 32 == 0, K <= Kp, Kp % 128 == 0).
+extern "C" int mxgemm_quant_1x128(const void* X, int ldx, int x_fp16, int M, int K, void* XQ, void* XS, int Mp, int Kp,
+                                  void* stream) {
+  if (M < 1 || M > Mp || Mp % 4 || K % 32 || K > Kp || Kp % BK) return (int)cudaErrorInvalidValue;
+  const dim3 grid(Mp / 4, Kp / BK);
+  cudaStream_t st = (cudaStream_t)stream;
+  if (x_fp16)
+    quant_1x128_kernel<__half><<<grid, 128, 0, st>>>((const __half*)X, ldx, M, K, (uint32_t*)XQ, (float*)XS, Mp, Kp);
+  else
+    quant_1x128_kernel<__nv_bfloat16>
+        <<<grid, 128, 0, st>>>((const __nv_bfloat16*)X, ldx, M, K, (uint32_t*)XQ, (float*)XS, Mp, Kp);
+  return (int)cudaGetLastError();
+}
+
+// One call for a whole FP8 linear: the quantizer, then the GEMM as its programmatic dependent (tokm: tokens-as-M
+// kernel with `rows` = wn, else swap-AB with `rows` = rw); arguments as above.
+extern "C" int mxgemm_fp8_linear(const void* X, int ldx, int x_fp16, int K, void* XQ, void* XS, const void* W,
+                                 const void* S, int s_stride, const void* bias, void* Y, int ldy, int M, int Mp, int N,
+                                 int Np, int Kp, int tokm, int tn, int rows, int kc, int splits, int stages,
+                                 void* stream) {
+  const int err = mxgemm_quant_1x128(X, ldx, x_fp16, M, K, XQ, XS, Mp, Kp, stream);
+  if (err) return err;
+  if (tokm) return mxgemm_fp8_gemm_tokm(W, S, s_stride, XQ, XS, bias, Y, ldy, M, Mp, N, Np, Kp, tn, rows, splits,
+                                        stages, 1, stream);
+  return mxgemm_fp8_gemm(W, S, s_stride, XQ, XS, bias, Y, ldy, M, Mp, N, Np, Kp, tn, rows, kc, splits, stages, 1,
+                         stream);
 }

@@ -79,6 +79,7 @@ struct Args {
   int M, K, N, Np, Kp, kiters;
   __nv_bfloat16* Y;
   int ldy;
+  const __nv_bfloat16* bias;  // [N] added in fp32 before the output's one rounding; null: none
 };
 
 // this lane's 16 activations per 64-chunk of the warp's K slice at k0 (zeros past M or K)
@@ -236,7 +237,9 @@ __global__ void __launch_bounds__(128) small_m_kernel(const Args a) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int row = row0 + 16 * r + g + 8 * (i / 2), m = 8 * n + 2 * t + (i % 2);
-        if (m < a.M && row < a.N) a.Y[(size_t)m * a.ldy + row] = __float2bfloat16_rn(v[(r * NT + n) * 4 + i]);
+        if (m < a.M && row < a.N)
+          a.Y[(size_t)m * a.ldy + row] =
+              __float2bfloat16_rn(v[(r * NT + n) * 4 + i] + (a.bias ? __bfloat162float(a.bias[row]) : 0.f));
       }
 }
 
@@ -291,12 +294,14 @@ int launch_st(const Args& a, int splits, int stages, cudaStream_t st) {
 
 // The entry point mxgemm calls through ctypes; returns the launch's cudaError_t (0: launched).
 // rt: row tiles per CTA (1, 2); splits: K splits, one cluster (1-8); stages: the ring's depth (2, 3).
-extern "C" int mxgemm_small_m(const void* W, const void* S, int s_stride, const void* X, void* Y, int ldy, int M,
-                              int K, int N, int Np, int Kp, int rt, int splits, int stages, void* stream) {
+// bias: bf16 [N] or null.
+extern "C" int mxgemm_small_m(const void* W, const void* S, int s_stride, const void* X, const void* bias, void* Y,
+                              int ldy, int M, int K, int N, int Np, int Kp, int rt, int splits, int stages,
+                              void* stream) {
   cudaStream_t st = (cudaStream_t)stream;
   if (M < 1 || M > 16 || (rt != 1 && rt != 2)) return (int)cudaErrorInvalidValue;
   const Args a{(const uint8_t*)W, (const float*)S, s_stride, (const __nv_bfloat16*)X, M, K, N, Np, Kp, 0,
-               (__nv_bfloat16*)Y, ldy};
+               (__nv_bfloat16*)Y, ldy, (const __nv_bfloat16*)bias};
   if (M <= 8) return rt == 2 ? launch_st<1, 2>(a, splits, stages, st) : launch_st<1, 1>(a, splits, stages, st);
   return rt == 2 ? launch_st<2, 2>(a, splits, stages, st) : launch_st<2, 1>(a, splits, stages, st);
 }

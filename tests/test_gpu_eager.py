@@ -1,0 +1,122 @@
+"""The eager call path on the H200: the CUDA 1x128 quantizer bit for bit, launch plans equal to the op, bias added in
+the kernels' epilogue, and one copy of the weight per layer."""
+
+import pytest
+import torch
+from helpers import random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
+
+import mxgemm
+from mxgemm.block128 import dequantize_1x128, quantize_1x128, reencode_block128
+from mxgemm.ops import linear_op
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hybrid_runs_here():
+    skip_unless_backend_runs("hybrid_sm90")
+    from mxgemm.kernels import fp8_gemm
+
+    if not fp8_gemm.fp8_gemm_status(torch.cuda.get_device_capability()):
+        pytest.skip("the FP8 kernel is not built here")
+
+
+@pytest.mark.parametrize("m,k,rows", [(1, 96, 1), (3, 4160, 1), (5, 128, 64), (64, 14336, 64), (72, 4096, 128),
+                                      (2048, 4096, 1)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_quantizer_bit_exact(m, k, rows, dtype):
+    from mxgemm.kernels.fp8_gemm import quantize_1x128 as cuda_quantize
+
+    x = random_act(m, k, dtype=dtype, device="cuda") * 5
+    x[0, :7] = 0.0
+    if m > 2:
+        x[2] = 0.0  # an all-zero row
+    q, s = cuda_quantize(x, rows)
+    rq, rs = quantize_1x128(x)
+    kb = rs.shape[1]
+    assert q.shape[0] % max(rows, 4) == 0 and q.shape[1] % 512 == 0 and s.stride() == (1, q.shape[0])
+    assert torch.equal(q[:m, :k].view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(s[:m, :kb], rs)
+    assert int(q[m:].view(torch.uint8).sum()) == 0 and int(q[:, k:].view(torch.uint8).sum()) == 0
+    pad = s[m:]
+    assert torch.equal(pad, torch.full_like(pad, 2.0**-64 / 448))  # zero rows: the floored amax's scale
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 33, 64, 100, 256, 1000])
+@pytest.mark.parametrize("n,k", [(4160, 4160), (28672, 4096), (130, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_eager_plan_equals_op_and_twin(m, n, k, with_bias):
+    """The eager path (a launch plan, bias in the epilogue) gives bit for bit what the compiled op gives, and
+    matches the twin of its regime plus the bias."""
+    q, s = random_mx_weight(n, k, seed=m + n, device="cuda")
+    x = random_act(m, k, seed=k + m, device="cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    y = mxgemm.linear(x, w, bias)
+    assert w.plans, "the eager call ran through a plan"
+    via_op = linear_op(x, w.op_tensors, bias, w.backend, w.op_meta)
+    assert torch.equal(y, via_op)
+    quantized = m >= w.info["crossover"]
+    wd = reencode_block128(q, s).dequantize().double()
+    xe = dequantize_1x128(*quantize_1x128(x)).double() if quantized else x.double()
+    ref = xe @ wd.T + (bias.double() if with_bias else 0)
+    assert torch.isfinite(y).all() and sqnr_db(y, ref) >= 45
+
+
+def test_fp16_and_strided_inputs_and_fp32_bias():
+    q, s = random_mx_weight(4096, 4096, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    bias32 = torch.randn(4096, device="cuda")
+    for m in (2, 40, 300):
+        x = random_act(m, 4096, dtype=torch.float16, device="cuda")
+        y = mxgemm.linear(x, w, bias32.half())
+        assert y.dtype == torch.float16 and torch.equal(y, linear_op(x, w.op_tensors, bias32.half(), w.backend,
+                                                                           w.op_meta))  # fmt: skip
+        wide = random_act(m, 8192, device="cuda")[:, ::2]  # rows of stride 8192, elements of stride 2
+        assert torch.equal(mxgemm.linear(wide, w), mxgemm.linear(wide.contiguous(), w))
+
+
+@pytest.mark.parametrize("backend", ["hybrid_sm90", "cublas_block", "triton"])
+def test_one_copy_of_the_weight_on_the_gpu(backend):
+    """A layer built from checkpoint tensors holds at most 1.07 bytes per parameter once the checkpoint's own
+    tensors are gone, and its state dict gives them back: they dequantize to what the layer computes."""
+    n, k = 6144, 4096
+    q, s = random_mx_weight(n, k, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    layer = mxgemm.MXFP8Linear.from_quantized(q.clone(), s.clone(), backend=backend)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    assert held <= 1.07 * n * k, (backend, held / (n * k))
+    assert layer.prepared.nbytes <= 1.07 * n * k
+    state = layer.state_dict()
+    wq, ws = state["weight"], state["weight_scale"]
+    assert wq.shape == (n, k) and ws.shape == (n, k // 32) and ws.dtype == torch.uint8
+    mine = mxgemm.dequantize(mxgemm.MXTensor(wq.contiguous(), ws))
+    if backend == "triton":
+        assert torch.equal(mine, mxgemm.dequantize(mxgemm.MXTensor(q, s)))
+    else:
+        assert torch.equal(mine, reencode_block128(q, s).dequantize())
+    x = random_act(5, k, device="cuda")
+    fresh = mxgemm.MXFP8Linear.from_quantized(wq.contiguous(), ws, backend=backend)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), layer(x))
+
+
+def test_eager_path_under_graph_capture_and_compile():
+    """Plans made eagerly replay correctly in a CUDA graph; the compiled op path agrees with them bit for bit."""
+    lin = torch.nn.Linear(4096, 4096, bias=True, device="cuda", dtype=torch.bfloat16)
+    layer = mxgemm.MXFP8Linear.from_linear(lin)
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        for m in (1, 16, 64):
+            static_x = random_act(m, 4096, device="cuda")
+            layer(static_x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_y = layer(static_x)
+            x = random_act(m, 4096, seed=m + 7, device="cuda")
+            static_x.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static_y, layer(x)) and torch.equal(compiled(x), layer(x))
