@@ -175,3 +175,16 @@ def test_cublas_mx_preparation(fake_flashinfer):
     w = mxgemm.backends.get_backend("cublas_mx").prepare(q, s, "w8a8-mx")
     assert w.tensors["qdata"].shape == (144, 256) and w.out_features == 130
     assert torch.equal(w.tensors["scale"], layouts.to_128x4(torch.nn.functional.pad(s, (0, 0, 0, 14))))
+
+
+@pytest.mark.parametrize("name", ["flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_trtllm", "cublas_mx"])
+def test_w8a8_mx_backends_keep_one_copy_and_give_the_checkpoint_tensors_back(fake_flashinfer, name):
+    """A prepared weight is the layer's only copy (<= 1.07 bytes per parameter with trtllm's padding), and the MX
+    pair rebuilt from it (swizzles and FlashInfer's shuffles undone) is the checkpoint's, byte for byte."""
+    n, k = 250, 512
+    q, s = random_mx_weight(n, k)
+    backend = mxgemm.backends.get_backend(name)
+    w = backend.prepare(q, s, "w8a8-mx")
+    assert w.nbytes <= 1.07 * 256 * k  # N padded to 256 by trtllm and cublas_mx
+    wq, ws = backend.export_mx(w)
+    assert torch.equal(wq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ws, s)
