@@ -6,7 +6,8 @@ For each (who, mode, batch): a 512-token prompt, time to first token (``generate
 the bytes of the model's tensors on the GPU (each storage once) and the peak of the caching allocator. Greedy, EOS
 ignored. ``graphs``: ``generate`` with a static cache and Hugging Face's automatic compilation of the decode step
 (``torch.compile``, ``mode="reduce-overhead"``: CUDA graphs), its first call per batch size (compilation) untimed.
-Rows are written as they are measured.
+Each of bf16 and mxgemm runs in a process of its own (caches one leaves warm, such as cuDNN's attention plans, would
+favour the other). Rows are written as they are measured.
 
 Run on the device: PYTHONPATH=src python3 bench/model_e2e.py --json e2e.json --markdown e2e.md
 """
@@ -17,7 +18,11 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -112,7 +117,19 @@ def main() -> None:
                 json.dump({"device": env, "layers": args.layers, "prompt": PROMPT, "new_tokens": NEW,
                            "skip": args.skip, "quantize_report": reports, "rows": rows}, f, indent=1)  # fmt: skip
 
-    for who in args.who:
+    if len(args.who) > 1:  # one process each: no cache one leaves warm (cuDNN attention plans, ...) helps the other
+        for who in args.who:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "rows.json"
+                argv = _without(sys.argv[1:], ("--who", "--json", "--markdown"))
+                child = [sys.executable, __file__, *argv, "--who", who,
+                         "--json", str(out)]  # fmt: skip
+                subprocess.run(child, check=True)
+                part = json.loads(out.read_text())
+            rows += part["rows"]
+            reports |= part["quantize_report"]
+            save()
+    for who in args.who if len(args.who) == 1 else ():
         model, reports[who] = build(args.layers, who, tuple(args.skip))
         resident = weights_bytes(model)
         print(who, reports[who], f"weights {resident / 2**30:.2f} GiB", flush=True)
@@ -133,6 +150,17 @@ def main() -> None:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` without the given options and their values."""
+    kept, skipping = [], False
+    for a in argv:
+        if a.startswith("--"):
+            skipping = a in options
+        if not skipping:
+            kept.append(a)
+    return kept
 
 
 def markdown(rows: list[dict], args, env) -> str:
