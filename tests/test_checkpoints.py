@@ -146,3 +146,54 @@ def test_bad_checkpoints_name_the_tensor(llama_dir, tmp_path, damage, message):
 def test_not_an_mxfp8_checkpoint(llama_dir):
     with pytest.raises(mxgemm.CheckpointError, match="no MXFP8 quantization config"):
         mxgemm.load_checkpoint(transformers.LlamaForCausalLM(_tiny_llama_config()), llama_dir)
+
+
+def _tree(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_quantize_never_loses_the_source_or_the_output(llama_dir, tmp_path, capsys):
+    """Same or nested folders, a non-empty output, a missing or already-quantized source, an unwritable output:
+    one-line errors, nothing written; --force replaces the output cleanly; a failure leaves no partial checkpoint."""
+    (llama_dir / "1_Pooling").mkdir()
+    (llama_dir / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    (llama_dir / "tokenizer.json").write_text("{}")
+    source = _tree(llama_dir)
+    for out in (llama_dir, llama_dir / "mx", tmp_path):  # the same folder, inside it, around it
+        assert main(["quantize", str(llama_dir), str(out)]) == 2
+        assert "must lie apart" in capsys.readouterr().out
+    assert main(["quantize", str(tmp_path / "nowhere"), str(tmp_path / "a")]) == 2
+    assert "no model folder" in capsys.readouterr().out
+    (tmp_path / "file.txt").write_text("x")
+    assert main(["quantize", str(llama_dir), str(tmp_path / "file.txt" / "mx")]) == 2  # its parent is a file
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1
+
+    out = tmp_path / "mx"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_text("an old shard")
+    assert main(["quantize", str(llama_dir), str(out)]) == 2
+    assert "not empty" in capsys.readouterr().out and (out / "model-00001-of-00002.safetensors").exists()
+    assert main(["quantize", str(llama_dir), str(out), "--force"]) == 0
+    written = {p.name for p in out.iterdir()}
+    assert written == {"model.safetensors", "config.json", "tokenizer.json", "1_Pooling", "generation_config.json"}
+    assert (out / "1_Pooling" / "config.json").read_text() == '{"pooling_mode_mean_tokens": true}'
+    assert _tree(llama_dir) == source  # the source untouched throughout
+    assert main(["quantize", str(out), str(tmp_path / "mx2")]) == 2
+    assert "already quantized" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left
+
+
+def test_a_failed_quantize_leaves_no_partial_output(llama_dir, tmp_path, monkeypatch):
+    import mxgemm.checkpoints
+
+    def broken(model, out_dir, **kwargs):
+        (out_dir / "model.safetensors").write_text("half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(mxgemm.checkpoints, "save_checkpoint", broken)
+    out = tmp_path / "mx"
+    out.mkdir()
+    (out / "keep.txt").write_text("the user's")
+    assert main(["quantize", str(llama_dir), str(out), "--force"]) == 2
+    assert _tree(out) == {"keep.txt": b"the user's"}  # the old output stands until a new one is complete
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "mx"]

@@ -112,9 +112,18 @@ def _hf_model_class(model_dir: str, console: Console, command: str):
     return (AutoModelForCausalLM if causal else AutoModel), config
 
 
+_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.gguf")
+
+
 def _quantize(args: argparse.Namespace, console: Console) -> int:
-    """Quantize a Hugging Face model folder to a compressed-tensors MXFP8 checkpoint."""
+    """Quantize a Hugging Face model folder to a compressed-tensors MXFP8 checkpoint.
+
+    Nothing of the user's is lost: the source must be a local model folder apart from the output; the output must
+    be new or empty (``--force`` replaces it); the checkpoint is written into a temporary folder beside the output and
+    moved into place only once complete. The source's other files and subfolders (tokenizer, a sentence-transformers
+    ``1_Pooling/``, ...) are copied; its weight files and config are not (the checkpoint has its own)."""
     import shutil
+    import tempfile
     from pathlib import Path
 
     from rich.progress import track
@@ -122,26 +131,76 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     from .checkpoints import save_checkpoint
     from .models import quantize_model
 
-    found = _hf_model_class(args.model_dir, console, "quantize")
+    src, out = Path(args.model_dir).resolve(), Path(args.out_dir).resolve()
+    _check_quantize_paths(src, out, args.force)
+    found = _hf_model_class(str(src), console, "quantize")
     if found is None:
         return 2
     cls, config = found
-    src, out = Path(args.model_dir), Path(args.out_dir)
-    model = cls.from_pretrained(src, dtype="auto")
+    if getattr(config, "quantization_config", None):
+        raise ValueError(f"{src} is already quantized ({_describe_quantization(config)}); give an unquantized model")
+    model = cls.from_pretrained(src, dtype="auto", local_files_only=True)
     report = quantize_model(model, backend="emulation", scale_mode=args.scale_mode, skip=args.skip)
-    save_checkpoint(
-        model,
-        out,
-        scheme=args.scheme,
-        config=config.to_dict(),
-        progress=lambda names: track(names, description="writing", console=console),
-    )
-    for f in src.iterdir():  # tokenizer and other side files
-        if f.is_file() and f.name != "config.json" and not f.name.startswith("model") and f.suffix != ".safetensors":
-            shutil.copy2(f, out / f.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        for f in src.iterdir():  # side files first: the checkpoint's own files win over any of the same name
+            if f.name == "config.json" or any(f.match(pattern) for pattern in _WEIGHT_FILES):
+                continue
+            (shutil.copytree if f.is_dir() else shutil.copy2)(f, staging / f.name)
+        save_checkpoint(
+            model,
+            staging,
+            scheme=args.scheme,
+            config=config.to_dict(),
+            progress=lambda names: track(names, description="writing", console=console),
+        )
+        _move_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     console.print(escape(str(report)))
     console.print(escape(f"wrote {args.scheme} compressed-tensors checkpoint to {out}"))
     return 0
+
+
+def _check_quantize_paths(src, out, force: bool) -> None:
+    """Refuse what would lose data or could not work, each with a one-line reason."""
+    if not src.is_dir():
+        raise ValueError(f"no model folder at {src} (mxgemm quantize reads a local folder, never the model hub)")
+    if not (src / "config.json").is_file():
+        raise ValueError(f"{src} has no config.json: not a Hugging Face model folder")
+    if out == src or out.is_relative_to(src) or src.is_relative_to(out):
+        raise ValueError(f"output {out} must lie apart from the model folder {src}: neither inside the other")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"{out} is not empty; choose a new folder, or pass --force to replace its contents")
+
+
+def _describe_quantization(config) -> str:
+    q = config.quantization_config
+    q = q if isinstance(q, dict) else getattr(q, "to_dict", lambda: {})()
+    return str(q.get("quant_method") or q.get("format") or q.get("quant_algo") or "quantization_config present")
+
+
+def _move_into_place(staging, out) -> None:
+    """Put the finished folder at ``out``: a rename, the old folder (if any) moved aside first and removed after."""
+    import os
+    import shutil
+
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    try:
+        os.replace(staging, out)
+    except OSError:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _tune(args: argparse.Namespace, console: Console) -> int:
@@ -231,6 +290,7 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--scheme", choices=["MXFP8", "MXFP8A16"], default="MXFP8", help="activation scheme recorded")
     quant.add_argument("--scale-mode", choices=["floor", "rceil"], default="floor", help="E8M0 scale rule")
     quant.add_argument("--skip", nargs="*", default=["lm_head"], help="linear layers to keep (names or globs)")
+    quant.add_argument("--force", action="store_true", help="replace the output folder's contents if it has any")
     tune = sub.add_parser("tune", help="tune the resolved backend's tactics for a shape set and cache them")
     tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["llama3-8b"], help="shape sets")
     tune.add_argument("--m", type=int, nargs="+", help="token counts (default: every tuning bucket)")
@@ -254,8 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "tune":
             return _tune(args, console)
         return _bench(args, console)
-    except (MXGemmError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}")
+    except (MXGemmError, ValueError, OSError) as exc:  # user mistakes and the file system's answers: one line
+        console.print(f"[red]error:[/red] {escape(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}")
         return 2
 
 

@@ -65,9 +65,10 @@ def quantize_model(
     run raises for the first layer it cannot take, as everywhere in mxgemm.
     """
     reports = []
-    for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear:
-            continue
+    # names, not modules: each nn.Linear (and its bf16 weight) is freed as soon as its replacement is in place
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name in names:
+        module = model.get_submodule(name)
         if _matches(name, skip):
             reports.append(LayerReport(name, False, None, None, "matches skip"))
             continue
@@ -77,6 +78,7 @@ def quantize_model(
             continue
         layer = MXFP8Linear.from_linear(module, backend=backend, scale_mode=scale_mode, recipe=recipe)
         parent_name, _, child = name.rpartition(".")
+        del module
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
     return QuantizeReport(tuple(reports))
