@@ -36,7 +36,12 @@ def reference_quantize(x: torch.Tensor, scale_mode: str, elem_dtype: torch.dtype
     e = torch.where(amax > 0, e, torch.full_like(e, -127)).clamp(-127, 127)
     biased = torch.where(torch.isfinite(amax), e + 127, torch.full_like(e, 255))
     scale_val = torch.where(biased == 255, math.nan, torch.pow(2.0, (biased - 127).double()))
-    q = (blocks / scale_val.unsqueeze(-1)).clamp(-max_elem, max_elem)
+    # the largest element whose value fits fp32 (found among all the format's values, not by formula)
+    values = torch.arange(256, dtype=torch.uint8).view(elem_dtype).double()
+    values = values[torch.isfinite(values) & (values >= 0)].sort().values
+    fits = torch.finfo(torch.float32).max / torch.where(biased == 255, 1.0, scale_val)
+    limit = values[(torch.searchsorted(values, fits, right=True) - 1).clamp(min=0)].clamp(max=max_elem)
+    q = torch.minimum(torch.maximum(blocks / scale_val.unsqueeze(-1), -limit.unsqueeze(-1)), limit.unsqueeze(-1))
     return q.float().to(elem_dtype).reshape(x.shape), biased.to(torch.uint8)
 
 
@@ -59,6 +64,9 @@ def _edge_values(dtype: torch.dtype) -> torch.Tensor:
         torch.tensor([448.0, 449.0, 500.0, -511.9] + [1.0] * 28),  # around the E4M3 max
         torch.full((32,), 3.0e-39),  # fp32 subnormal amax
         torch.randn(32, generator=g) * 1e30,  # huge
+        torch.tensor([3.4e38, -3.3e38, 3.0e38, 2.5e38] + [1e38] * 28),  # fp32's top: must not dequantize to inf
+        torch.tensor([-3.0e38] * 16 + [1.7e38] * 16),
+        torch.tensor([2.0**127 * (1 + i / 32) for i in range(32)]),
     ]
     x = torch.cat(pieces)
     finfo = torch.finfo(dtype)
@@ -174,3 +182,15 @@ def test_errors():
         mxgemm.MXTensor(q, torch.zeros(4, 2, dtype=torch.int32))
     with pytest.raises(TypeError, match="float8"):
         mxgemm.MXTensor(torch.randn(4, 64), torch.zeros(4, 2, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("elem_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+def test_finite_inputs_never_dequantize_to_inf(elem_dtype, scale_mode):
+    """At the top of fp32's range: rceil's scale (2^120 for E4M3) would let the largest elements round up to 2^128."""
+    top = torch.finfo(torch.float32).max
+    x = torch.tensor([top, -top * 0.99, top * 0.9, top / 2] + [top / 4] * 28).reshape(1, 32)
+    t = mxgemm.quantize(x, scale_mode=scale_mode, elem_dtype=elem_dtype)
+    back = mxgemm.dequantize(t)
+    assert torch.isfinite(back).all()
+    assert ((back - x).abs() / x.abs()).max() <= 0.13  # the nearest values below fp32's max

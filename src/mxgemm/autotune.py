@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from . import settings
 from .backends import Backend, PreparedWeight
 from .cache import cache_root, locked
 from .device import DeviceInfo, describe_device
@@ -312,7 +313,7 @@ def tactic_for_call(backend: Backend, weight: PreparedWeight, x: torch.Tensor) -
         return None
     tuner = tuner_for(x.device)
     tactic = tuner.lookup(backend, weight, x.shape[0], x.dtype)
-    if tactic is None and os.environ.get("MXGEMM_AUTOTUNE") == "1" and not _capturing():
+    if tactic is None and settings.autotune_enabled() and not _capturing():
         result = tuner.tune(backend, weight, x.shape[0], x.dtype)
         tactic = result.tactic if result else None
     return tactic

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +11,9 @@ __all__ = ["cache_root", "locked"]
 
 def cache_root() -> Path:
     """``$MXGEMM_CACHE_DIR``, else ``~/.cache/mxgemm``."""
-    return Path(os.environ.get("MXGEMM_CACHE_DIR") or Path.home() / ".cache" / "mxgemm")
+    from .settings import cache_dir
+
+    return cache_dir()
 
 
 @contextlib.contextmanager

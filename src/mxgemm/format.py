@@ -134,8 +134,21 @@ def quantize(
         biased = _biased_exponent_rceil(amax, max_elem)
     biased = torch.where(torch.isfinite(amax), biased, E8M0_NAN)
     scale = biased.to(torch.uint8)
-    q = (blocks / e8m0_to_float32(scale).unsqueeze(-1)).clamp(-max_elem, max_elem)
+    limit = element_limit(biased, max_elem, _MANTISSA_BITS[elem_dtype]).unsqueeze(-1)
+    q = torch.minimum(torch.maximum(blocks / e8m0_to_float32(scale).unsqueeze(-1), -limit), limit)
     return MXTensor(q.to(elem_dtype).reshape(x.shape), scale)
+
+
+_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+
+
+def element_limit(biased: torch.Tensor, max_elem: float, mbits: int) -> torch.Tensor:
+    """The largest element magnitude a block with biased scale exponent ``biased`` may hold: the element format's
+    max, or, for scales of 2^120 and up, the largest element whose value stays below fp32's overflow
+    (``2^(255 - biased) * (1 - 2^-(mbits+1))``, the element just below that power of two), so that no finite input
+    dequantizes to infinity (with ``rceil``, amax near fp32's max gets scale 2^120 and elements up to 256)."""
+    top = torch.exp2((255 - biased.to(torch.int32)).float()) * (1 - 2.0 ** -(mbits + 1))  # inf below 2^128 scales
+    return top.clamp(max=max_elem)
 
 
 def dequantize(t: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

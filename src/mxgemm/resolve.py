@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+from . import settings
 from .backends import (
     AUTO_PRIORITY,
     RECIPES,
@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mxgemm")
-ENV_BACKEND = "MXGEMM_BACKEND"
 DeviceLike = DeviceInfo | torch.device | str | int | None
 
 
@@ -55,7 +54,7 @@ class Resolution:
 
 def default_request() -> str:
     """The backend asked for when none is named: ``$MXGEMM_BACKEND``, else ``auto``."""
-    return os.environ.get(ENV_BACKEND, "").strip() or "auto"
+    return settings.backend_request()
 
 
 def _check(backend: Backend, device: DeviceInfo, recipe: str | None, shape: tuple[int, int] | None) -> Availability:

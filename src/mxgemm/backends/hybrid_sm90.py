@@ -16,10 +16,9 @@ backend (the exact ``triton`` one).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .. import settings
 from ..block128 import block128_to_mx
 from ..device import DeviceInfo
 from ..kernels import fp8_gemm
@@ -60,8 +59,7 @@ _FP8_TACTICS_MAX_M = 256
 _QUANTIZED_PATHS = ("cublas", "fp8")
 
 
-def reencode_max_error() -> float:
-    return float(os.environ.get("MXGEMM_REENCODE_MAX_ERROR", "1e-5"))
+reencode_max_error = settings.reencode_max_error
 
 
 class HybridSM90Backend(Backend):

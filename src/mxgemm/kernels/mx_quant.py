@@ -76,7 +76,11 @@ def _mx_quant_kernel(
     inv_bits = tl.where(biased == 254, 0x400000, (254 - biased) << 23)
     inv = inv_bits.to(tl.float32, bitcast=True)
     v = x * inv[:, None]
-    v = tl.where(finite[:, None], tl.minimum(tl.maximum(v, -MAX_ELEM), MAX_ELEM), float("nan"))
+    # the element just below 2^(255 - biased): scales from 2^120 up would let the largest elements overflow fp32 on
+    # dequantization (``mxgemm.format.element_limit``); 2^p is inf in fp32 for p >= 128
+    top_bits = tl.where(biased >= 128, (382 - biased) << 23, 0x7F800000)
+    limit = tl.minimum(top_bits.to(tl.float32, bitcast=True) * (1.0 - 2.0 ** -(MBITS + 1)), MAX_ELEM)
+    v = tl.where(finite[:, None], tl.minimum(tl.maximum(v, -limit[:, None]), limit[:, None]), float("nan"))
     q = _round_to_fp8_bits(v, MBITS, EMIN, BIAS, NAN_BITS)
     tl.store(q_ptr + rm[:, None] * K + rk[None, :], q.to(tl.uint8), mask=row_ok[:, None])
     if LAYOUT == 0:

@@ -1,0 +1,56 @@
+"""Every environment variable mxgemm reads, parsed in one place: a bad value raises :class:`SettingsError` naming the
+variable and what it accepts, never a silent default."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from .errors import MXGemmError
+
+__all__ = ["SettingsError", "autotune_enabled", "backend_request", "cache_dir", "reencode_max_error"]
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+class SettingsError(MXGemmError, ValueError):
+    """An environment variable holds a value mxgemm does not accept."""
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise SettingsError(f"{name}={os.environ[name]!r} is not a switch; use 1/true/yes/on or 0/false/no/off")
+
+
+def backend_request() -> str:
+    """``MXGEMM_BACKEND``: a backend name or ``auto`` (the default); the name is checked where it is resolved."""
+    return os.environ.get("MXGEMM_BACKEND", "").strip() or "auto"
+
+
+def autotune_enabled() -> bool:
+    """``MXGEMM_AUTOTUNE``: whether a call whose problem is not in the tuning cache tunes it first (default off)."""
+    return _flag("MXGEMM_AUTOTUNE")
+
+
+def reencode_max_error() -> float:
+    """``MXGEMM_REENCODE_MAX_ERROR``: the largest relative error of a 128x128 re-encoding accepted (default 1e-5)."""
+    raw = os.environ.get("MXGEMM_REENCODE_MAX_ERROR", "").strip()
+    if not raw:
+        return 1e-5
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise SettingsError(f"MXGEMM_REENCODE_MAX_ERROR={raw!r} must be a finite number >= 0 (e.g. 1e-5)")
+    return value
+
+
+def cache_dir() -> Path:
+    """``MXGEMM_CACHE_DIR``: where tuning files and built kernels live (default ``~/.cache/mxgemm``)."""
+    return Path(os.environ.get("MXGEMM_CACHE_DIR", "").strip() or Path.home() / ".cache" / "mxgemm")
