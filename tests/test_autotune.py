@@ -264,3 +264,61 @@ def test_shipped_h200_file_is_found_and_names_tactics_the_backends_offer():
                                   info)  # fmt: skip
         assert record["tactic"] in b.tactics(m, w), key
         assert record["us"] <= record["default_us"] and record["failed"] == 0
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[1, 2, 3]",  # valid JSON, not a tuning file
+        '{"metadata": META, "entries": [1, 2]}',
+        '{"metadata": META, "entries": {"KEY": 5, "other": {"us": 1}}}',  # entries of the wrong type
+        '{"metadata": META, "entries": {"KEY": {"tactic": {"name": "gone", "XX": 1}}}}',  # a tactic it does not have
+        '{"metadata": META, "entries": {"KEY": {"tactic": 7}}}',
+    ],
+)
+def test_a_bad_tuning_file_never_breaks_a_call(tmp_path, weight, monkeypatch, caplog, content):
+    """Malformed files and entries are ignored with a warning naming the file; the call runs its default."""
+    from mxgemm.backends import _REGISTRY
+
+    b = FakeTunable()
+    monkeypatch.setitem(_REGISTRY, b.name, b)
+    w = mxgemm.PreparedWeight(b.name, weight.recipe, 64, 128, weight.tensors, {})
+    key = str(TuneKey.of(b.name, w, 3, torch.bfloat16))
+    text = content.replace("META", json.dumps(META)).replace("KEY", key.replace('"', '\\"'))
+    path = tmp_path / "tuning.json"
+    path.write_text(text)
+    monkeypatch.setattr(autotune, "_TUNERS", {("cpu", None): Autotuner(TuningCache(path, META))})
+    with caplog.at_level(logging.WARNING, logger="mxgemm"):
+        y = mxgemm.linear(torch.randn(3, 128, dtype=torch.bfloat16), w)
+    assert y.shape == (3, 64) and b.calls == ["default"]
+    assert str(path) in caplog.text
+
+
+@pytest.mark.parametrize("where", ["a_file", "other_version"])
+def test_tuning_that_cannot_be_saved_still_runs_once(tmp_path, weight, monkeypatch, caplog, where):
+    """A cache path that is a file, or a file of another environment: MXGEMM_AUTOTUNE=1 tunes once, keeps the
+    choice in memory and never raises inside the call."""
+    from mxgemm.backends import _REGISTRY
+
+    b = FakeTunable()
+    monkeypatch.setitem(_REGISTRY, b.name, b)
+    w = mxgemm.PreparedWeight(b.name, weight.recipe, 64, 128, weight.tensors, {})
+    if where == "a_file":
+        (tmp_path / "blocker").write_text("x")
+        path = tmp_path / "blocker" / "tuning.json"
+    else:
+        path = tmp_path / "tuning.json"
+        path.write_text(json.dumps({"metadata": dict(META, torch="0.1"), "entries": {}}))
+    before = path.read_text() if path.exists() else None
+    tuner = Autotuner(TuningCache(path, META), timer=lambda fn: (fn(), b.last_cost)[1])
+    monkeypatch.setattr(autotune, "_TUNERS", {("cpu", None): tuner})
+    monkeypatch.setenv("MXGEMM_AUTOTUNE", "1")
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="mxgemm"):
+        mxgemm.linear(x, w)
+    assert b.calls[-1] == "fast" and b.calls.count("default") >= 1
+    b.calls.clear()
+    w.plans.clear()
+    mxgemm.linear(x, w)  # a new plan looks the tactic up again: tuned already, in memory
+    assert b.calls == ["fast"]
+    assert (path.read_text() if path.exists() else None) == before

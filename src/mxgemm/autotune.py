@@ -122,6 +122,10 @@ class TuningCache:
         data = self._read()
         if data is None:
             return
+        if not isinstance(data, dict) or not isinstance(data.get("entries", {}), dict):
+            self.usable = False
+            logger.warning("mxgemm: tuning file %s is not a tuning file: not used, not overwritten", self.path)
+            return
         if data.get("metadata") != self.metadata:
             self.usable = False
             logger.warning(
@@ -129,27 +133,47 @@ class TuningCache:
                 self.path, data.get("metadata"), self.metadata,
             )  # fmt: skip
             return
-        self.entries = dict(data.get("entries", {}))
+        self.entries = _valid_entries(data.get("entries", {}), self.path)
 
     def get(self, key: TuneKey) -> dict[str, Any] | None:
-        return self.entries.get(str(key)) if self.usable else None
+        """The record of ``key``: from the file, or tuned in this process (kept in memory where the file cannot be
+        written, so nothing is tuned twice)."""
+        return self.entries.get(str(key))
 
     def put(self, records: dict[str, dict[str, Any]]) -> None:
-        """Merge records into the file (re-read under the lock, so other writers' entries survive)."""
+        """Merge records into the file (re-read under the lock, so other writers' entries survive). Where the file
+        cannot be written (another environment's, a read-only folder, a path that is a file), the records are kept
+        for this process only, said once."""
+        self.entries.update(records)
         if not self.usable:
             return
-        with locked(self.path):
-            data = self._read()
-            if data is not None and data.get("metadata") != self.metadata:
-                self.usable = False
-                return
-            entries = dict((data or {}).get("entries", {}))
-            entries.update(records)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"metadata": self.metadata, "entries": entries}, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-            self.entries = entries
+        try:
+            with locked(self.path):
+                data = self._read()
+                if data is not None and (not isinstance(data, dict) or data.get("metadata") != self.metadata):
+                    self.usable = False
+                    return
+                entries = _valid_entries((data or {}).get("entries", {}), self.path)
+                entries.update(records)
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"metadata": self.metadata, "entries": entries}, f, indent=1, sort_keys=True)
+                os.replace(tmp, self.path)
+                self.entries = entries
+        except OSError as exc:
+            self.usable = False
+            logger.warning("mxgemm: cannot write tuning file %s (%s): tuned tactics kept for this process", self.path,
+                           exc)  # fmt: skip
+
+
+def _valid_entries(entries: Any, path: Path) -> dict[str, dict[str, Any]]:
+    """The well-formed records of a file's entries (a dict holding a ``tactic``); the others dropped, said once."""
+    if not isinstance(entries, dict):
+        entries = {}
+    good = {k: v for k, v in entries.items() if isinstance(k, str) and isinstance(v, dict) and "tactic" in v}
+    if len(good) != len(entries):
+        logger.warning("mxgemm: tuning file %s: %d malformed entries ignored", path, len(entries) - len(good))
+    return good
 
 
 @dataclass(frozen=True)
@@ -205,9 +229,27 @@ class Autotuner:
         if memo_key not in self._memo:
             key = TuneKey.of(backend.name, weight, m, x_dtype)
             files = [(c, src) for c, src in ((self.cache, "cache"), (self.shipped, "shipped")) if c is not None]
-            found = ((c.get(key), src) for c, src in files)
-            self._memo[memo_key] = next(((r["tactic"], src) for r, src in found if r is not None), (None, "default"))
+            choice = None, "default"
+            for cache, src in files:
+                record = cache.get(key)
+                if record is None:
+                    continue
+                if self._known(backend, weight, key.m_bucket, record["tactic"]):
+                    choice = record["tactic"], src
+                    break
+                logger.warning("mxgemm: tuning file %s: tactic %s for %s is not one %s has now; ignored",
+                               cache.path, record["tactic"], key, backend.name)  # fmt: skip
+            self._memo[memo_key] = choice
         return self._memo[memo_key]
+
+    @staticmethod
+    def _known(backend: Backend, weight: PreparedWeight, m_bucket: int, tactic: Any) -> bool:
+        """Whether a cached tactic is one the backend offers for this bucket now (a file from an older mxgemm, or
+        edited by hand, may hold others)."""
+        try:
+            return tactic in backend.tactics(m_bucket, weight)
+        except Exception:  # a tactic list that cannot be made: follow nothing from the file
+            return False
 
     def lookup(self, backend: Backend, weight: PreparedWeight, m: int, x_dtype: torch.dtype) -> Any:
         """The cached tactic for this problem, or None (the backend's default)."""
