@@ -197,3 +197,61 @@ def test_a_failed_quantize_leaves_no_partial_output(llama_dir, tmp_path, monkeyp
     assert main(["quantize", str(llama_dir), str(out), "--force"]) == 2
     assert _tree(out) == {"keep.txt": b"the user's"}  # the old output stands until a new one is complete
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "mx"]
+
+
+def _mx_checkpoint(llama_dir, tmp_path):
+    mx = tmp_path / "mx"
+    assert main(["quantize", str(llama_dir), str(mx)]) == 0
+    return mx
+
+
+def _snapshot(model):
+    return {k: (type(model.get_submodule(k.rpartition(".")[0])), v.clone()) for k, v in model.state_dict().items()}
+
+
+def _assert_unchanged(model, before):
+    after = _snapshot(model)
+    assert after.keys() == before.keys()
+    for k, (cls, v) in before.items():
+        assert after[k][0] is cls and torch.equal(after[k][1], v), k
+
+
+@pytest.mark.parametrize("damage", ["nan_scale", "two_files", "wrong_shape_late", "no_backend"])
+def test_a_refused_load_leaves_the_model_as_it_was(llama_dir, tmp_path, damage):
+    mx = _mx_checkpoint(llama_dir, tmp_path)
+    tensors = load_file(str(mx / "model.safetensors"))
+    backend, match = "emulation", None
+    if damage == "nan_scale":
+        tensors[f"{O1}.weight_scale"][3, 1] = 255
+        match = rf"{O1}.weight_scale holds the E8M0 NaN code 255 at \(3, 1\)"
+    elif damage == "two_files":
+        save_file({"model.norm.weight": tensors["model.norm.weight"]}, str(mx / "model-extra.safetensors"))
+        match = "model.norm.weight is in two files, model-extra.safetensors and model.safetensors"
+    elif damage == "wrong_shape_late":  # after every quantized layer has been read
+        tensors["model.norm.weight"] = tensors["model.norm.weight"][:32].clone()
+        match = r"model.norm.weight has shape \(32,\); the model's is \(64,\)"
+    else:
+        backend, match = "cublas_block", "cublas_block"
+    save_file(tensors, str(mx / "model.safetensors"))
+    model = transformers.LlamaForCausalLM(_tiny_llama_config())
+    before = _snapshot(model)
+    with pytest.raises((mxgemm.CheckpointError, mxgemm.BackendUnavailableError), match=match):
+        mxgemm.load_checkpoint(model, mx, backend=backend)
+    _assert_unchanged(model, before)
+
+
+def test_unreadable_files_and_meta_models_are_named(llama_dir, tmp_path):
+    mx = _mx_checkpoint(llama_dir, tmp_path)
+    with torch.device("meta"):
+        meta_model = transformers.LlamaForCausalLM(_tiny_llama_config())
+    with pytest.raises(mxgemm.CheckpointError, match="meta device"):
+        mxgemm.load_checkpoint(meta_model, mx, backend="emulation")
+    data = (mx / "model.safetensors").read_bytes()
+    (mx / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(mxgemm.CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
+        mxgemm.load_checkpoint(transformers.LlamaForCausalLM(_tiny_llama_config()), mx, backend="emulation")
+    (mx / "config.json").write_text('{"quantization_config": ')
+    with pytest.raises(mxgemm.CheckpointError, match=r"config\.json: cannot be read as JSON"):
+        mxgemm.load_checkpoint(transformers.LlamaForCausalLM(_tiny_llama_config()), mx, backend="emulation")
+    with pytest.raises(mxgemm.CheckpointError, match="no such checkpoint folder"):
+        mxgemm.load_checkpoint(transformers.LlamaForCausalLM(_tiny_llama_config()), tmp_path / "nope")

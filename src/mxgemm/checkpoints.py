@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .errors import MXGemmError
-from .format import BLOCK_SIZE
+from .format import BLOCK_SIZE, E8M0_NAN
 from .linear import MXFP8Linear
 
 __all__ = ["SCHEMES", "CheckpointError", "CheckpointFormat", "load_checkpoint", "read_format", "save_checkpoint"]
@@ -73,10 +73,12 @@ class CheckpointFormat:
 def read_format(path: str | Path) -> CheckpointFormat:
     """Which MXFP8 format the checkpoint folder declares; :class:`CheckpointError` if none."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    config = _read_json(path / "config.json") if (path / "config.json").exists() else {}
     qc = config.get("quantization_config") or config.get("compression_config")
     if (path / "hf_quant_config.json").exists():
-        q = json.loads((path / "hf_quant_config.json").read_text()).get("quantization", {})
+        q = _read_json(path / "hf_quant_config.json").get("quantization", {})
         return _modelopt_format(q, path / "hf_quant_config.json")
     if qc and qc.get("quant_method") == "modelopt":
         return _modelopt_format(qc, path / "config.json")
@@ -96,6 +98,16 @@ def read_format(path: str | Path) -> CheckpointFormat:
     )
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot be read as JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
 def _modelopt_format(q: dict, where: Path) -> CheckpointFormat:
     if q.get("quant_algo") != "MXFP8":
         raise CheckpointError(f"{where}: ModelOpt quant_algo {q.get('quant_algo')!r} is not MXFP8")
@@ -110,8 +122,17 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     if not files:
         raise CheckpointError(f"{path}: no .safetensors files")
     tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        try:
+            part = load_file(str(f))
+        except Exception as exc:  # safetensors' own error (truncated file, bad header, ...) names no file
+            raise CheckpointError(f"{f}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+        for name in part:
+            if name in where:
+                raise CheckpointError(f"{name} is in two files, {where[name].name} and {f.name}")
+            where[name] = f
+        tensors.update(part)
     return tensors
 
 
@@ -134,6 +155,12 @@ def _check_pair(name: str, weight: torch.Tensor | None, scale: torch.Tensor, mod
             f"{name}.weight_scale has shape {tuple(scale.shape)}, expected "
             f"[{module.out_features}, {module.in_features // BLOCK_SIZE}]"
         )
+    nan = (scale == E8M0_NAN).nonzero()
+    if len(nan):
+        raise CheckpointError(
+            f"{name}.weight_scale holds the E8M0 NaN code 255 at {tuple(nan[0].tolist())} ({len(nan)} in all): "
+            "that block would make every output it touches NaN"
+        )
 
 
 @dataclass(frozen=True)
@@ -152,17 +179,31 @@ def load_checkpoint(
     *,
     backend: str | None = None,
     recipe: str | None = None,
+    device: str | torch.device | None = None,
 ) -> LoadReport:
     """Load an MXFP8 checkpoint into ``model`` (built from the checkpoint's config, e.g. ``from_config``).
 
-    Each ``nn.Linear`` the checkpoint quantizes becomes an ``MXFP8Linear`` on the model's device; every other tensor
-    is loaded as is. Tensors that do not fit raise :class:`CheckpointError` naming the tensor; so do tensors the model
-    lacks and parameters the checkpoint lacks (unless tied to one it has).
+    Each ``nn.Linear`` the checkpoint quantizes becomes an ``MXFP8Linear``; every other tensor is loaded as is. The
+    whole checkpoint is checked before the model changes, so a load either completes or leaves the model as it was:
+    tensors that do not fit raise :class:`CheckpointError` naming the tensor (or the file, for unreadable ones); so do
+    tensors the model lacks, tensors in two files, NaN scales and parameters the checkpoint lacks (unless tied to one
+    it has). ``device``: where the model ends up (default: where it is). Building the model on the CPU and loading
+    with ``device="cuda"`` keeps the GPU at the final footprint plus one layer's transients: each MX weight goes to
+    the GPU only to be prepared there. A model on the meta device is refused (its buffers have no values to keep).
     """
     fmt = read_format(path)
     tensors = read_tensors(path)
-    quantized = []
-    for name, module in list(model.named_modules()):
+    target = torch.device(device) if device is not None else _model_device(model)
+    on_meta = [k for k, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    on_meta += [f"{n}.{b}" for n, m in model.named_modules() for b, t in m._buffers.items() if t is not None
+                and t.is_meta and f"{n}.{b}".lstrip(".") not in on_meta]  # fmt: skip
+    if on_meta:
+        raise CheckpointError(
+            f"the model holds tensors on the meta device ({on_meta[0]}, {len(on_meta)} in all): build it on the CPU "
+            "(e.g. from_config under torch.device('cpu')) and pass device= to load it where it should run"
+        )
+    plans = []
+    for name, module in model.named_modules():
         if type(module) is not nn.Linear or f"{name}.weight_scale" not in tensors:
             if type(module) is nn.Linear and tensors.get(f"{name}.weight", torch.empty(0)).dtype == torch.float8_e4m3fn:
                 raise CheckpointError(f"{name}.weight is float8 but {name}.weight_scale is missing")
@@ -171,26 +212,47 @@ def load_checkpoint(
         weight = tensors.pop(f"{name}.weight", None)
         _check_pair(name, weight, scale, module)
         bias = tensors.pop(f"{name}.bias", None)
-        device = module.weight.device if module.weight.device.type != "meta" else torch.device("cpu")
-        if bias is not None:
-            bias = bias.to(device=device, dtype=module.bias.dtype if module.bias is not None else bias.dtype)
-        layer = MXFP8Linear.from_quantized(weight.to(device), scale.to(device), bias, backend=backend, recipe=recipe)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, layer)
-        quantized.append(name)
+        if bias is not None and (module.bias is None or bias.shape != module.bias.shape):
+            raise CheckpointError(f"{name}.bias has shape {tuple(bias.shape)}; the model's layer has "
+                                  f"{'no bias' if module.bias is None else tuple(module.bias.shape)}")  # fmt: skip
+        plans.append((name, module, weight, scale, bias))
     leftover_scales = [k for k in tensors if k.endswith(".weight_scale")]
     if leftover_scales:
         raise CheckpointError(f"{leftover_scales[0]} belongs to no nn.Linear of the model")
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    state = model.state_dict()
+    unexpected = [k for k in tensors if k not in state]
     if unexpected:
         raise CheckpointError(f"the model has no tensor named {unexpected[0]} (and {len(unexpected) - 1} more)")
-    loaded_ptrs = {p.data_ptr() for k, p in model.state_dict().items() if k in tensors}
-    params = model.state_dict()
-    tied = [k for k in missing if params[k].data_ptr() in loaded_ptrs]
-    untied = [k for k in missing if k not in tied and not _is_mx_buffer(model, k)]
+    for k, t in tensors.items():
+        if t.shape != state[k].shape:
+            raise CheckpointError(f"{k} has shape {tuple(t.shape)}; the model's is {tuple(state[k].shape)}")
+    replaced = {f"{name}.{p}" for name, *_ in plans for p in ("weight", "bias")}
+    loaded_ptrs = {state[k].data_ptr() for k in tensors}
+    missing = [k for k in state if k not in tensors and k not in replaced and not _is_mx_buffer(model, k)]
+    tied = [k for k in missing if state[k].data_ptr() in loaded_ptrs]
+    untied = [k for k in missing if k not in tied]
     if untied:
         raise CheckpointError(f"the checkpoint has no tensor for {untied[0]} (and {len(untied) - 1} more)")
-    return LoadReport(fmt, tuple(quantized), tuple(tied))
+
+    layers = {}  # built before any is put in: a backend that cannot run leaves the model as it was
+    for name, module, weight, scale, bias in plans:
+        if bias is not None:
+            bias = bias.to(device=target, dtype=module.bias.dtype)
+        layers[name] = MXFP8Linear.from_quantized(
+            weight.to(target), scale.to(target), bias, backend=backend, recipe=recipe
+        )
+    for name, layer in layers.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    model.load_state_dict(tensors, strict=False)
+    model.to(target)
+    return LoadReport(fmt, tuple(layers), tuple(tied))
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 def _is_mx_buffer(model: nn.Module, key: str) -> bool:
