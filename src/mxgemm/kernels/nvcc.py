@@ -1,7 +1,11 @@
 """Building mxgemm's hand-written CUDA kernels: nvcc on first use, the shared library cached on disk, ctypes to load.
 
-A library is compiled once per source, nvcc version and GPU architecture into ``$MXGEMM_CACHE_DIR/kernels`` (seconds)
-under a file lock; nothing is built or loaded at import time.
+A library is compiled once per source, compiler (path and version), flags and GPU architecture into
+``$MXGEMM_CACHE_DIR/kernels`` (seconds) under a file lock; nothing is built or loaded at import time. A built
+library is used only if it matches the SHA-256 recorded beside it when it was built and exports the symbols asked
+for; anything else (a truncated or foreign file) is rebuilt. A cache folder that cannot be written still serves the
+builds it holds; new ones then go to a per-user folder under the system's temporary directory. nvcc gets
+``BUILD_TIMEOUT_S`` seconds.
 """
 
 from __future__ import annotations
@@ -13,13 +17,16 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..cache import cache_root, locked
 
 logger = logging.getLogger("mxgemm")
 
-__all__ = ["build", "find_nvcc"]
+__all__ = ["BUILD_TIMEOUT_S", "build", "find_nvcc"]
+
+BUILD_TIMEOUT_S = 600
 
 
 def find_nvcc() -> str | None:
@@ -34,25 +41,83 @@ def find_nvcc() -> str | None:
     return str(default) if default.exists() else None
 
 
-def build(source: Path, capability: tuple[int, int], suffix: str = "") -> ctypes.CDLL:
+def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what} did not finish in {BUILD_TIMEOUT_S} s: {' '.join(cmd[:2])} ...") from None
+    except OSError as exc:
+        raise RuntimeError(f"{what} could not run: {exc}") from None
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load_verified(target: Path, symbols: Sequence[str]) -> ctypes.CDLL | None:
+    """The library at ``target`` if it is the one built there (its recorded SHA-256) and exports ``symbols``."""
+    sidecar = target.with_name(target.name + ".sha256")
+    try:
+        if not target.is_file() or sidecar.read_text().strip() != _sha256(target):
+            return None
+        lib = ctypes.CDLL(str(target))
+    except OSError:
+        return None
+    missing = [s for s in symbols if not hasattr(lib, s)]
+    if missing:
+        logger.warning("mxgemm: %s lacks %s: rebuilding it", target, ", ".join(missing))
+        return None
+    return lib
+
+
+def _compile(nvcc: str, flags: list[str], source: Path, target: Path) -> None:
+    logger.info("mxgemm: building %s into %s (once)", source.name, target.parent)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        done = _run([nvcc, *flags, "-o", str(out), str(source)], "nvcc")
+        if done.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"nvcc failed to build {source.name}: {done.stderr.strip()[-500:]}")
+        digest = Path(tmp) / "sha256"
+        digest.write_text(_sha256(out))
+        os.replace(out, target)
+        os.replace(digest, target.with_name(target.name + ".sha256"))
+
+
+def build(source: Path, capability: tuple[int, int], suffix: str = "", symbols: Sequence[str] = ()) -> ctypes.CDLL:
     """Build (once, cached on disk) and load ``source`` for a GPU architecture; ``suffix`` "a" targets the
-    architecture-specific features (sm_90a: wgmma). Raises RuntimeError with nvcc's message when it cannot be built."""
+    architecture-specific features (sm_90a: wgmma). ``symbols``: what the library must export. Raises RuntimeError
+    saying why when it cannot be built or loaded."""
+    nvcc, flags, name = _build_key(source, capability, suffix)
+    folders = [cache_root() / "kernels", Path(tempfile.gettempdir()) / f"mxgemm-kernels-{os.getuid()}"]
+    unwritable = []
+    for folder in folders:
+        target = folder / name
+        lib = _load_verified(target, symbols)
+        if lib is not None:
+            return lib
+        try:
+            with locked(target):
+                if _load_verified(target, symbols) is None:  # not built by another process meanwhile
+                    _compile(nvcc, flags, source, target)
+        except OSError as exc:  # a folder that cannot be written: try the next
+            unwritable.append(f"{folder} ({exc.strerror or exc})")
+            continue
+        lib = _load_verified(target, symbols)
+        if lib is None:
+            raise RuntimeError(f"{target} was built but does not load or lacks {', '.join(symbols) or 'its symbols'}")
+        return lib
+    raise RuntimeError(f"no folder to build {source.name} in: {'; '.join(unwritable)}")
+
+
+def _build_key(source: Path, capability: tuple[int, int], suffix: str) -> tuple[str, list[str], str]:
+    """(nvcc, its flags, the library's file name): the name covers the source, the compiler's path and version, the
+    flags and the architecture."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc was not found (set CUDA_HOME or put the CUDA toolkit's bin folder on PATH)")
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    version = _run([nvcc, "--version"], "nvcc --version").stdout
     arch = f"{capability[0]}{capability[1]}{suffix}"
-    digest = hashlib.sha256(source.read_bytes() + version.encode() + arch.encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"{source.stem}-sm{arch}-{digest}.so"
-    with locked(target):
-        if not target.exists():
-            logger.info("mxgemm: building %s for sm_%s into %s (once)", source.name, arch, target.parent)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                out = Path(tmp) / target.name
-                cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-                       "-o", str(out), str(source)]  # fmt: skip
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise RuntimeError(f"nvcc failed to build {source.name}: {done.stderr.strip()[-500:]}")
-                os.replace(out, target)
-    return ctypes.CDLL(str(target))
+    flags = ["-shared", "-Xcompiler", "-fPIC", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    compiler = str(Path(nvcc).resolve())
+    key = b"\0".join([source.read_bytes(), version.encode(), compiler.encode(), " ".join(flags).encode()])
+    return nvcc, flags, f"{source.stem}-sm{arch}-{hashlib.sha256(key).hexdigest()[:16]}.so"

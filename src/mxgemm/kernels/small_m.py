@@ -43,7 +43,7 @@ _K_PER_CTA = 512  # 4 warps x 128
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel library for a GPU architecture. Raises RuntimeError with
     nvcc's message when it cannot be built."""
-    lib = nvcc.build(_SOURCE, capability)
+    lib = nvcc.build(_SOURCE, capability, symbols=("mxgemm_small_m",))
     p, i = ctypes.c_void_p, ctypes.c_int
     # W, S, s_stride, X, bias, Y, ldy, M, K, N, Np, Kp, rt, splits, stages, stream
     lib.mxgemm_small_m.argtypes = [p, p, i, p, p, p, *[i] * 9, p]
