@@ -1,0 +1,108 @@
+"""Output epilogues on paths only GPUs run, checked on CPU with stand-in GEMMs: the bias added exactly once (in the
+kernel's epilogue when it is bf16, after it otherwise), padded outputs sliced back to N, fp16 callers answered in
+fp16."""
+
+import pytest
+import torch
+from helpers import random_act
+
+import mxgemm
+from mxgemm.backends import cublas_block, hybrid_sm90
+from mxgemm.backends.base import PreparedWeight
+from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
+from mxgemm.kernels import fp8_gemm
+
+N, K = 200, 512  # N padded to 208 for the kernels and cuBLASLt
+
+
+def _weight(crossover: int) -> PreparedWeight:
+    tensors = {"qdata": torch.zeros(208, 512, dtype=torch.float8_e4m3fn), "block_scale": torch.ones(2, 4)}
+    info = {"crossover": crossover, "small_m": True, "fp8_sms": 132}
+    return PreparedWeight("hybrid_sm90", "hybrid-block128", N, K, tensors, info)
+
+
+class _StandIn:
+    """A kernel launch that writes known bf16 values, adds the bias it is handed, and records that bias."""
+
+    def __init__(self):
+        self.biases = []
+
+    def plan(self, *args, **kwargs):
+        def launch(x, bias):
+            self.biases.append(bias)
+            y = (torch.arange(x.shape[0] * N, dtype=torch.float32).reshape(x.shape[0], N) / 7).bfloat16()
+            return y if bias is None else (y.float() + bias.float()).bfloat16()
+
+        return launch
+
+
+@pytest.mark.parametrize("path", ["cuda", "fp8"])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+def test_kernel_paths_add_the_bias_once(monkeypatch, path, bias_dtype, x_dtype):
+    kernel = _StandIn()
+    monkeypatch.setattr(hybrid_sm90, "small_m_plan", kernel.plan)
+    monkeypatch.setattr(fp8_gemm, "linear_plan", kernel.plan)
+    monkeypatch.setattr("mxgemm.kernels.w8a16.w8a16_linear", lambda *a, **k: pytest.fail("the Triton kernel ran"))
+    m = 5
+    if path == "cuda" and x_dtype == torch.float16:
+        pytest.skip("the CUDA small-M kernel takes bf16 activations; fp16 ones go to Triton")
+    weight = _weight(crossover=1 if path == "fp8" else 17)
+    x = random_act(m, K, dtype=x_dtype)
+    bias = None if bias_dtype is None else torch.randn(N).to(bias_dtype)
+    y = HybridSM90Backend().run(x, weight, bias)
+    plain = (torch.arange(m * N, dtype=torch.float32).reshape(m, N) / 7).bfloat16()
+    if bias is None:
+        expected = plain
+    elif bias_dtype == torch.bfloat16:  # in the epilogue: one rounding
+        expected = (plain.float() + bias.float()).bfloat16()
+    else:  # added after the kernel, in bf16
+        expected = plain + bias.to(torch.bfloat16)
+    assert y.dtype == x_dtype and y.shape == (m, N)
+    assert torch.equal(y, expected.to(x_dtype))
+    assert kernel.biases == [bias if bias_dtype == torch.bfloat16 else None]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cublas_path_slices_the_padded_output_and_adds_the_bias(monkeypatch, with_bias):
+    """cuBLASLt writes [Mp, Np] (M padded to 4, N to 16): the caller gets [M, N] plus the bias."""
+    m = 3
+    padded = torch.randn(4, 208).bfloat16()
+
+    def quantize(x):
+        return torch.zeros(4, 512, dtype=torch.float8_e4m3fn), torch.ones(4, 4).t().contiguous().t()
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        assert a.shape == (4, 512) and b.shape == (512, 208) and out_dtype == torch.bfloat16
+        return padded
+
+    monkeypatch.setattr(cublas_block.torch, "_scaled_mm", scaled_mm)
+    bias = torch.randn(N).bfloat16() if with_bias else None
+    y = cublas_block.cublas_block_linear(random_act(m, K), _weight(1), bias, quantize=quantize)
+    expected = padded[:m, :N] + (bias if with_bias else 0)
+    assert y.shape == (m, N) and y.is_contiguous() and torch.equal(y, expected)
+
+
+def test_flashinfer_trtllm_output_is_sliced_back_to_n(monkeypatch):
+    """trtllm pads N to 128: its [M, 256] output comes back as [M, 200] with the bias."""
+    import sys
+    import types
+
+    from helpers import random_mx_weight
+
+    from mxgemm.backends.flashinfer_mx import FlashInferTRTLLM
+
+    out = torch.randn(3, 256).bfloat16()
+    fi = types.SimpleNamespace(
+        shuffle_matrix_a=lambda t, tile: t,
+        shuffle_matrix_sf_a=lambda t, tile, num_elts_per_sf=16: mxgemm.layouts.to_128x4(t),
+        mm_mxfp8=lambda *a, **k: out,
+    )
+    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    monkeypatch.setattr("mxgemm.kernels.mx_quant.mx_quantize", lambda x, **k: (x, None))
+    q, s = random_mx_weight(N, K)
+    backend = FlashInferTRTLLM()
+    weight = backend.prepare(q, s, "w8a8-mx")
+    bias = torch.randn(N).bfloat16()
+    y = backend.run(random_act(3, K), weight, bias)
+    assert y.shape == (3, N) and torch.equal(y, out[:, :N] + bias)
