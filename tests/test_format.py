@@ -194,3 +194,31 @@ def test_finite_inputs_never_dequantize_to_inf(elem_dtype, scale_mode):
     back = mxgemm.dequantize(t)
     assert torch.isfinite(back).all()
     assert ((back - x).abs() / x.abs()).max() <= 0.13  # the nearest values below fp32's max
+
+
+_MBITS = {E4M3: 3, E5M2: 2}
+_EMIN = {E4M3: -6, E5M2: -14}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=32, max_size=32),
+    elem_dtype=st.sampled_from([E4M3, E5M2]),
+    scale_mode=st.sampled_from(["floor", "rceil"]),
+)
+def test_round_trip_is_finite_and_within_half_a_step(values, elem_dtype, scale_mode):
+    """Any finite fp32 block, fp32's extremes and subnormals included: the round trip is finite and each element
+    lies within half a step of the element grid at the block's scale, or is clipped to the largest element (the
+    floor rule's saturation, and the limit that keeps values below fp32's overflow)."""
+    x = torch.tensor(values, dtype=torch.float32).reshape(1, 32)
+    t = mxgemm.quantize(x, scale_mode=scale_mode, elem_dtype=elem_dtype)
+    back = mxgemm.dequantize(t).double()
+    assert torch.isfinite(back).all()
+    scale = 2.0 ** (int(t.scale) - 127)
+    xd = x.double()
+    # the grid step at |x|: 2^(floor(log2 |x/scale|) - mbits) * scale, never below the subnormal step
+    mag = (xd.abs() / scale).clamp_min(2.0 ** _EMIN[elem_dtype])
+    step = torch.exp2(torch.floor(torch.log2(mag)) - _MBITS[elem_dtype]) * scale
+    largest = back.abs().max()
+    clipped = (xd.abs() > largest) & (back.abs() == largest)
+    assert (((back - xd).abs() <= step / 2 + 1e-300) | clipped).all()
