@@ -184,13 +184,13 @@ def test_quantize_never_loses_the_source_or_the_output(llama_dir, tmp_path, caps
 
 
 def test_a_failed_quantize_leaves_no_partial_output(llama_dir, tmp_path, monkeypatch):
-    import mxgemm.checkpoints
+    import mxgemm.convert
 
-    def broken(model, out_dir, **kwargs):
-        (out_dir / "model.safetensors").write_text("half")
+    def broken(writer):
+        (writer.folder / "model.safetensors").write_text("half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(mxgemm.checkpoints, "save_checkpoint", broken)
+    monkeypatch.setattr(mxgemm.convert.ShardWriter, "finish", broken)
     out = tmp_path / "mx"
     out.mkdir()
     (out / "keep.txt").write_text("the user's")

@@ -126,21 +126,18 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     import tempfile
     from pathlib import Path
 
-    from rich.progress import track
+    from rich.progress import Progress
 
-    from .checkpoints import save_checkpoint
-    from .models import quantize_model
+    from .convert import quantize_folder, source_bytes
 
     src, out = Path(args.model_dir).resolve(), Path(args.out_dir).resolve()
     _check_quantize_paths(src, out, args.force)
     found = _hf_model_class(str(src), console, "quantize")
     if found is None:
         return 2
-    cls, config = found
+    _, config = found
     if getattr(config, "quantization_config", None):
         raise ValueError(f"{src} is already quantized ({_describe_quantization(config)}); give an unquantized model")
-    model = cls.from_pretrained(src, dtype="auto", local_files_only=True)
-    report = quantize_model(model, backend="emulation", scale_mode=args.scale_mode, skip=args.skip)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
@@ -148,13 +145,13 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
             if f.name == "config.json" or any(f.match(pattern) for pattern in _WEIGHT_FILES):
                 continue
             (shutil.copytree if f.is_dir() else shutil.copy2)(f, staging / f.name)
-        save_checkpoint(
-            model,
-            staging,
-            scheme=args.scheme,
-            config=config.to_dict(),
-            progress=lambda names: track(names, description="writing", console=console),
-        )
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("quantizing", total=source_bytes(src))
+            report = quantize_folder(
+                src, staging, scheme=args.scheme, scale_mode=args.scale_mode, skip=tuple(args.skip),
+                device=args.device, max_shard_bytes=_parse_size(args.max_shard_size),
+                progress=lambda nbytes: bar.advance(task, nbytes),
+            )  # fmt: skip
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -162,6 +159,21 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     console.print(escape(str(report)))
     console.print(escape(f"wrote {args.scheme} compressed-tensors checkpoint to {out}"))
     return 0
+
+
+def _parse_size(text: str) -> int:
+    """ "5GB", "500MB", "10KiB", "1000" -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+    number = text.strip().upper().rstrip("BIKMGT")
+    unit = text.strip().upper()[len(number) :]
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"--max-shard-size {text!r}: give a size such as 5GB, 500MB or 2GiB") from None
+    if value < 1:
+        raise ValueError(f"--max-shard-size {text!r} must be positive")
+    return int(value)
 
 
 def _check_quantize_paths(src, out, force: bool) -> None:
@@ -291,6 +303,8 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--scale-mode", choices=["floor", "rceil"], default="floor", help="E8M0 scale rule")
     quant.add_argument("--skip", nargs="*", default=["lm_head"], help="linear layers to keep (names or globs)")
     quant.add_argument("--force", action="store_true", help="replace the output folder's contents if it has any")
+    quant.add_argument("--device", default="cpu", help="where weights are quantized (cpu, cuda); same bytes either way")
+    quant.add_argument("--max-shard-size", default="5GB", help="largest output shard (e.g. 5GB, 500MB)")
     tune = sub.add_parser("tune", help="tune the resolved backend's tactics for a shape set and cache them")
     tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["llama3-8b"], help="shape sets")
     tune.add_argument("--m", type=int, nargs="+", help="token counts (default: every tuning bucket)")

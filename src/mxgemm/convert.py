@@ -1,0 +1,196 @@
+"""Quantize a Hugging Face model folder to a compressed-tensors MXFP8 checkpoint, streaming: tensor by tensor from the
+source's safetensors shards into output shards, so host memory holds about one output shard and one tensor whatever
+the model's size. The model itself is never built: its linear layers are read off a model built on the meta device
+from its config.
+
+Each quantized ``<layer>.weight`` becomes float8_e4m3fn ``<layer>.weight`` and uint8 ``<layer>.weight_scale``
+(:func:`mxgemm.quantize`, the bytes ``quantize_model`` + ``save_checkpoint`` write); every other tensor is copied as
+stored. Shards are named and indexed as transformers names them (``model-00001-of-00003.safetensors`` and
+``model.safetensors.index.json``; a single ``model.safetensors`` when one shard holds everything).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoints import CheckpointError, compressed_tensors_config
+from .format import BLOCK_SIZE, ScaleMode, quantize
+from .models import LayerReport, QuantizeReport, _matches
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ShardWriter", "quantize_folder", "source_files"]
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
+
+
+def source_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder, in its index's order where it has one."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+        return [folder / f for f in dict.fromkeys(weight_map.values())]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no .safetensors files")
+    return files
+
+
+def _tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor], int]]:
+    """(name, a loader of the tensor, its bytes) for every tensor of the files, one file open at a time; a tensor
+    in two files is refused."""
+    from safetensors import safe_open
+
+    seen: dict[str, Path] = {}
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="pt")
+        except Exception as exc:  # safetensors' own error names no file
+            raise CheckpointError(f"{f}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+        with handle:
+            for name in handle.keys():
+                if name in seen:
+                    raise CheckpointError(f"{name} is in two files, {seen[name].name} and {f.name}")
+                seen[name] = f
+                info = handle.get_slice(name)
+                shape, dtype = info.get_shape(), info.get_dtype()
+                nbytes = _numel(shape) * _ITEMSIZE.get(dtype, 4)
+                yield name, (lambda h=handle, n=name: h.get_tensor(n)), nbytes
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class ShardWriter:
+    """Collects tensors into shards of at most ``max_bytes`` (a larger tensor gets a shard of its own) and writes each
+    as it fills; :meth:`finish` names them ``model-0000i-of-0000n.safetensors`` and writes the index."""
+
+    def __init__(self, folder: Path, max_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.folder, self.max_bytes = Path(folder), max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.folder / f"shard-{len(self.shards):05d}.safetensors.part"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.shards.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[Path]:
+        if self.pending or not self.shards:
+            self._flush()
+        count = len(self.shards)
+        names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+                                                          for i in range(count)]  # fmt: skip
+        for (path, _), name in zip(self.shards, names, strict=True):
+            path.rename(self.folder / name)
+        if count > 1:
+            weight_map = {t: name for (_, tensors), name in zip(self.shards, names, strict=True) for t in tensors}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+        return [self.folder / n for n in names]
+
+
+def _linear_layers(config) -> tuple[dict[str, nn.Linear], dict[str, str]]:
+    """The model's ``nn.Linear`` layers by name, and its tied parameters (alias -> the name checkpoints store), from
+    a model built on the meta device (no memory, no weights)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+    with torch.device("meta"):
+        model = (AutoModelForCausalLM if causal else AutoModel).from_config(config)
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied.update({name: first[id(p)]} if id(p) in first else {})
+        first.setdefault(id(p), name)
+    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear}, tied
+
+
+def quantize_folder(
+    src: Path,
+    out: Path,
+    *,
+    scheme: str = "MXFP8",
+    scale_mode: ScaleMode = "floor",
+    skip: tuple[str, ...] = ("lm_head",),
+    device: str | torch.device = "cpu",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: Callable[[int], None] | None = None,
+) -> QuantizeReport:
+    """Write the MXFP8 checkpoint of the model folder ``src`` into the existing folder ``out`` (its safetensors
+    shards, index and ``config.json``; no other files). ``device``: where weights are quantized (the bytes are the
+    same on any device). ``progress``: called with the bytes of each source tensor once it is written."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(src, local_files_only=True)
+    layers, tied = _linear_layers(config)
+    reports, targets = [], set()
+    for name, module in layers.items():
+        if f"{name}.weight" in tied:
+            reports.append(LayerReport(name, False, None, None, f"tied to {tied[f'{name}.weight']}"))
+        elif _matches(name, skip):
+            reports.append(LayerReport(name, False, None, None, "matches skip"))
+        elif module.in_features % BLOCK_SIZE:
+            reason = f"in_features={module.in_features} is not a multiple of {BLOCK_SIZE}"
+            reports.append(LayerReport(name, False, None, None, reason))
+        else:
+            reports.append(LayerReport(name, True, "emulation", "w8a16", ""))
+            targets.add(f"{name}.weight")
+    writer = ShardWriter(out, max_shard_bytes)
+    for name, load, nbytes in _tensors(source_files(src)):
+        tensor = load()
+        if name in targets:
+            module = layers[name.removesuffix(".weight")]
+            if tuple(tensor.shape) != (module.out_features, module.in_features):
+                raise CheckpointError(f"{name} has shape {tuple(tensor.shape)}; the config's layer is "
+                                      f"[{module.out_features}, {module.in_features}]")  # fmt: skip
+            t = quantize(tensor.to(device), scale_mode=scale_mode)
+            writer.add(name, t.qdata.cpu())
+            writer.add(f"{name}_scale", t.scale.cpu())
+            targets.discard(name)
+        else:
+            writer.add(name, tensor)
+        del tensor
+        if progress is not None:
+            progress(nbytes)
+    if targets:
+        raise CheckpointError(f"{src}: no tensor for {sorted(targets)[0]} (and {len(targets) - 1} more)")
+    writer.finish()
+    cfg = config.to_dict()
+    cfg["quantization_config"] = compressed_tensors_config(scheme, [r.name for r in reports if not r.replaced])
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    return QuantizeReport(tuple(reports))
+
+
+def source_bytes(src: Path) -> int:
+    """The bytes of the tensors :func:`quantize_folder` will read (what its progress counts)."""
+    return sum(nbytes for _, _, nbytes in _tensors(source_files(src)))
