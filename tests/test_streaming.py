@@ -59,12 +59,10 @@ def test_sharded_source_to_sharded_output_and_back(tmp_path, tie):
         assert torch.equal(loaded(ids).logits, reference(ids).logits)
 
 
-def test_quantizer_memory_does_not_grow_with_the_model(tmp_path):
-    """A 32-layer source of 0.76 GB in shards: the quantizer's peak resident memory stays within 250 MiB
-    of the process's baseline (one output shard plus a tensor and its temporaries), far below the model's size."""
-    src = tmp_path / "big"
+def _big_source(src, layers=32, hidden=1024, inter=2816) -> int:
+    """A Llama-shaped bf16 source of about 0.76 GB in one shard per layer, written without building a model; its
+    bytes."""
     src.mkdir()
-    layers, hidden, inter = 32, 1024, 2816
     config = _config(layers, hidden, inter)
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(src)
@@ -84,20 +82,66 @@ def test_quantizer_memory_does_not_grow_with_the_model(tmp_path):
         tensors = {n: (torch.randn(s, generator=g) * 0.02).bfloat16() for n, s in shapes.items()}
         total += sum(t.numel() * 2 for t in tensors.values())
         save_file(tensors, str(src / f"part-{i:02d}.safetensors"), metadata={"format": "pt"})
-    script = textwrap.dedent(f"""
-        import resource, sys
+    return total
+
+
+def _run(script: str) -> list[int]:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [int(v) for v in done.stdout.split()[-2:]]
+
+
+def test_quantizer_memory_does_not_grow_with_the_model(tmp_path):
+    """A 32-layer source of 0.76 GB in shards: the quantizer's peak resident memory stays within 250 MiB of the
+    process's baseline (one output shard plus a tensor and its temporaries), far below the model's size."""
+    src = tmp_path / "big"
+    total = _big_source(src)
+    base_kb, peak_kb = _run(f"""
+        import resource
         from pathlib import Path
+        import transformers
         import mxgemm.convert as c
-        import transformers  # the imports' own peak is the baseline
-        c._linear_layers(transformers.AutoConfig.from_pretrained({str(src)!r}))
+        c._linear_layers(transformers.AutoConfig.from_pretrained({str(src)!r}))  # the imports' own peak: the baseline
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out = Path({str(tmp_path / "out")!r}); out.mkdir()
         c.quantize_folder(Path({str(src)!r}), out, max_shard_bytes=50 * 10**6)
         print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    base_kb, peak_kb = map(int, done.stdout.split()[-2:])
     grown = (peak_kb - base_kb) * 1024
     assert total > 700 * 10**6 and grown < 250 * 2**20, (total, grown)  # measured: 0.76 GB read, 53 MB grown
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) >= 8
+
+    # the loader: a model with its parameters on the meta device fills from the shards one tensor at a time, so its
+    # peak stays within one tensor's transients of the final footprint (reading every tensor first would double it)
+    final_kb, peak_kb = _run(f"""
+        import resource
+        import accelerate, torch, transformers, mxgemm
+        config = transformers.AutoConfig.from_pretrained({str(tmp_path / "out")!r})
+        with accelerate.init_empty_weights():
+            model = transformers.LlamaForCausalLM(config)
+        mxgemm.load_checkpoint(model, {str(tmp_path / "out")!r}, backend="emulation", device="cpu")
+        assert not any(t.is_meta for t in model.state_dict().values())
+        pages = int(open("/proc/self/statm").read().split()[1])
+        import os
+        print(pages * os.sysconf("SC_PAGE_SIZE") // 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    """)
+    assert (peak_kb - final_kb) * 1024 < 150 * 2**20, (final_kb, peak_kb)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_model_with_meta_parameters_loads_from_the_checkpoint(tmp_path, tie):
+    import accelerate
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(_config(tie=tie)).save_pretrained(tmp_path / "model")
+    assert main(["quantize", str(tmp_path / "model"), str(tmp_path / "mx")]) == 0
+    reference = transformers.LlamaForCausalLM(_config(tie=tie))
+    mxgemm.load_checkpoint(reference, tmp_path / "mx", backend="emulation")
+    with accelerate.init_empty_weights():
+        model = transformers.LlamaForCausalLM(_config(tie=tie))
+    mxgemm.load_checkpoint(model, tmp_path / "mx", backend="emulation", device="cpu")
+    assert not any(t.is_meta for t in model.state_dict().values())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is tie
+    ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)

@@ -22,7 +22,8 @@ from .errors import MXGemmError
 from .format import BLOCK_SIZE, E8M0_NAN
 from .linear import MXFP8Linear
 
-__all__ = ["SCHEMES", "CheckpointError", "CheckpointFormat", "load_checkpoint", "read_format", "save_checkpoint"]
+__all__ = ["SCHEMES", "CheckpointError", "CheckpointFormat", "TensorSource", "load_checkpoint", "read_format",
+           "save_checkpoint", "source_files"]  # fmt: skip
 
 
 class CheckpointError(MXGemmError, ValueError):
@@ -114,47 +115,87 @@ def _modelopt_format(q: dict, where: Path) -> CheckpointFormat:
     return CheckpointFormat("modelopt", "MXFP8", tuple(q.get("exclude_modules") or ()))
 
 
-def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every ``*.safetensors`` file in the folder."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no .safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    where: dict[str, Path] = {}
-    for f in files:
+def source_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint or model folder, in its index's order where it has one."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
         try:
-            part = load_file(str(f))
-        except Exception as exc:  # safetensors' own error (truncated file, bad header, ...) names no file
-            raise CheckpointError(f"{f}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
-        for name in part:
-            if name in where:
-                raise CheckpointError(f"{name} is in two files, {where[name].name} and {f.name}")
-            where[name] = f
-        tensors.update(part)
-    return tensors
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+        return [folder / f for f in dict.fromkeys(weight_map.values())]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no .safetensors files")
+    return files
 
 
-def _check_pair(name: str, weight: torch.Tensor | None, scale: torch.Tensor, module: nn.Linear) -> None:
-    if weight is None:
-        raise CheckpointError(f"{name}.weight_scale is present but {name}.weight is missing")
-    if weight.dtype != torch.float8_e4m3fn:
-        raise CheckpointError(f"{name}.weight has dtype {weight.dtype}; MXFP8 weights are float8_e4m3fn")
-    if scale.dtype != torch.uint8:
-        raise CheckpointError(f"{name}.weight_scale has dtype {scale.dtype}; E8M0 scales are uint8")
-    if tuple(weight.shape) != (module.out_features, module.in_features):
+_ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "BF16": torch.bfloat16,
+              "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "BOOL": torch.bool}  # fmt: skip
+
+
+class TensorSource:
+    """The tensors of a folder's safetensors files, read lazily: names, shapes and dtypes from the files' headers
+    at once (a tensor in two files and unreadable files refused, naming them), each tensor's data when loaded."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, torch.dtype | None] = {}
+        for f in source_files(folder):
+            try:
+                handle = safe_open(str(f), framework="pt")
+            except Exception as exc:  # safetensors' own error (truncated file, bad header, ...) names no file
+                raise CheckpointError(f"{f}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+            with handle:
+                for name in handle.keys():
+                    if name in self.where:
+                        raise CheckpointError(f"{name} is in two files, {self.where[name].name} and {f.name}")
+                    info = handle.get_slice(name)
+                    self.where[name] = f
+                    self.shapes[name] = tuple(info.get_shape())
+                    self.dtypes[name] = _ST_DTYPES.get(info.get_dtype())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def load(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.where[name]), framework="pt") as handle:
+                return handle.get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"{self.where[name]}: cannot read {name} ({str(exc).splitlines()[0]})") from None
+
+
+def _check_pair(name: str, source: TensorSource, module: nn.Linear) -> None:
+    weight, scale = f"{name}.weight", f"{name}.weight_scale"
+    if weight not in source:
+        raise CheckpointError(f"{scale} is present but {weight} is missing")
+    if source.dtypes[weight] != torch.float8_e4m3fn:
+        raise CheckpointError(f"{weight} has dtype {source.dtypes[weight]}; MXFP8 weights are float8_e4m3fn")
+    if source.dtypes[scale] != torch.uint8:
+        raise CheckpointError(f"{scale} has dtype {source.dtypes[scale]}; E8M0 scales are uint8")
+    if source.shapes[weight] != (module.out_features, module.in_features):
         raise CheckpointError(
-            f"{name}.weight has shape {tuple(weight.shape)}; the model's layer is "
-            f"[{module.out_features}, {module.in_features}]"
+            f"{weight} has shape {source.shapes[weight]}; the model's layer is [{module.out_features}, "
+            f"{module.in_features}]"
         )
     if module.in_features % BLOCK_SIZE:
         raise CheckpointError(f"{name}: in_features={module.in_features} is not a multiple of {BLOCK_SIZE}")
-    if tuple(scale.shape) != (module.out_features, module.in_features // BLOCK_SIZE):
+    if source.shapes[scale] != (module.out_features, module.in_features // BLOCK_SIZE):
         raise CheckpointError(
-            f"{name}.weight_scale has shape {tuple(scale.shape)}, expected "
-            f"[{module.out_features}, {module.in_features // BLOCK_SIZE}]"
+            f"{scale} has shape {source.shapes[scale]}, expected [{module.out_features}, "
+            f"{module.in_features // BLOCK_SIZE}]"
         )
+
+
+def _check_scale_values(name: str, scale: torch.Tensor) -> None:
     nan = (scale == E8M0_NAN).nonzero()
     if len(nan):
         raise CheckpointError(
@@ -184,75 +225,139 @@ def load_checkpoint(
     """Load an MXFP8 checkpoint into ``model`` (built from the checkpoint's config, e.g. ``from_config``).
 
     Each ``nn.Linear`` the checkpoint quantizes becomes an ``MXFP8Linear``; every other tensor is loaded as is. The
-    whole checkpoint is checked before the model changes, so a load either completes or leaves the model as it was:
-    tensors that do not fit raise :class:`CheckpointError` naming the tensor (or the file, for unreadable ones); so do
-    tensors the model lacks, tensors in two files, NaN scales and parameters the checkpoint lacks (unless tied to one
-    it has). ``device``: where the model ends up (default: where it is). Building the model on the CPU and loading
-    with ``device="cuda"`` keeps the GPU at the final footprint plus one layer's transients: each MX weight goes to
-    the GPU only to be prepared there. A model on the meta device is refused (its buffers have no values to keep).
+    files are read lazily, one tensor at a time, each placed on ``device`` (default: where the model's tensors are)
+    as it is read, so host memory holds about one tensor and the GPU never holds a full-precision copy of a quantized
+    layer. A model whose parameters are on the meta device (``accelerate.init_empty_weights()``) gets them from the
+    checkpoint and needs ``device``; a tensor that would stay on meta is an error naming it.
+
+    The whole checkpoint is checked, and every quantized layer built, before the model changes, so a load either
+    completes or leaves the model as it was: tensors that do not fit raise :class:`CheckpointError` naming the tensor
+    (or the file, for unreadable ones); so do tensors the model lacks, tensors in two files, NaN scales and
+    parameters the checkpoint lacks (unless tied to one it has).
     """
     fmt = read_format(path)
-    tensors = read_tensors(path)
-    target = torch.device(device) if device is not None else _model_device(model)
-    on_meta = [k for k, t in model.state_dict(keep_vars=True).items() if t.is_meta]
-    on_meta += [f"{n}.{b}" for n, m in model.named_modules() for b, t in m._buffers.items() if t is not None
-                and t.is_meta and f"{n}.{b}".lstrip(".") not in on_meta]  # fmt: skip
-    if on_meta:
-        raise CheckpointError(
-            f"the model holds tensors on the meta device ({on_meta[0]}, {len(on_meta)} in all): build it on the CPU "
-            "(e.g. from_config under torch.device('cpu')) and pass device= to load it where it should run"
-        )
-    plans = []
+    source = TensorSource(path)
+    target = _target_device(model, device)
+    plans, consumed = [], set()
     for name, module in model.named_modules():
-        if type(module) is not nn.Linear or f"{name}.weight_scale" not in tensors:
-            if type(module) is nn.Linear and tensors.get(f"{name}.weight", torch.empty(0)).dtype == torch.float8_e4m3fn:
+        if type(module) is not nn.Linear or f"{name}.weight_scale" not in source:
+            if type(module) is nn.Linear and source.dtypes.get(f"{name}.weight") == torch.float8_e4m3fn:
                 raise CheckpointError(f"{name}.weight is float8 but {name}.weight_scale is missing")
             continue
-        scale = tensors.pop(f"{name}.weight_scale")
-        weight = tensors.pop(f"{name}.weight", None)
-        _check_pair(name, weight, scale, module)
-        bias = tensors.pop(f"{name}.bias", None)
-        if bias is not None and (module.bias is None or bias.shape != module.bias.shape):
-            raise CheckpointError(f"{name}.bias has shape {tuple(bias.shape)}; the model's layer has "
+        _check_pair(name, source, module)
+        bias = f"{name}.bias" if f"{name}.bias" in source else None
+        if bias is not None and (module.bias is None or source.shapes[bias] != tuple(module.bias.shape)):
+            raise CheckpointError(f"{bias} has shape {source.shapes[bias]}; the model's layer has "
                                   f"{'no bias' if module.bias is None else tuple(module.bias.shape)}")  # fmt: skip
-        plans.append((name, module, weight, scale, bias))
-    leftover_scales = [k for k in tensors if k.endswith(".weight_scale")]
+        plans.append((name, module, bias))
+        consumed |= {f"{name}.weight", f"{name}.weight_scale", bias}
+    rest = [k for k in source.where if k not in consumed]
+    leftover_scales = [k for k in rest if k.endswith(".weight_scale")]
     if leftover_scales:
         raise CheckpointError(f"{leftover_scales[0]} belongs to no nn.Linear of the model")
-    state = model.state_dict()
-    unexpected = [k for k in tensors if k not in state]
+    state = model.state_dict(keep_vars=True)
+    unexpected = [k for k in rest if k not in state]
     if unexpected:
         raise CheckpointError(f"the model has no tensor named {unexpected[0]} (and {len(unexpected) - 1} more)")
-    for k, t in tensors.items():
-        if t.shape != state[k].shape:
-            raise CheckpointError(f"{k} has shape {tuple(t.shape)}; the model's is {tuple(state[k].shape)}")
+    for k in rest:
+        if source.shapes[k] != tuple(state[k].shape):
+            raise CheckpointError(f"{k} has shape {source.shapes[k]}; the model's is {tuple(state[k].shape)}")
+    groups = _tied_groups(model)  # names sharing one tensor object (tied weights)
     replaced = {f"{name}.{p}" for name, *_ in plans for p in ("weight", "bias")}
-    loaded_ptrs = {state[k].data_ptr() for k in tensors}
-    missing = [k for k in state if k not in tensors and k not in replaced and not _is_mx_buffer(model, k)]
-    tied = [k for k in missing if state[k].data_ptr() in loaded_ptrs]
-    untied = [k for k in missing if k not in tied]
-    if untied:
-        raise CheckpointError(f"the checkpoint has no tensor for {untied[0]} (and {len(untied) - 1} more)")
-
-    layers = {}  # built before any is put in: a backend that cannot run leaves the model as it was
-    for name, module, weight, scale, bias in plans:
-        if bias is not None:
-            bias = bias.to(device=target, dtype=module.bias.dtype)
-        layers[name] = MXFP8Linear.from_quantized(
-            weight.to(target), scale.to(target), bias, backend=backend, recipe=recipe
+    given = {g for k in rest for g in groups.get(k, (k,))}
+    retie = _declared_ties(model)  # ties the model makes itself (transformers' tie_weights) once loaded
+    given |= {alias for alias, origin in retie.items() if origin in given}
+    missing = [k for k in state if k not in given and k not in replaced and not _is_mx_buffer(model, k)]
+    if missing:
+        raise CheckpointError(f"the checkpoint has no tensor for {missing[0]} (and {len(missing) - 1} more)")
+    left_on_meta = [k for k, t in _all_tensors(model) if t.is_meta and k not in given and k not in replaced]
+    if left_on_meta:
+        raise CheckpointError(
+            f"{left_on_meta[0]} is on the meta device and not in the checkpoint ({len(left_on_meta)} such tensors): "
+            "build the model with its buffers on a device (accelerate.init_empty_weights() keeps them by default)"
         )
+    tied = [k for k in state if k not in rest and k in given]
+
+    layers = {}  # built before any is put in: a bad scale or a backend that cannot run leaves the model as it was
+    for name, module, bias in plans:
+        scale = source.load(f"{name}.weight_scale")
+        _check_scale_values(name, scale)
+        b = None if bias is None else source.load(bias).to(device=target, dtype=module.bias.dtype)
+        weight = source.load(f"{name}.weight").to(target)
+        layers[name] = MXFP8Linear.from_quantized(weight, scale.to(target), b, backend=backend, recipe=recipe)
+        del weight
     for name, layer in layers.items():
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, layer)
-    model.load_state_dict(tensors, strict=False)
+        _set_module(model, name, layer)
+    for k in rest:
+        _assign(model, groups.get(k, (k,)), source.load(k), target)
+    if retie:
+        model.tie_weights()
     model.to(target)
     return LoadReport(fmt, tuple(layers), tuple(tied))
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def _declared_ties(model: nn.Module) -> dict[str, str]:
+    """alias -> origin for the weights a transformers model ties itself (``tie_word_embeddings``, through
+    ``tie_weights``): under ``accelerate.init_empty_weights`` its tied parameters are separate meta tensors until
+    it ties them again."""
+    keys = getattr(model, "_tied_weights_keys", None)
+    config = getattr(model, "config", None)
+    if (
+        not isinstance(keys, dict)
+        or not getattr(config, "tie_word_embeddings", False)
+        or not hasattr(model, "tie_weights")
+    ):
+        return {}
+    return {alias: origin for alias, origin in keys.items() if isinstance(alias, str) and isinstance(origin, str)}
+
+
+def _target_device(model: nn.Module, device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
     for t in (*model.parameters(), *model.buffers()):
-        return t.device
-    return torch.device("cpu")
+        if not t.is_meta:
+            return t.device
+    raise CheckpointError("the model's tensors are all on the meta device: pass device= to say where to load it")
+
+
+def _all_tensors(model: nn.Module):
+    for prefix, module in model.named_modules():
+        for kind in (module._parameters, module._buffers):
+            for attr, t in kind.items():
+                if t is not None:
+                    yield (f"{prefix}.{attr}" if prefix else attr), t
+
+
+def _tied_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every tensor name mapped to all the names of the same tensor object (more than one where weights are tied)."""
+    by_id: dict[int, list[str]] = {}
+    for name, t in _all_tensors(model):
+        by_id.setdefault(id(t), []).append(name)
+    return {name: tuple(names) for names in by_id.values() for name in names}
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _assign(model: nn.Module, names: tuple[str, ...], value: torch.Tensor, device: torch.device) -> None:
+    """Put ``value`` where every one of ``names`` (one tensor, tied names included) is: copied in place when that
+    tensor already lives on ``device``, else a new tensor there in its dtype (the old one is freed)."""
+    owner, _, attr = names[0].rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    old = getattr(module, attr)
+    if not old.is_meta and old.device == device:
+        with torch.no_grad():
+            old.copy_(value)
+        return
+    new = value.to(device=device, dtype=old.dtype)
+    if isinstance(old, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=old.requires_grad)
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        holder = model.get_submodule(owner) if owner else model
+        (holder._parameters if attr in holder._parameters else holder._buffers)[attr] = new
 
 
 def _is_mx_buffer(model: nn.Module, key: str) -> bool:

@@ -18,28 +18,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoints import CheckpointError, compressed_tensors_config
+from .checkpoints import CheckpointError, compressed_tensors_config, source_files
 from .format import BLOCK_SIZE, ScaleMode, quantize
 from .models import LayerReport, QuantizeReport, _matches
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ShardWriter", "quantize_folder", "source_files"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ShardWriter", "quantize_folder", "source_bytes"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
-
-
-def source_files(folder: Path) -> list[Path]:
-    """The safetensors files of a model folder, in its index's order where it has one."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
-        return [folder / f for f in dict.fromkeys(weight_map.values())]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: no .safetensors files")
-    return files
 
 
 def _tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor], int]]:
