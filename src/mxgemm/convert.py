@@ -12,52 +12,20 @@ stored. Shards are named and indexed as transformers names them (``model-00001-o
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .checkpoints import CheckpointError, compressed_tensors_config, source_files
+from .checkpoints import CheckpointError, TensorSource, compressed_tensors_config
 from .format import BLOCK_SIZE, ScaleMode, quantize
 from .models import LayerReport, QuantizeReport, _matches
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ShardWriter", "quantize_folder", "source_bytes"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
-
-
-def _tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor], int]]:
-    """(name, a loader of the tensor, its bytes) for every tensor of the files, one file open at a time; a tensor
-    in two files is refused."""
-    from safetensors import safe_open
-
-    seen: dict[str, Path] = {}
-    for f in files:
-        try:
-            handle = safe_open(str(f), framework="pt")
-        except Exception as exc:  # safetensors' own error names no file
-            raise CheckpointError(f"{f}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
-        with handle:
-            for name in handle.keys():
-                if name in seen:
-                    raise CheckpointError(f"{name} is in two files, {seen[name].name} and {f.name}")
-                seen[name] = f
-                info = handle.get_slice(name)
-                shape, dtype = info.get_shape(), info.get_dtype()
-                nbytes = _numel(shape) * _ITEMSIZE.get(dtype, 4)
-                yield name, (lambda h=handle, n=name: h.get_tensor(n)), nbytes
-
-
-_ITEMSIZE = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1,
-             "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class ShardWriter:
@@ -151,8 +119,10 @@ def quantize_folder(
             reports.append(LayerReport(name, True, "emulation", "w8a16", ""))
             targets.add(f"{name}.weight")
     writer = ShardWriter(out, max_shard_bytes)
-    for name, load, nbytes in _tensors(source_files(src)):
-        tensor = load()
+    source = TensorSource(src)
+    for name in source.where:
+        tensor = source.load(name)
+        nbytes = tensor.numel() * tensor.element_size()
         if name in targets:
             module = layers[name.removesuffix(".weight")]
             if tuple(tensor.shape) != (module.out_features, module.in_features):
@@ -178,4 +148,5 @@ def quantize_folder(
 
 def source_bytes(src: Path) -> int:
     """The bytes of the tensors :func:`quantize_folder` will read (what its progress counts)."""
-    return sum(nbytes for _, _, nbytes in _tensors(source_files(src)))
+    source = TensorSource(src)
+    return sum(math.prod(source.shapes[n]) * (source.dtypes[n] or torch.float32).itemsize for n in source.where)
