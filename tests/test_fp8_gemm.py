@@ -7,9 +7,8 @@ from mxgemm.kernels.fp8_gemm import default_config
 def test_fp8_default_config_fills_the_gpu_once():
     """The FP8 kernel's default up to M = 32: two consumer warpgroups per row tile where the tiles fit one CTA per SM
     (2 K splits if those fit too); otherwise 2 K splits while the row tiles are fewer than two per SM, and the deepest
-    ring with which every CTA is resident (the M = 16 configs measured best on the H200, bench/NOTES.md items 18 and
-    21). Above: tokens as wgmma M, 64 weight rows per CTA, 2 K splits while they fit, 6 stages up to four tiles per SM
-    (item 24)."""
+    ring with which every CTA is resident (the M = 16 configs measured best on the H200). Above: tokens as wgmma M,
+    64 weight rows per CTA, 2 K splits while they fit, 6 stages up to four tiles per SM."""
     kc2 = {"RW": 1, "ST": 6, "KC": 2}
     assert default_config(16, 6144, 4096, 132) == {"TN": 16, "SPLITS": 1} | kc2  # 8B qkv: 96 tiles
     assert default_config(16, 4096, 4096, 132) == {"TN": 16, "SPLITS": 2} | kc2  # 8B o: 64 tiles, 128 CTAs
@@ -30,7 +29,7 @@ def test_fp8_default_config_fills_the_gpu_once():
 
 def test_fp8_kernel_is_the_default_up_to_m_64_and_in_one_wave_up_to_128():
     """Over cuBLASLt: up to M = 64 always, up to M = 128 while one CTA per 64 weight rows fits on the SMs
-    (bench/NOTES.md items 24 and 25: faster at M = 128 on the H200's projections with N <= 8192, slower from N = 9216).
+    (faster at M = 128 on the H200's projections with N <= 8192, slower from N = 9216).
     """
     beats = fp8_gemm.default_beats_cublas
     assert beats(1, 57344, 132) and beats(64, 57344, 132)

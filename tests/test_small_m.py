@@ -15,7 +15,7 @@ from mxgemm.kernels import nvcc, small_m
 )
 def test_default_config_is_the_measured_best_and_tiles_the_weight(np_, kp, splits):
     """One K split, two in a cluster where few CTAs would each stream a long K (the llama3-8b down projection): the
-    best configs measured on the H200 (bench/NOTES.md item 12)."""
+    best configs measured on the H200."""
     cfg = small_m.default_config(np_, kp)
     assert cfg == {"RT": 1, "SPLITS": splits, "ST": 2} and small_m.valid_config(cfg, np_, kp)
 

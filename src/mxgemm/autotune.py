@@ -295,7 +295,7 @@ class Autotuner:
             chosen = 0
             if best and times[best] < times[0] * (1 - self.margin):
                 # confirmed by a second timing of both: one slow reading of the default must not replace it (the
-                # first shipped H200 file's default timings were 4-14% above later ones; bench/NOTES.md item 17)
+                # first shipped H200 file's default timings were 4-14% above later ones)
                 times[0], times[best] = measure(tactics[0]), measure(tactics[best])
                 chosen = best if times[best] < times[0] * (1 - self.margin) else 0
         result = TuneResult(key, tactics[chosen], times[0], times[chosen], failed, len(tactics), chosen == 0)

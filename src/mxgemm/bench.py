@@ -206,7 +206,7 @@ def _dot_scaled_worker(conn) -> None:
 
 def _time_dot_scaled(rows: Sequence[BenchRow], runner, progress: Callable[[str], None] | None) -> None:
     """``dot_scaled``'s sweeps for every row, in a pass of their own after every other contender: the contender timed
-    right after a sweep ran 15-20% slow on the H200 (bench/NOTES.md item 21)."""
+    right after a sweep ran 15-20% slow on the H200)."""
     for row in rows:
         if progress:
             progress(f"dot_scaled M={row.M} N={row.N} K={row.K}")

@@ -17,7 +17,7 @@ __all__ = ["TritonBackend", "kernel_scales"]
 
 _MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor-core dots
 # From this M (bf16 activations) the default is dequantize + cuBLAS: at M=256 on the llama3-8b projections one
-# dequantizing pass plus the bf16 GEMM costs 0.55-0.72x the kernel's time (bench/NOTES.md item 13; at M=128 it wins
+# dequantizing pass plus the bf16 GEMM costs 0.55-0.72x the kernel's time (on the H200; at M=128 it wins
 # on qkv and o only); a tactic from M=64.
 DEQUANT_MIN_M = 256
 _DEQUANT_TACTIC_MIN_M = 64

@@ -101,8 +101,8 @@ def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
     smallest token tile that holds M; where the tiles fit in one CTA per SM, two consumer warpgroups per row tile
     (``KC`` = 2), 2 K splits if the CTAs still fit, 6 stages; otherwise one warpgroup, 2 K splits while the tiles
     number fewer than two per SM, and the deepest ring (6, 4, 2) with which every CTA is resident at once. The best or
-    near-best config of each 8B / 70B / 7168-hidden projection at M = 16 and 64 on the H200 (bench/NOTES.md items 18,
-    19, 21 and 24); the tuner picks per shape."""
+    near-best config of each 8B / 70B / 7168-hidden projection at M = 16 and 64 on the H200; the
+    tuner picks per shape."""
     even = (k_padded // 128) % 2 == 0
     if m > 32:
         tn = 64 if m <= 64 else 128
@@ -124,7 +124,7 @@ def default_config(m: int, n_padded: int, k_padded: int, sms: int) -> dict:
 def default_beats_cublas(m: int, n_padded: int, sms: int) -> bool:
     """Whether ``default_config`` is the better default than cuBLASLt's blockwise GEMM for M tokens and ``n_padded``
     weight rows: up to M = 64 always; up to M = 128 while its CTAs (one per 64 weight rows, 128 tokens) fit on the SMs
-    in one wave. Measured on the H200 (132 SMs, bench/NOTES.md items 24 and 25): at M = 72, 96 and 128 faster on the
+    in one wave. Measured on the H200 (132 SMs): at M = 72, 96 and 128 faster on the
     7 of 12 projections with N <= 8192 (up to 128 tiles; 11-44% less time), slower on the 5 with N >= 9216 (144+
     tiles: a second, near-empty wave; 10-45% more); at M = 256 cuBLASLt is faster on 10 of 12 (the tuner takes ours
     where it wins)."""

@@ -68,7 +68,7 @@ def small_m_status(capability: tuple[int, int] | None) -> Availability:
 def default_config(n_padded: int, k_padded: int) -> dict:
     """One row tile per CTA, a two-stage ring, and one K split unless the grid has fewer than 384 CTAs and each warp
     more than 8 slices (then 2 splits in a cluster): the best configs measured on the H200 for most of the 8B, 70B
-    and 7168-hidden projections at M = 1-16 (bench/NOTES.md item 12); the tuner picks per shape."""
+    and 7168-hidden projections at M = 1-16; the tuner picks per shape."""
     ctas, slices = n_padded // _ROWS_PER_CTA_TILE, k_padded // _K_PER_CTA
     splits = 2 if ctas < 384 and slices > 8 and slices % 2 == 0 else 1
     return {"RT": 1, "SPLITS": splits, "ST": 2}

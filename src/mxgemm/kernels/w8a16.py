@@ -14,8 +14,8 @@ Decoding: by default the hardware fp8 -> fp32 conversion and an fp32 multiply by
 on the H200). ``PACKED`` (E4M3 with scales <= 134, the fastest at large M): inline PTX turns four E4M3 bytes into
 four bf16 equal to the values times 2^-120, then one packed bf16 multiply by 2^(s-7) per pair. ``BLOCK_SCALED``:
 the weight has one fp32 power-of-two scale per 128x128 block instead (the ``w8a8-block`` weight). NaN elements are
-handled at preparation (their 32-block's scale becomes NaN, which leaves every output unchanged). bench/NOTES.md
-records the other decoders that were measured and lost.
+handled at preparation (their 32-block's scale becomes NaN, which leaves every output unchanged). The other
+decoders measured, and why they lost, are in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
 def default_config(
     m: int, n: int, k: int, *, packed_decode: bool = False, block_scaled: bool = False, multiprocessors: int = 132
 ) -> dict:
-    """The best configs measured on the H200 (bench/NOTES.md); always valid. ``packed_decode``: the weight allows
+    """The best configs measured on the H200; always valid. ``packed_decode``: the weight allows
     the packed decoder (E4M3, scales <= 134), the fastest at large M. ``block_scaled``: a 128x128-block weight, whose
     tiles must be 128 deep and at most 128 wide (small-M tiles at every M)."""
     if m <= 16:

@@ -18,7 +18,7 @@
 // A second kernel, fp8_gemm_tokm_kernel, turns the roles round for M > 32: tokens are wgmma's M (64 per consumer
 // warpgroup) and 64 or 128 weight rows its N, so one weight tile serves 64-128 tokens and each thread promotes with
 // two token scales per block; same ring, K split and numerics.
-// Measured versions and what limits this one: bench/NOTES.md items 16, 18 and 21-25.
+// What limits it, and the variants measured and dropped: docs/performance.md.
 #include <cooperative_groups.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -167,7 +167,7 @@ __device__ __forceinline__ bool cluster_sum(float (&acc)[N], uint8_t* smem, bool
     }
   }
   // the other ranks keep their shared memory until rank 0 has read it; nothing is published here, so the arrive
-  // needs no release (cluster.sync's release fence shows in the stall samples: bench/NOTES.md item 18)
+  // needs no release (cluster.sync's release fence shows in the stall samples)
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;" ::: "memory");
   return cluster.block_rank() == 0;
 }

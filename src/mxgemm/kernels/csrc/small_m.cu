@@ -16,7 +16,7 @@
 // CTA: 4 warps, each a 128-deep K slice of the same RT row tiles, `kiters` times; the 4 partials are reduced in
 // shared memory in a fixed order. gridDim.y (<= 8) splits K further: those CTAs form one thread-block cluster and
 // rank 0 adds the other ranks' partials from distributed shared memory in rank order. Deterministic; one launch.
-// Measured on the H200 (bench/NOTES.md item 12): the ring beats loads into registers, and the cluster sum beats an
+// Measured on the H200: the ring beats loads into registers, and the cluster sum beats an
 // fp32 workspace summed by a second kernel.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>

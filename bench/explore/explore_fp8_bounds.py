@@ -1,4 +1,4 @@
-"""Exploration: what bounds the FP8 TMA/wgmma kernel where it is furthest from the floor (bench/NOTES.md item 20's
+"""Exploration: what bounds the FP8 TMA/wgmma kernel where it is furthest from the floor (docs/performance.md
 next steps): small and mid weights at M = 64 (8B qkv / o / down, 70B and 7168 qkv, 7168 o; 70B down as the control
 that reaches 84%) and the 51M-84M weights at M = 16; with ``--m 256`` the M = 256 misses, where cuBLASLt runs (item
 22), in the config ``--config`` names.

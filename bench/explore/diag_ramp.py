@@ -1,4 +1,4 @@
-"""Diagnosis (bench/NOTES.md item 19): the time of each graph replay (2 ms each) from an idle start, for the FP8
+"""Diagnosis (docs/performance.md): the time of each graph replay (2 ms each) from an idle start, for the FP8
 path and bf16 cuBLAS on the 70B gate_up at M = 1: does the speed ramp up, and over how long?"""
 
 import subprocess

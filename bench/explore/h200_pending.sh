@@ -1,28 +1,28 @@
 #!/usr/bin/env bash
 # The H200 checks still pending (see the issues' notes), in stages; several stages may run in one device call.
-# Usage on the device: bash bench/h200_pending.sh STAGE [STAGE ...]   (outputs under $OUT, or ./out when OUT is unset)
+# Usage on the device: bash bench/explore/h200_pending.sh STAGE [STAGE ...]   (outputs under $OUT, or ./out when OUT is unset)
 #   tune    `mxgemm tune` of the three shape sets (llama3-8b, llama3-70b, hidden-7168), timed; the tuning file
 #   gate    the GPU tests of the small-M kernel, hybrid, graphs, autotuning; stops the run when one fails
 #   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
-#   pipeline  the small-M kernel's GPU tests, then bench/explore_small_m_pipeline.py at M = 1 and 16
-#   fp8     the FP8 TMA/wgmma kernel's GPU tests, then bench/explore_fp8_gemm.py (its configs at M = 1/16/64)
+#   pipeline  the small-M kernel's GPU tests, then bench/explore/explore_small_m_pipeline.py at M = 1 and 16
+#   fp8     the FP8 TMA/wgmma kernel's GPU tests, then bench/explore/explore_fp8_gemm.py (its configs at M = 1/16/64)
 #   crossover  bench/crossover.py: the exact regime against cuBLASLt and the FP8 kernel at M = 1-128
-#   diag    NOTES item 19's open question: the FP8 GEMM's time over activation offsets, then with and without warm-up
-#   bounds  bench/explore_fp8_bounds.py: the FP8 kernel as built against variants without its MMA / activation tile /
+#   diag    the FP8 GEMM's time over activation offsets, then with and without warm-up
+#   bounds  bench/explore/explore_fp8_bounds.py: the FP8 kernel as built against variants without its MMA / activation tile /
 #           cluster sum, where it is furthest from the floor (M = 64 small weights, M = 16 mid ones)
-#   stream  bench/explore_stream_floor.py: a call's fixed cost against its bytes (empty kernel, pure read, bf16 GEMV,
+#   stream  bench/explore/explore_stream_floor.py: a call's fixed cost against its bytes (empty kernel, pure read, bf16 GEMV,
 #           the FP8 kernel as built / ring-only / tensor maps prefetched) on N = 4096, K = 1024-28672
-#   depth   bench/explore_fp8_depth.py: the FP8 kernel with rings of 8-12 stages beside 2-6, every one-warpgroup config
+#   depth   bench/explore/explore_fp8_depth.py: the FP8 kernel with rings of 8-12 stages beside 2-6, every one-warpgroup config
 #           on the M = 64 and M = 16 misses (outputs compared bitwise with the default config's)
-#   tokm    the FP8 kernel's GPU tests, then bench/explore_fp8_tokm.py: tokens as wgmma M at M = 64 / 128 / 256
+#   tokm    the FP8 kernel's GPU tests, then bench/explore/explore_fp8_tokm.py: tokens as wgmma M at M = 64 / 128 / 256
 #   fp8-ncu  Nsight Compute on the FP8 kernel (8B o at M = 64): throughput, warp states, stalls per SASS line
-#   waves   bench/explore_waves.py: the small-M kernel's % of floor at M = 1 over N (wave tails or not)
+#   waves   bench/explore/explore_waves.py: the small-M kernel's % of floor at M = 1 over N (wave tails or not)
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
-#   e2e     8B-dimension Llama prefill/decode, bf16 vs mxgemm, compiled + CUDA graphs
+#   e2e     bench/model_e2e.py: a 32-layer Llama at 8B dimensions through generate, bf16 vs mxgemm, eager and graphs
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
 out="${OUT:-$PWD/out}"
 mkdir -p "$out"
@@ -53,11 +53,11 @@ for stage in "$@"; do
       timeout 60 python3 -m pytest tests/test_mx_quant_kernel.py -q -p no:warnings 2>&1 | tail -3 >> "$out/pytest_gpu.txt"
       tail -12 "$out/pytest_gpu.txt" ;;
     e2e)
-      ( cd "$out" && timeout 300 python3 "$OLDPWD/bench/model_e2e.py" --layers 4 --json e2e-llama8b-dims.json \
-          --markdown e2e-llama8b-dims.md ) > /tmp/e2e.log 2>&1; tail -8 /tmp/e2e.log ;;
+      timeout 550 python3 bench/model_e2e.py --json "$out/e2e.json" --markdown "$out/e2e.md" > /tmp/e2e.log 2>&1
+      tail -12 /tmp/e2e.log ;;
     pipeline)  # the small-M kernel's GPU tests, then every config of it at M = 1 and 16 on the three sets
       timeout 120 python3 -m pytest tests/test_gpu_small_m.py -q -p no:warnings --tb=short -x 2>&1 | tail -3
-      ( timeout 400 python3 bench/explore_small_m_pipeline.py --m 1 16 \
+      ( timeout 400 python3 bench/explore/explore_small_m_pipeline.py --m 1 16 \
           --json "$out/explore-small-m-pipeline-h200.json" ) > "$out/pipeline.log" 2>&1
       tail -28 "$out/pipeline.log" ;;
     tokm)  # tokens as wgmma M: the FP8 kernel's GPU tests, then every config against the shipped path (item 24)
@@ -81,7 +81,7 @@ for stage in "$@"; do
         > "$out/ncu-fp8.txt" 2>&1
       ncu --import "$out/fp8.ncu-rep" --page source --csv --print-source sass > "$out/ncu-sass.csv" 2>&1
       grep -E "Duration|DRAM Throughput|Compute \(SM\)|Warp Cycles Per Issued|Achieved Occupancy" "$out/ncu-fp8.txt"
-      python3 bench/top_stalls.py "$out/ncu-sass.csv" 30
+      python3 bench/explore/top_stalls.py "$out/ncu-sass.csv" 30
       rm -f "$out/fp8.ncu-rep" ;;
     crossover)  # the exact regime against cuBLASLt and the FP8 kernel, M = 1-128, the three sets
       ( OUT="$out" timeout 400 python3 bench/crossover.py ) > "$out/crossover.log" 2>&1
@@ -89,7 +89,7 @@ for stage in "$@"; do
     diag)
       ( cd bench && timeout 200 python3 diag_offsets.py ) > "$out/diag-offsets.log" 2>&1
       tail -20 "$out/diag-offsets.log"
-      timeout 150 python3 bench/diag_data.py 2>&1 | tail -12 ;;
+      timeout 150 python3 bench/explore/diag_data.py 2>&1 | tail -12 ;;
     stream)
       ( cd bench && timeout 300 python3 explore_stream_floor.py --json "$out/explore-stream-floor-h200.json" ) \
         > "$out/stream.log" 2>&1

@@ -1,9 +1,9 @@
-"""Diagnosis (bench/NOTES.md item 19): with 100 ms of untimed replays before each timing (SETTLE_MS), the benchmark
+"""Diagnosis (docs/performance.md): with 100 ms of untimed replays before each timing (SETTLE_MS), the benchmark
 timed M >= 2048 10-20% slower than before, mxgemm more than bf16. Sustained FP8 tensor-core work held at the power
 limit? Times mxgemm and bf16 cuBLAS at M = 8192 after 0, 100 and 1000 ms of untimed replays, with the SM clock,
 power and clock-event reasons sampled every 20 ms (nvidia-smi, in the background) around each timing.
 
-Run on the device: PYTHONPATH=src python3 bench/diag_power.py
+Run on the device: PYTHONPATH=src python3 bench/explore/diag_power.py
 """
 
 import subprocess

@@ -2,7 +2,7 @@
 dequantize + cuBLAS (`kernels/dequant.py`), against bf16 cuBLAS, on the llama3-8b projections at M = 32-512.
 Timed as the benchmark times (graph replay, weights rotated beyond 3x L2, median). Prints a table.
 
-Run on the device: PYTHONPATH=src python3 bench/explore_dequant.py --json explore-dequant-h200.json
+Run on the device: PYTHONPATH=src python3 bench/explore/explore_dequant.py --json explore-dequant-h200.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Diagnosis for bench/NOTES.md item 20 (item 19's open question): does the FP8 kernel's time depend on where the
+"""Diagnosis for docs/performance.md (item 19's open question): does the FP8 kernel's time depend on where the
 quantized activations lie in memory? The GEMM alone (no quantizer, no PDL) on the 70B gate_up / down and 7168-hidden
 gate_up at M = 1 and 16, with the activation codes copied to different offsets of one buffer (the scales and the
 output fixed); offset 0 four times first (the same addresses: does the time still change from one call of

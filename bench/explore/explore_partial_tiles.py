@@ -1,7 +1,7 @@
 """Exploration: the FP8 kernel's default config with the activations as the quantizer writes them for cuBLASLt (M
 rounded up to 4 rows, so a token tile larger than that reads rows past the tensor, zero-filled by the TMA) against
 whole token tiles of zero rows (``quantize_1x128_padded(x, TN)``, what ``fp8_linear`` does for tokens-as-M configs
-since bench/NOTES.md item 25), at M where the swap-AB kernel's tile is partial (1, 4, 20, 24, 40: 8, 8, 32, 32 and 64
+since docs/performance.md), at M where the swap-AB kernel's tile is partial (1, 4, 20, 24, 40: 8, 8, 32, 32 and 64
 tokens per CTA) and M = 72 (tokens as M, 128 per CTA). Outputs are compared bitwise between the two; the quantizer
 is inside the timed call, as in the benchmark.
 

@@ -5,7 +5,8 @@ cp.async shared-memory ring) against bf16 cuBLAS, `auto` and the kernel's defaul
 Each config is first checked against an fp64 reference on an odd shape (random weight bytes: every finite E4M3 code),
 then timed as the benchmark times (graph replay, weights rotated beyond 3x L2, median). Prints a table last.
 
-Run on the device: PYTHONPATH=src python3 bench/explore_small_m_pipeline.py --json explore-small-m-pipeline-h200.json
+Run on the device:
+    PYTHONPATH=src python3 bench/explore/explore_small_m_pipeline.py --json explore-small-m-pipeline-h200.json
 """
 
 from __future__ import annotations

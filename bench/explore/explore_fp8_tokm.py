@@ -1,6 +1,6 @@
 """Exploration: the FP8 kernel with tokens as wgmma's M (`fp8_gemm_tokm_kernel`, configs with a ``WN`` key) against
 the shipped path (`auto`: the tuned swap-AB config or cuBLASLt), cuBLASLt's blockwise GEMM and bf16 cuBLAS at M = 64,
-128 and 256 on the 8B / 70B / 7168-hidden projections (bench/NOTES.md item 24).
+128 and 256 on the 8B / 70B / 7168-hidden projections (docs/performance.md).
 
 Every tokens-as-M config is first checked against the emulated twin on odd shapes, into an output filled with NaN
 (every element must be written), then timed as the benchmark times (graph replay, weights rotated beyond 3x L2,

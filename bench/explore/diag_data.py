@@ -1,4 +1,4 @@
-"""Diagnosis (bench/NOTES.md item 19): why `mxgemm bench` timed the FP8 path ~8% slower than the tuner and the
+"""Diagnosis (docs/performance.md): why `mxgemm bench` timed the FP8 path ~8% slower than the tuner and the
 exploration. Same weights, the first timing after weight preparation with and without an untimed warm-up replay,
 then again at once."""
 

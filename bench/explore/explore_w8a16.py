@@ -1,8 +1,8 @@
 """H200 exploration: w8a16 kernel variants vs bf16 / FP8 baselines, and the cuBLASLt blockwise API.
 
-Run on the device: PYTHONPATH=src python3 bench/explore_w8a16.py [--probe]; writes $OUT/explore.json.
+Run on the device: PYTHONPATH=src python3 bench/explore/explore_w8a16.py [--probe]; writes $OUT/explore.json.
 ``--probe`` also checks which scale layouts cuBLASLt's blockwise GEMM accepts, and times it (GEMM only) and FP8
-rowwise at large M (bench/NOTES.md, version 5).
+rowwise at large M (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Diagnosis (bench/NOTES.md item 19): `bench/diag_offsets.py` found the FP8 GEMM slow (~7%) only in the first
+"""Diagnosis (docs/performance.md): `bench/explore/diag_offsets.py` found the FP8 GEMM slow (~7%) only in the first
 timing after its weights were made, at every activation address. What starts the slow spell, and how long does it
 last? After each event below, the 70B gate_up at M = 1 (the FP8 path, and bf16 cuBLAS) is replayed back to back for
 0.4 s as a CUDA graph; the mean µs per call in each 20 ms window is printed.
 
-Run on the device: PYTHONPATH=src python3 bench/diag_settle.py
+Run on the device: PYTHONPATH=src python3 bench/explore/diag_settle.py
 """
 
 import time

@@ -1,4 +1,4 @@
-"""Exploration: deeper TMA rings for the FP8 kernel where few CTAs share an SM (bench/NOTES.md item 21).
+"""Exploration: deeper TMA rings for the FP8 kernel where few CTAs share an SM (docs/performance.md).
 
 explore_stream_floor.py measured the kernel as built streaming at 3.15 TB/s at M = 64 on N = 4096 against 3.94 for
 its weight stream alone (`ring-only`) and 4.57 for a plain read: with the activation tile and the MMA in each stage,

@@ -1,5 +1,5 @@
 """Exploration: the fixed cost of one call against the bytes it streams, for the M = 64 misses on small weights
-(bench/NOTES.md item 21). explore_fp8_bounds.py found that the FP8 kernel's weight stream alone (`ring-only`) is
+(docs/performance.md). explore_fp8_bounds.py found that the FP8 kernel's weight stream alone (`ring-only`) is
 most of its time there; this script says how much of that is a cost any kernel pays per call in this harness and how
 much is the kernel's own.
 
