@@ -51,7 +51,8 @@ def _round_to_fp8_bits(v, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.cons
 def _mx_quant_kernel(
     x_ptr, q_ptr, s_ptr, M, K, stride_xm, cols_padded,
     RCEIL: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, EMAX: tl.constexpr,
-    MAX_ELEM: tl.constexpr, NAN_BITS: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+    MAX_ELEM: tl.constexpr, TOP_FRACTION: tl.constexpr, NAN_BITS: tl.constexpr, LAYOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     kb = tl.program_id(1)  # one 32-block column per program
@@ -79,7 +80,7 @@ def _mx_quant_kernel(
     # the element just below 2^(255 - biased): scales from 2^120 up would let the largest elements overflow fp32 on
     # dequantization (``mxgemm.format.element_limit``); 2^p is inf in fp32 for p >= 128
     top_bits = tl.where(biased >= 128, (382 - biased) << 23, 0x7F800000)
-    limit = tl.minimum(top_bits.to(tl.float32, bitcast=True) * (1.0 - 2.0 ** -(MBITS + 1)), MAX_ELEM)
+    limit = tl.minimum(top_bits.to(tl.float32, bitcast=True) * TOP_FRACTION, MAX_ELEM)
     v = tl.where(finite[:, None], tl.minimum(tl.maximum(v, -limit[:, None]), limit[:, None]), float("nan"))
     q = _round_to_fp8_bits(v, MBITS, EMIN, BIAS, NAN_BITS)
     tl.store(q_ptr + rm[:, None] * K + rk[None, :], q.to(tl.uint8), mask=row_ok[:, None])
@@ -128,6 +129,7 @@ def mx_quantize(
     _mx_quant_kernel[(triton.cdiv(m, block_m), cols)](
         x, q, s, m, k, x.stride(0), round_up(cols, 4),
         RCEIL=scale_mode == "rceil", MBITS=mbits, EMIN=emin, BIAS=bias, EMAX=emax, MAX_ELEM=max_elem,
+        TOP_FRACTION=1.0 - 2.0 ** -(mbits + 1),
         NAN_BITS=nan_bits, LAYOUT=LAYOUTS[layout], BLOCK_M=block_m,
     )  # fmt: skip
     return q.view(elem_dtype), s
