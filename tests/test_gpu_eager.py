@@ -74,6 +74,9 @@ def test_fp16_and_strided_inputs_and_fp32_bias():
                                                                            w.op_meta))  # fmt: skip
         wide = random_act(m, 8192, device="cuda")[:, ::2]  # rows of stride 8192, elements of stride 2
         assert torch.equal(mxgemm.linear(wide, w), mxgemm.linear(wide.contiguous(), w))
+        shifted = random_act(m * 4096 + 1, 1, device="cuda").view(-1)[1:].view(m, 4096)  # 2 bytes off alignment
+        assert shifted.is_contiguous() and shifted.data_ptr() % 16
+        assert torch.equal(mxgemm.linear(shifted, w), mxgemm.linear(shifted.clone(), w))
 
 
 @pytest.mark.parametrize("backend", ["hybrid_sm90", "cublas_block", "triton"])

@@ -189,7 +189,8 @@ class HybridSM90Backend(Backend):
         if path == "triton" or x_dtype != torch.bfloat16:
             return triton
         small = _bf16_epilogue(small_m_plan(qd, bs, n, m, config), n)
-        return lambda x, bias: small(x if accepts(x) else x.contiguous(), bias)  # a copy: a fresh aligned buffer
+        # strided or misaligned activations: a copy into a fresh (aligned) buffer, so the same kernel runs
+        return lambda x, bias: small(x if accepts(x) else x.clone(memory_format=torch.contiguous_format), bias)
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return self.plan(weight, x.shape[0], x.dtype, tactic)(x, bias)
