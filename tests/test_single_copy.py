@@ -152,3 +152,19 @@ def test_eager_calls_skip_the_op_and_match_it(monkeypatch):
     assert list(w.plans) == [(7, torch.bfloat16, mxgemm.autotune.generation())]
     with pytest.raises(AssertionError, match="eagerly"):  # a gradient asked for: the op (with autograd's rules)
         mxgemm.linear(x.requires_grad_(), w, bias)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="torch without float8_e8m0fnu")
+def test_float8_e8m0fnu_scales_are_accepted_wherever_uint8_ones_are():
+    """torchao's and PyTorch's E8M0 dtype holds the same bytes as mxgemm's uint8 scales."""
+    q, s = random_mx_weight(64, 256)
+    e8 = s.view(torch.float8_e8m0fnu)
+    assert torch.equal(mxgemm.dequantize(mxgemm.MXTensor(q, e8)), mxgemm.dequantize(mxgemm.MXTensor(q, s)))
+    x = random_act(3, 256)
+    ref = mxgemm.MXFP8Linear.from_quantized(q, s, backend="emulation")
+    layer = mxgemm.MXFP8Linear.from_quantized(q, e8, backend="emulation")
+    assert torch.equal(layer(x), ref(x)) and layer.state_dict()["weight_scale"].dtype == torch.uint8
+    assert torch.equal(mxgemm.linear(x, mxgemm.prepare_weight(q, e8, backend="emulation")), ref(x))
+    other = mxgemm.MXFP8Linear.from_quantized(*random_mx_weight(64, 256, seed=7), backend="emulation")
+    other.load_state_dict({"weight": q, "weight_scale": e8})
+    assert torch.equal(other(x), ref(x))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .format import BLOCK_SIZE, E8M0_NAN, check_mx_pair, e8m0_to_float32
+from .format import BLOCK_SIZE, E8M0_NAN, check_mx_pair, e8m0_bytes, e8m0_to_float32
 
 __all__ = [
     "GROUP",
@@ -108,6 +108,7 @@ def reencode_block128(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tenso
     (a few hundred MiB at most) whatever the weight's size. ``out``: where to write the re-encoded elements, a float8
     ``[>= N, >= K]`` tensor (e.g. a padded buffer; the returned ``qdata`` is then its ``[N, K]`` view)."""
     check_mx_pair(qdata, scale)
+    scale = e8m0_bytes(scale)
     if qdata.dtype != torch.float8_e4m3fn or qdata.dim() != 2:
         raise ValueError(f"expected a 2-D float8_e4m3fn weight, got {qdata.dtype} with shape {tuple(qdata.shape)}")
     n, k = qdata.shape

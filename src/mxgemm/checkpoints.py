@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .errors import MXGemmError
-from .format import BLOCK_SIZE, E8M0_NAN
+from .format import BLOCK_SIZE, E8M0_NAN, SCALE_DTYPES, e8m0_bytes
 from .linear import MXFP8Linear
 
 __all__ = ["SCHEMES", "CheckpointError", "CheckpointFormat", "TensorSource", "load_checkpoint", "read_format",
@@ -134,6 +134,8 @@ def source_files(folder: str | Path) -> list[Path]:
 _ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "BF16": torch.bfloat16,
               "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
               "I16": torch.int16, "I8": torch.int8, "BOOL": torch.bool}  # fmt: skip
+if hasattr(torch, "float8_e8m0fnu"):
+    _ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
 
 class TensorSource:
@@ -179,8 +181,8 @@ def _check_pair(name: str, source: TensorSource, module: nn.Linear) -> None:
         raise CheckpointError(f"{scale} is present but {weight} is missing")
     if source.dtypes[weight] != torch.float8_e4m3fn:
         raise CheckpointError(f"{weight} has dtype {source.dtypes[weight]}; MXFP8 weights are float8_e4m3fn")
-    if source.dtypes[scale] != torch.uint8:
-        raise CheckpointError(f"{scale} has dtype {source.dtypes[scale]}; E8M0 scales are uint8")
+    if source.dtypes[scale] not in SCALE_DTYPES:
+        raise CheckpointError(f"{scale} has dtype {source.dtypes[scale]}; E8M0 scales are uint8 or float8_e8m0fnu")
     if source.shapes[weight] != (module.out_features, module.in_features):
         raise CheckpointError(
             f"{weight} has shape {source.shapes[weight]}; the model's layer is [{module.out_features}, "
@@ -280,7 +282,7 @@ def load_checkpoint(
 
     layers = {}  # built before any is put in: a bad scale or a backend that cannot run leaves the model as it was
     for name, module, bias in plans:
-        scale = source.load(f"{name}.weight_scale")
+        scale = e8m0_bytes(source.load(f"{name}.weight_scale"))
         _check_scale_values(name, scale)
         b = None if bias is None else source.load(bias).to(device=target, dtype=module.bias.dtype)
         weight = source.load(f"{name}.weight").to(target)

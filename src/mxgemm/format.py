@@ -27,9 +27,11 @@ __all__ = [
     "E8M0_BIAS",
     "E8M0_NAN",
     "ELEM_DTYPES",
+    "SCALE_DTYPES",
     "MXTensor",
     "ScaleMode",
     "dequantize",
+    "e8m0_bytes",
     "e8m0_to_float32",
     "quantize",
 ]
@@ -56,6 +58,7 @@ class MXTensor:
 
     def __post_init__(self) -> None:
         check_mx_pair(self.qdata, self.scale)
+        object.__setattr__(self, "scale", e8m0_bytes(self.scale))
 
     @property
     def shape(self) -> torch.Size:
@@ -73,8 +76,8 @@ def check_mx_pair(qdata: torch.Tensor, scale: torch.Tensor) -> None:
     """Raise TypeError/ValueError unless ``(qdata, scale)`` is a well-formed MX pair."""
     if qdata.dtype not in ELEM_DTYPES:
         raise TypeError(f"MX elements must be float8_e4m3fn or float8_e5m2, got {qdata.dtype}")
-    if scale.dtype != torch.uint8:
-        raise TypeError(f"MX scales must be uint8 (E8M0 biased exponents), got {scale.dtype}")
+    if scale.dtype not in SCALE_DTYPES:
+        raise TypeError(f"MX scales must be uint8 or float8_e8m0fnu (E8M0 biased exponents), got {scale.dtype}")
     if qdata.dim() == 0 or qdata.shape[-1] % BLOCK_SIZE:
         raise ValueError(
             f"the last dimension of MX data must be a multiple of {BLOCK_SIZE}, got shape {tuple(qdata.shape)}"
@@ -86,6 +89,15 @@ def check_mx_pair(qdata: torch.Tensor, scale: torch.Tensor) -> None:
         )
     if qdata.device != scale.device:
         raise ValueError(f"data is on {qdata.device} but scale is on {scale.device}")
+
+
+SCALE_DTYPES = (torch.uint8, *([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else []))
+
+
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales as mxgemm keeps them, uint8 biased exponents: a ``torch.float8_e8m0fnu`` tensor (torchao's and
+    PyTorch's E8M0 dtype, the same bytes) is viewed as uint8, a uint8 one returned as it is."""
+    return scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)
 
 
 def e8m0_to_float32(scale: torch.Tensor) -> torch.Tensor:

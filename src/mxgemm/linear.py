@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .backends import get_backend
-from .format import ScaleMode, check_mx_pair, quantize
+from .format import SCALE_DTYPES, ScaleMode, check_mx_pair, quantize
 from .weights import PreparedWeight, linear, prepare_weight
 
 __all__ = ["MXFP8Linear"]
@@ -117,8 +117,9 @@ class MXFP8Linear(nn.Module):
         if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or weight.shape != (n, k):
             raise ValueError(f"{wname} must be float8 [{n}, {k}] (e.g. {current}), got {weight.dtype} "
                              f"{tuple(weight.shape)}")  # fmt: skip
-        if scale.dtype != torch.uint8 or scale.shape != (n, k // 32):
-            raise ValueError(f"{sname} must be uint8 [{n}, {k // 32}], got {scale.dtype} {tuple(scale.shape)}")
+        if scale.dtype not in SCALE_DTYPES or scale.shape != (n, k // 32):
+            raise ValueError(f"{sname} must be uint8 (or float8_e8m0fnu) [{n}, {k // 32}], got {scale.dtype} "
+                             f"{tuple(scale.shape)}")  # fmt: skip
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -6,7 +6,7 @@ import torch
 
 from . import autotune
 from .backends import PreparedWeight, get_backend
-from .format import check_mx_pair
+from .format import check_mx_pair, e8m0_bytes
 from .ops import linear_op
 from .resolve import resolve_and_prepare
 
@@ -24,6 +24,7 @@ def prepare_weight(
     ``backend``: a name or ``"auto"``; None reads ``$MXGEMM_BACKEND``. ``recipe``: None takes the backend's own.
     """
     check_mx_pair(qdata, scale)
+    scale = e8m0_bytes(scale)
     if qdata.dim() != 2:
         raise ValueError(f"a linear weight must be 2-D [N, K], got shape {tuple(qdata.shape)}")
     return resolve_and_prepare(qdata, scale, backend, recipe=recipe)
