@@ -300,7 +300,8 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("model_dir", help="a model folder (config.json + safetensors)")
     quant.add_argument("out_dir", help="where to write the MXFP8 checkpoint")
     quant.add_argument("--scheme", choices=["MXFP8", "MXFP8A16"], default="MXFP8", help="activation scheme recorded")
-    quant.add_argument("--scale-mode", choices=["floor", "rceil"], default="floor", help="E8M0 scale rule")
+    quant.add_argument("--scale-mode", choices=["floor", "rceil", "compressed-tensors"], default="floor",
+                       help="E8M0 scale rule: OCP floor, NVIDIA rceil, or compressed-tensors' MXFP8 rule")  # fmt: skip
     quant.add_argument("--skip", nargs="*", default=["lm_head"], help="linear layers to keep (names or globs)")
     quant.add_argument("--force", action="store_true", help="replace the output folder's contents if it has any")
     quant.add_argument("--device", default="cpu", help="where weights are quantized (cpu, cuda); same bytes either way")

@@ -9,8 +9,10 @@ Scale rules (computed on the fp32 value of the block's largest magnitude, ``amax
   bits and ``emax`` is the element format's largest exponent (8 for E4M3, 15 for E5M2). Elements that then exceed
   the element max saturate to it.
 * ``rceil`` (NVIDIA / cuBLAS): ``amax / max_elem`` in fp32, rounded up to a power of two.
+* ``compressed-tensors`` (its MXFP8 quantization, E4M3 only): ``amax`` rounded up to the next power of two when its
+  mantissa is 1.75 or more, then ``2^-8``. It differs from ``rceil`` only where the mantissa is exactly 1.75.
 
-Both clamp the exponent to [-127, 127]. A block holding NaN or +-inf gets scale 255, so it dequantizes to NaN; an
+All clamp the exponent to [-127, 127]. A block holding NaN or +-inf gets scale 255, so it dequantizes to NaN; an
 all-zero block gets scale 0 and dequantizes to zeros. Elements are ``x / scale`` clamped to +-max_elem and rounded
 to nearest even.
 """
@@ -28,6 +30,7 @@ __all__ = [
     "E8M0_NAN",
     "ELEM_DTYPES",
     "SCALE_DTYPES",
+    "SCALE_MODES",
     "MXTensor",
     "ScaleMode",
     "dequantize",
@@ -39,7 +42,8 @@ __all__ = [
 BLOCK_SIZE = 32
 E8M0_BIAS = 127
 E8M0_NAN = 255
-ScaleMode = Literal["floor", "rceil"]
+ScaleMode = Literal["floor", "rceil", "compressed-tensors"]
+SCALE_MODES = ("floor", "rceil", "compressed-tensors")
 
 # element dtype -> (largest finite value, exponent of the largest power of two below it)
 ELEM_DTYPES: dict[torch.dtype, tuple[float, int]] = {
@@ -122,6 +126,13 @@ def _biased_exponent_rceil(amax: torch.Tensor, max_elem: float) -> torch.Tensor:
     return biased.clamp(0, 2 * E8M0_BIAS)
 
 
+def _biased_exponent_compressed_tensors(amax: torch.Tensor, emax: int) -> torch.Tensor:
+    """compressed-tensors' MXFP8 rule (``generate_mx_scales``): amax rounded up to the next power of two when its
+    mantissa is 1.75 or more (adding half of FP4's last mantissa step to the float's bits), then 2^-emax."""
+    rounded = ((amax.view(torch.int32) + (1 << 21)) >> 23) & 0xFF  # the biased exponent after rounding
+    return (rounded - emax).clamp(0, 2 * E8M0_BIAS)
+
+
 def quantize(
     x: torch.Tensor, *, scale_mode: ScaleMode = "floor", elem_dtype: torch.dtype = torch.float8_e4m3fn
 ) -> MXTensor:
@@ -135,15 +146,19 @@ def quantize(
         raise ValueError(
             f"the last dimension must be a multiple of {BLOCK_SIZE} to quantize, got shape {tuple(x.shape)}"
         )
-    if scale_mode not in ("floor", "rceil"):
-        raise ValueError(f"scale_mode must be 'floor' or 'rceil', got {scale_mode!r}")
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {', '.join(SCALE_MODES)}, got {scale_mode!r}")
+    if scale_mode == "compressed-tensors" and elem_dtype != torch.float8_e4m3fn:
+        raise ValueError("scale_mode 'compressed-tensors' is defined for E4M3 elements (MXFP8) only")
     max_elem, emax = ELEM_DTYPES[elem_dtype]
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
     amax = blocks.abs().amax(dim=-1)
     if scale_mode == "floor":
         biased = _biased_exponent_floor(amax, emax)
-    else:
+    elif scale_mode == "rceil":
         biased = _biased_exponent_rceil(amax, max_elem)
+    else:
+        biased = _biased_exponent_compressed_tensors(amax, emax)
     biased = torch.where(torch.isfinite(amax), biased, E8M0_NAN)
     scale = biased.to(torch.uint8)
     limit = element_limit(biased, max_elem, _MANTISSA_BITS[elem_dtype]).unsqueeze(-1)
