@@ -38,9 +38,13 @@ CUBLASLT_M_ALIGN = 4
 CUBLASLT_K_ALIGN = 512
 
 
-def padded_1x128_shape(m: int, k: int) -> tuple[int, int]:
-    """(Mp, Kp): the activation shape the 1x128 quantizer writes for cuBLASLt, padded with zeros."""
-    return -(-m // CUBLASLT_M_ALIGN) * CUBLASLT_M_ALIGN, -(-k // CUBLASLT_K_ALIGN) * CUBLASLT_K_ALIGN
+def padded_1x128_shape(m: int, k: int, rows_multiple: int = 1) -> tuple[int, int]:
+    """(Mp, Kp): the activation shape the 1x128 quantizers write for cuBLASLt and the FP8 kernel, padded with zeros:
+    M rounded up to cuBLASLt's row alignment and to ``rows_multiple`` (whole token tiles), K to its K alignment."""
+    if rows_multiple < 1 or (rows_multiple > 1 and rows_multiple % CUBLASLT_M_ALIGN):
+        raise ValueError(f"rows_multiple must be 1 or a multiple of {CUBLASLT_M_ALIGN}, got {rows_multiple}")
+    mp = -(-m // CUBLASLT_M_ALIGN) * CUBLASLT_M_ALIGN
+    return -(-mp // rows_multiple) * rows_multiple, -(-k // CUBLASLT_K_ALIGN) * CUBLASLT_K_ALIGN
 
 
 AMAX_FLOOR = 2.0**-64

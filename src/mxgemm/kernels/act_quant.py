@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..block128 import CUBLASLT_M_ALIGN, padded_1x128_shape
+from ..block128 import padded_1x128_shape
 
 __all__ = ["quantize_1x128_padded"]
 
@@ -62,11 +62,8 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, Mp, Kp, stride_xm, stride_xk, BLOCK
 def quantize_1x128_padded(x: torch.Tensor, rows_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] bf16/fp16 -> (float8_e4m3fn [Mp, Kp], fp32 scale view [Mp, Kp/128] with strides (1, Mp)); the
     rows past M are zeros, Mp a multiple of cuBLASLt's row alignment and of ``rows_multiple``."""
-    if rows_multiple < 1 or (rows_multiple > 1 and rows_multiple % CUBLASLT_M_ALIGN):
-        raise ValueError(f"rows_multiple must be 1 or a multiple of {CUBLASLT_M_ALIGN}, got {rows_multiple}")
     m, k = x.shape
-    mp, kp = padded_1x128_shape(m, k)
-    mp = -(-mp // rows_multiple) * rows_multiple
+    mp, kp = padded_1x128_shape(m, k, rows_multiple)
     q = torch.empty((mp, kp), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((kp // 128, mp), dtype=torch.float32, device=x.device)
     block_m = 16

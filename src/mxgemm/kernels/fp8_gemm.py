@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ..backends.base import Availability
-from . import nvcc
+from ..block128 import padded_1x128_shape
+from . import check_bf16_bias, nvcc, raw_stream
 
 logger = logging.getLogger("mxgemm")
 
@@ -60,11 +61,6 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, _I
     return lib
-
-
-def _raw_stream(device_index: int) -> int:
-    """The current CUDA stream of a device as an integer handle (what Triton's launcher reads too)."""
-    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 @functools.cache
@@ -189,10 +185,11 @@ def fp8_gemm(
     y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device) if out is None else out
     if y.shape != (m, n) or y.dtype != torch.bfloat16 or not y.is_contiguous():
         raise ValueError(f"out must be a contiguous bf16 [{m}, {n}] tensor, got {y.dtype} {tuple(y.shape)}")
-    bias_ptr = None if bias is None else _bias(bias, n).data_ptr()
+    check_bf16_bias(bias, n)
+    bias_ptr = None if bias is None else bias.data_ptr()
     common = (qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), xq.data_ptr(), xs.data_ptr(),
               bias_ptr, y.data_ptr(), y.stride(0), m, mp, n, np_, kp)  # fmt: skip
-    stream = _raw_stream(xq.device.index)
+    stream = raw_stream(xq.device.index)
     if "WN" in config:
         err = lib.mxgemm_fp8_gemm_tokm(*common, config["TN"], config["WN"], config["SPLITS"], config["ST"], int(pdl),
                                        stream)  # fmt: skip
@@ -204,36 +201,22 @@ def fp8_gemm(
     return y
 
 
-def _bias(bias: torch.Tensor, n: int) -> torch.Tensor:
-    if bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous():
-        raise ValueError(f"bias must be a contiguous bf16 [{n}] tensor, got {bias.dtype} {tuple(bias.shape)}")
-    return bias
-
-
 def quantize_1x128(x: torch.Tensor, rows_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA 1x128 quantizer, with the contract of :func:`mxgemm.kernels.act_quant.quantize_1x128_padded`
     (bit-exact to :func:`mxgemm.block128.quantize_1x128`): ``x`` [M, K] bf16/fp16 (unit stride along K) ->
     (float8_e4m3fn [Mp, Kp], fp32 scale view [Mp, Kp/128] with strides (1, Mp)), zeros past M and K."""
     m, k = x.shape
-    mp, kp = _padded_rows(m, rows_multiple), -(-k // 512) * 512
+    mp, kp = padded_1x128_shape(m, k, rows_multiple)
     if x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
         raise ValueError(f"x must be bf16/fp16 with unit stride along K, got {x.dtype} strides {x.stride()}")
     q = torch.empty((mp, kp), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((kp // 128, mp), dtype=torch.float32, device=x.device)
     lib = library(torch.cuda.get_device_capability(x.device))
     err = lib.mxgemm_quant_1x128(x.data_ptr(), x.stride(0), int(x.dtype == torch.float16), m, k, q.data_ptr(),
-                                 s.data_ptr(), mp, kp, _raw_stream(x.device.index))  # fmt: skip
+                                 s.data_ptr(), mp, kp, raw_stream(x.device.index))  # fmt: skip
     if err:
         raise RuntimeError(f"mxgemm 1x128 quantizer failed to launch (cudaError {err}) for x {tuple(x.shape)}")
     return q, s.t()
-
-
-def _padded_rows(m: int, rows_multiple: int) -> int:
-    """The quantizer's rows: M rounded up to cuBLASLt's 4 and to ``rows_multiple`` (whole token tiles)."""
-    if rows_multiple < 1 or (rows_multiple > 1 and rows_multiple % 4):
-        raise ValueError(f"rows_multiple must be 1 or a multiple of 4, got {rows_multiple}")
-    mp = -(-m // 4) * 4
-    return -(-mp // rows_multiple) * rows_multiple
 
 
 def linear_plan(
@@ -246,7 +229,7 @@ def linear_plan(
     if not valid_config(config, kp):
         raise ValueError(f"the FP8 kernel cannot run config {config} on a [{np_}, {kp}] weight")
     tokm = "WN" in config
-    mp = _padded_rows(m, config["TN"] if tokm else 1)  # whole token tiles: no activation box reads past the tensor
+    mp, _ = padded_1x128_shape(m, k, config["TN"] if tokm else 1)  # whole token tiles: no box reads past the tensor
     q_bytes = mp * kp
     # one allocation a call (each costs microseconds of host time): the output's m rows, then, 256-byte aligned, the
     # quantized activations and their scales in rows past m
@@ -264,7 +247,7 @@ def linear_plan(
         y = buf.data_ptr()
         xq = y + ws_offset
         err = fn(x.data_ptr(), x.stride(0), x.dtype == torch.float16, k, xq, xq + q_bytes, *weight_args,
-                 None if bias is None else bias.data_ptr(), y, *shape_args, _raw_stream(index))  # fmt: skip
+                 None if bias is None else bias.data_ptr(), y, *shape_args, raw_stream(index))  # fmt: skip
         if err:
             raise RuntimeError(f"mxgemm FP8 linear failed to launch (cudaError {err}) for M={m} config {config}")
         return buf[:m]
@@ -284,5 +267,5 @@ def fp8_linear(
     (the numerics of ``cublas_block_linear``)."""
     if x.stride(1) != 1:
         x = x.contiguous()
-    launch = linear_plan(qdata, block_scale, n, x.shape[1], x.shape[0], config)
-    return launch(x, None if bias is None else _bias(bias, n))
+    check_bf16_bias(bias, n)
+    return linear_plan(qdata, block_scale, n, x.shape[1], x.shape[0], config)(x, bias)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..backends.base import Availability
-from . import nvcc
+from . import check_bf16_bias, nvcc, raw_stream
 
 logger = logging.getLogger("mxgemm")
 
@@ -109,9 +109,8 @@ def linear_plan(
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = torch.empty((m, n), dtype=torch.bfloat16, device=device)
-        stream = torch._C._cuda_getCurrentRawStream(index)
         err = fn(*weight_args, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n, m,
-                 x.shape[1], n, np_, kp, cfg["RT"], cfg["SPLITS"], cfg["ST"], stream)  # fmt: skip
+                 x.shape[1], n, np_, kp, cfg["RT"], cfg["SPLITS"], cfg["ST"], raw_stream(index))  # fmt: skip
         if err:
             raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {cfg}")
         return y
@@ -131,6 +130,5 @@ def small_m_linear(
     [>= Np/128, Kp/128] (+ a contiguous bf16 ``bias`` [n]) -> bf16 [M, n]."""
     if not accepts(x):
         raise ValueError(f"the small-M kernel takes contiguous 16-byte-aligned bf16 x of <= {MAX_M} rows")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous bf16 [{n}] tensor, got {bias.dtype} {tuple(bias.shape)}")
+    check_bf16_bias(bias, n)
     return linear_plan(qdata, block_scale, n, x.shape[0], config)(x, bias)
