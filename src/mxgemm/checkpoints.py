@@ -120,10 +120,9 @@ def source_files(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: not a safetensors index (no weight_map object)")
         return [folder / f for f in dict.fromkeys(weight_map.values())]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -289,7 +288,7 @@ def load_checkpoint(
         layers[name] = MXFP8Linear.from_quantized(weight, scale.to(target), b, backend=backend, recipe=recipe)
         del weight
     for name, layer in layers.items():
-        _set_module(model, name, layer)
+        model.set_submodule(name, layer)
     for k in rest:
         _assign(model, groups.get(k, (k,)), source.load(k), target)
     if retie:
@@ -336,11 +335,6 @@ def _tied_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
     for name, t in _all_tensors(model):
         by_id.setdefault(id(t), []).append(name)
     return {name: tuple(names) for names in by_id.values() for name in names}
-
-
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
 def _assign(model: nn.Module, names: tuple[str, ...], value: torch.Tensor, device: torch.device) -> None:

@@ -101,15 +101,25 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 def _hf_model_class(model_dir: str, console: Console, command: str):
     """(transformers model class, config) for a Hugging Face model folder; None (error printed) without
     transformers."""
-    try:
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-    except ImportError:
+    if not _have_transformers(console, command):
+        return None
+    from transformers import AutoConfig
+
+    from .models import hf_model_class
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return hf_model_class(config), config
+
+
+def _have_transformers(console: Console, command: str) -> bool:
+    """Whether transformers can be imported; if not, says so (with the install command)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
         hint = escape(f"`mxgemm {command}` reads models with transformers: pip install 'mxgemm[hf]'")
         console.print(f"[red]error:[/red] {hint}")
-        return None
-    config = AutoConfig.from_pretrained(model_dir)
-    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
-    return (AutoModelForCausalLM if causal else AutoModel), config
+        return False
+    return True
 
 
 _WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.gguf")
@@ -128,16 +138,12 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
 
     from rich.progress import Progress
 
-    from .convert import quantize_folder, source_bytes
+    from .convert import quantize_folder
 
     src, out = Path(args.model_dir).resolve(), Path(args.out_dir).resolve()
     _check_quantize_paths(src, out, args.force)
-    found = _hf_model_class(str(src), console, "quantize")
-    if found is None:
+    if not _have_transformers(console, "quantize"):
         return 2
-    _, config = found
-    if getattr(config, "quantization_config", None):
-        raise ValueError(f"{src} is already quantized ({_describe_quantization(config)}); give an unquantized model")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
@@ -146,11 +152,11 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
                 continue
             (shutil.copytree if f.is_dir() else shutil.copy2)(f, staging / f.name)
         with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("quantizing", total=source_bytes(src))
+            task = bar.add_task("quantizing", total=None)
             report = quantize_folder(
                 src, staging, scheme=args.scheme, scale_mode=args.scale_mode, skip=tuple(args.skip),
                 device=args.device, max_shard_bytes=_parse_size(args.max_shard_size),
-                progress=lambda nbytes: bar.advance(task, nbytes),
+                progress=lambda nbytes, total: bar.update(task, total=total, advance=nbytes),
             )  # fmt: skip
         _move_into_place(staging, out)
     except BaseException:
@@ -188,12 +194,6 @@ def _check_quantize_paths(src, out, force: bool) -> None:
         raise ValueError(f"{out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ValueError(f"{out} is not empty; choose a new folder, or pass --force to replace its contents")
-
-
-def _describe_quantization(config) -> str:
-    q = config.quantization_config
-    q = q if isinstance(q, dict) else getattr(q, "to_dict", lambda: {})()
-    return str(q.get("quant_method") or q.get("format") or q.get("quant_algo") or "quantization_config present")
 
 
 def _move_into_place(staging, out) -> None:

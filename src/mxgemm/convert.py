@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from .checkpoints import CheckpointError, TensorSource, compressed_tensors_config
-from .format import BLOCK_SIZE, ScaleMode, quantize
-from .models import LayerReport, QuantizeReport, _matches
+from .format import ScaleMode, quantize
+from .models import LayerReport, QuantizeReport, hf_model_class, skip_reason
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ShardWriter", "quantize_folder", "source_bytes"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ShardWriter", "quantize_folder"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 
@@ -75,11 +75,8 @@ class ShardWriter:
 def _linear_layers(config) -> tuple[dict[str, nn.Linear], dict[str, str]]:
     """The model's ``nn.Linear`` layers by name, and its tied parameters (alias -> the name checkpoints store), from
     a model built on the meta device (no memory, no weights)."""
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
     with torch.device("meta"):
-        model = (AutoModelForCausalLM if causal else AutoModel).from_config(config)
+        model = hf_model_class(config).from_config(config)
     first: dict[int, str] = {}
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -97,29 +94,31 @@ def quantize_folder(
     skip: tuple[str, ...] = ("lm_head",),
     device: str | torch.device = "cpu",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> QuantizeReport:
     """Write the MXFP8 checkpoint of the model folder ``src`` into the existing folder ``out`` (its safetensors
     shards, index and ``config.json``; no other files). ``device``: where weights are quantized (the bytes are the
-    same on any device). ``progress``: called with the bytes of each source tensor once it is written."""
+    same on any device). ``progress``: called with the bytes of each source tensor once it is written and the bytes
+    of them all. An already-quantized source is refused."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(src, local_files_only=True)
+    if getattr(config, "quantization_config", None):
+        raise CheckpointError(
+            f"{src} is already quantized ({_describe_quantization(config)}); give an unquantized model"
+        )
     layers, tied = _linear_layers(config)
     reports, targets = [], set()
     for name, module in layers.items():
-        if f"{name}.weight" in tied:
-            reports.append(LayerReport(name, False, None, None, f"tied to {tied[f'{name}.weight']}"))
-        elif _matches(name, skip):
-            reports.append(LayerReport(name, False, None, None, "matches skip"))
-        elif module.in_features % BLOCK_SIZE:
-            reason = f"in_features={module.in_features} is not a multiple of {BLOCK_SIZE}"
+        reason = f"tied to {tied[f'{name}.weight']}" if f"{name}.weight" in tied else skip_reason(name, module, skip)
+        if reason:
             reports.append(LayerReport(name, False, None, None, reason))
         else:
             reports.append(LayerReport(name, True, "emulation", "w8a16", ""))
             targets.add(f"{name}.weight")
     writer = ShardWriter(out, max_shard_bytes)
     source = TensorSource(src)
+    total = sum(math.prod(source.shapes[n]) * (source.dtypes[n] or torch.float32).itemsize for n in source.where)
     for name in source.where:
         tensor = source.load(name)
         nbytes = tensor.numel() * tensor.element_size()
@@ -136,7 +135,7 @@ def quantize_folder(
             writer.add(name, tensor)
         del tensor
         if progress is not None:
-            progress(nbytes)
+            progress(nbytes, total)
     if targets:
         raise CheckpointError(f"{src}: no tensor for {sorted(targets)[0]} (and {len(targets) - 1} more)")
     writer.finish()
@@ -146,7 +145,7 @@ def quantize_folder(
     return QuantizeReport(tuple(reports))
 
 
-def source_bytes(src: Path) -> int:
-    """The bytes of the tensors :func:`quantize_folder` will read (what its progress counts)."""
-    source = TensorSource(src)
-    return sum(math.prod(source.shapes[n]) * (source.dtypes[n] or torch.float32).itemsize for n in source.where)
+def _describe_quantization(config) -> str:
+    q = config.quantization_config
+    q = q if isinstance(q, dict) else getattr(q, "to_dict", lambda: {})()
+    return str(q.get("quant_method") or q.get("format") or q.get("quant_algo") or "quantization_config present")

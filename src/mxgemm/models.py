@@ -11,7 +11,7 @@ from torch import nn
 from .format import BLOCK_SIZE, ScaleMode
 from .linear import MXFP8Linear
 
-__all__ = ["LayerReport", "QuantizeReport", "linear_shapes", "quantize_model"]
+__all__ = ["LayerReport", "QuantizeReport", "hf_model_class", "linear_shapes", "quantize_model", "skip_reason"]
 
 
 @dataclass(frozen=True)
@@ -69,19 +69,34 @@ def quantize_model(
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     for name in names:
         module = model.get_submodule(name)
-        if _matches(name, skip):
-            reports.append(LayerReport(name, False, None, None, "matches skip"))
-            continue
-        if module.in_features % BLOCK_SIZE:
-            reason = f"in_features={module.in_features} is not a multiple of {BLOCK_SIZE}"
+        reason = skip_reason(name, module, skip)
+        if reason:
             reports.append(LayerReport(name, False, None, None, reason))
             continue
         layer = MXFP8Linear.from_linear(module, backend=backend, scale_mode=scale_mode, recipe=recipe)
-        parent_name, _, child = name.rpartition(".")
         del module
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        model.set_submodule(name, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
     return QuantizeReport(tuple(reports))
+
+
+def skip_reason(name: str, module: nn.Linear, skip: Sequence[str]) -> str:
+    """Why :func:`quantize_model` (and ``mxgemm quantize``) leave a linear layer as it is, or "" when they quantize
+    it: its name matches ``skip``, or its ``in_features`` is not a multiple of 32."""
+    if _matches(name, skip):
+        return "matches skip"
+    if module.in_features % BLOCK_SIZE:
+        return f"in_features={module.in_features} is not a multiple of {BLOCK_SIZE}"
+    return ""
+
+
+def hf_model_class(config):
+    """The transformers auto class a model of ``config`` is built with: ``AutoModelForCausalLM`` for a causal LM,
+    else ``AutoModel``."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+    return AutoModelForCausalLM if causal else AutoModel
 
 
 def linear_shapes(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> list[tuple[int, int, str]]:
@@ -90,6 +105,6 @@ def linear_shapes(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> li
     on the meta device."""
     shapes: dict[tuple[int, int], str] = {}
     for name, module in model.named_modules():
-        if type(module) is nn.Linear and not _matches(name, skip) and module.in_features % BLOCK_SIZE == 0:
+        if type(module) is nn.Linear and not skip_reason(name, module, skip):
             shapes.setdefault((module.out_features, module.in_features), name)
     return [(n, k, name) for (n, k), name in shapes.items()]
