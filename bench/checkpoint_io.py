@@ -29,11 +29,36 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from mxgemm.models import hf_model_class
+
 HIDDEN, INTER = 2048, 5632
 
 
+def write_source(folder: Path, config, device: str = "cpu") -> int:
+    """A bf16 checkpoint of ``config``'s model with random weights (normal, std 0.02), one shard per decoder layer
+    and one for the rest, with an index, written without building the model (names and shapes come from a model
+    built on the meta device; ``device`` draws the numbers); its bytes."""
+    config.save_pretrained(folder)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in hf_model_class(config).from_config(config).state_dict().items()}
+    groups: dict[str, dict] = {}
+    for name, shape in shapes.items():
+        groups.setdefault(name.split(".")[2] if name.startswith("model.layers.") else "rest", {})[name] = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    total, weight_map = 0, {}
+    for i, group in enumerate(groups.values()):
+        tensors = {n: (torch.randn(s, device=device, generator=g) * 0.02).bfloat16().cpu() for n, s in group.items()}
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, name)
+        total += sum(t.numel() * 2 for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return total
+
+
 def make_source(folder: Path, gb: float) -> int:
-    """A bf16 Llama-shaped checkpoint of about ``gb`` GB; returns its bytes."""
+    """A Llama-shaped bf16 checkpoint of about ``gb`` GB; returns its bytes."""
     per_layer = 2 * (2 * HIDDEN * HIDDEN + 2 * (HIDDEN // 4) * HIDDEN + 3 * INTER * HIDDEN)
     layers = max(1, round(gb * 1e9 / per_layer))
     config = transformers.LlamaConfig(
@@ -41,27 +66,7 @@ def make_source(folder: Path, gb: float) -> int:
         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
     )  # fmt: skip
     config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(folder)
-    g = torch.Generator().manual_seed(0)
-    total, weight_map = 0, {}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        shapes = {f"{p}.self_attn.{n}_proj.weight": (HIDDEN, HIDDEN) for n in "qo"}
-        shapes |= {f"{p}.self_attn.{n}_proj.weight": (HIDDEN // 4, HIDDEN) for n in "kv"}
-        shapes |= {f"{p}.mlp.{n}_proj.weight": (INTER, HIDDEN) for n in ("gate", "up")}
-        shapes |= {f"{p}.mlp.down_proj.weight": (HIDDEN, INTER), f"{p}.input_layernorm.weight": (HIDDEN,),
-                   f"{p}.post_attention_layernorm.weight": (HIDDEN,)}  # fmt: skip
-        if i == 0:
-            shapes |= {"model.embed_tokens.weight": (32000, HIDDEN), "model.norm.weight": (HIDDEN,),
-                       "lm_head.weight": (32000, HIDDEN)}  # fmt: skip
-        tensors = {n: (torch.randn(s, generator=g) * 0.02).bfloat16() for n, s in shapes.items()}
-        name = f"model-{i + 1:05d}-of-{layers:05d}.safetensors"
-        save_file(tensors, str(folder / name), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(tensors, name)
-        total += sum(t.numel() * 2 for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    return total
+    return write_source(folder, config)
 
 
 def measure(body: str) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,30 +19,21 @@ from pathlib import Path
 import accelerate
 import torch
 import transformers
-from safetensors.torch import save_file
 
 import mxgemm
 from mxgemm.bench import environment
 from mxgemm.convert import quantize_folder
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkpoint_io import write_source
 
-def make_source(folder: Path, layers: int) -> transformers.LlamaConfig:
+
+def llama_8b_config(layers: int) -> transformers.LlamaConfig:
     config = transformers.LlamaConfig(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
     )  # fmt: skip
     config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(folder)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
-    by_layer: dict[str, dict] = {}
-    for name, shape in shapes.items():
-        part = name.split(".")[2] if name.startswith("model.layers.") else "rest"
-        by_layer.setdefault(part, {})[name] = shape
-    for part, group in by_layer.items():
-        tensors = {n: (torch.randn(s, device="cuda", generator=g) * 0.02).bfloat16().cpu() for n, s in group.items()}
-        save_file(tensors, str(folder / f"part-{part}.safetensors"), metadata={"format": "pt"})
     return config
 
 
@@ -54,7 +46,8 @@ def main() -> None:
         src, out = Path(tmp) / "src", Path(tmp) / "mx"
         src.mkdir()
         out.mkdir()
-        config = make_source(src, args.layers)
+        config = llama_8b_config(args.layers)
+        write_source(src, config, device="cuda")
         t0 = time.perf_counter()
         quantize_folder(src, out, skip=(), device="cuda", max_shard_bytes=2 * 10**9)
         quantize_s = time.perf_counter() - t0

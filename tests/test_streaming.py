@@ -1,14 +1,16 @@
 """Checkpoints at real size, on CPU: `mxgemm quantize` streams a sharded source into shards with an index, the output
 loads, and the quantizer's peak memory does not grow with the model."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import mxgemm
 from mxgemm.cli import main
@@ -59,30 +61,20 @@ def test_sharded_source_to_sharded_output_and_back(tmp_path, tie):
         assert torch.equal(loaded(ids).logits, reference(ids).logits)
 
 
+_spec = importlib.util.spec_from_file_location(
+    "checkpoint_io", Path(__file__).parents[1] / "bench" / "checkpoint_io.py"
+)
+checkpoint_io = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(checkpoint_io)
+
+
 def _big_source(src, layers=32, hidden=1024, inter=2816) -> int:
     """A Llama-shaped bf16 source of about 0.76 GB in one shard per layer, written without building a model; its
     bytes."""
     src.mkdir()
     config = _config(layers, hidden, inter)
     config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(src)
-    g = torch.Generator().manual_seed(0)
-    names = {"model.embed_tokens.weight": (128, hidden), "model.norm.weight": (hidden,)}
-    names["lm_head.weight"] = (128, hidden)
-    total = 0
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        shapes = {f"{p}.self_attn.{n}_proj.weight": (hidden, hidden) for n in "qo"}
-        shapes |= {f"{p}.self_attn.{n}_proj.weight": (hidden // 2, hidden) for n in "kv"}
-        shapes |= {f"{p}.mlp.{n}_proj.weight": (inter, hidden) for n in ("gate", "up")}
-        shapes |= {f"{p}.mlp.down_proj.weight": (hidden, inter), f"{p}.input_layernorm.weight": (hidden,),
-                   f"{p}.post_attention_layernorm.weight": (hidden,)}  # fmt: skip
-        if i == 0:
-            shapes |= names
-        tensors = {n: (torch.randn(s, generator=g) * 0.02).bfloat16() for n, s in shapes.items()}
-        total += sum(t.numel() * 2 for t in tensors.values())
-        save_file(tensors, str(src / f"part-{i:02d}.safetensors"), metadata={"format": "pt"})
-    return total
+    return checkpoint_io.write_source(src, config)
 
 
 def _run(script: str) -> list[int]:
