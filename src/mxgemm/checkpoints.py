@@ -263,7 +263,7 @@ def load_checkpoint(
     for k in rest:
         if source.shapes[k] != tuple(state[k].shape):
             raise CheckpointError(f"{k} has shape {source.shapes[k]}; the model's is {tuple(state[k].shape)}")
-    groups = _tied_groups(model)  # names sharing one tensor object (tied weights)
+    groups = tied_groups(model)  # names sharing one tensor object (tied weights)
     replaced = {f"{name}.{p}" for name, *_ in plans for p in ("weight", "bias")}
     given = {g for k in rest for g in groups.get(k, (k,))}
     retie = _declared_ties(model)  # ties the model makes itself (transformers' tie_weights) once loaded
@@ -329,7 +329,7 @@ def _all_tensors(model: nn.Module):
                     yield (f"{prefix}.{attr}" if prefix else attr), t
 
 
-def _tied_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
+def tied_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Every tensor name mapped to all the names of the same tensor object (more than one where weights are tied)."""
     by_id: dict[int, list[str]] = {}
     for name, t in _all_tensors(model):

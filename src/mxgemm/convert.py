@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoints import CheckpointError, TensorSource, compressed_tensors_config
+from .checkpoints import CheckpointError, TensorSource, compressed_tensors_config, tied_groups
 from .format import ScaleMode, quantize
 from .models import LayerReport, QuantizeReport, hf_model_class, skip_reason
 
@@ -77,11 +77,7 @@ def _linear_layers(config) -> tuple[dict[str, nn.Linear], dict[str, str]]:
     a model built on the meta device (no memory, no weights)."""
     with torch.device("meta"):
         model = hf_model_class(config).from_config(config)
-    first: dict[int, str] = {}
-    tied = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        tied.update({name: first[id(p)]} if id(p) in first else {})
-        first.setdefault(id(p), name)
+    tied = {alias: names[0] for names in set(tied_groups(model).values()) for alias in names[1:]}
     return {name: m for name, m in model.named_modules() if type(m) is nn.Linear}, tied
 
 
