@@ -76,11 +76,13 @@ def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):
     import torch
 
     import mxgemm
-    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
+    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend, fused_for
 
     ran = []
 
-    def fake_plan(qdata, block_scale, n, k, m, config):
+    def fake_plan(qdata, block_scale, n, k, m, config, fused):
+        assert fused == fused_for(m, n, k)
+
         def launch(x, bias):
             ran.append(("fp8", config))
             return torch.zeros(x.shape[0], n, dtype=torch.bfloat16)
@@ -117,3 +119,13 @@ def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):
     b.run(x64, w, None, tactic={"path": "fp8", "config": tuned})
     b.run(x64, w, None)
     assert ran == [("cublas", None), ("cublas", None)]
+
+
+def test_the_fused_kernel_runs_where_eager_calls_wait_on_the_host():
+    """Up to M = 32 on weights of at most 16Mi elements (there its device time stays under an eager call's host
+    time), outside graph capture; elsewhere quantizer + GEMM."""
+    from mxgemm.backends.hybrid_sm90 import fused_for
+
+    assert fused_for(1, 4096, 4096) == fused_for(32, 3584, 3584) == fused_for(17, 4608, 3584) == "auto"
+    assert fused_for(33, 4096, 4096) is False and fused_for(17, 6144, 4096) is False
+    assert fused_for(1, 28672, 4096) is False

@@ -90,3 +90,76 @@ def test_poisoned_output_is_fully_written():
         out = torch.full((100, 4160), float("nan"), device="cuda", dtype=torch.bfloat16)
         fp8_gemm.fp8_gemm(xq, xs, 100, qd, bs, 4160, cfg, out=out)
         assert torch.isfinite(out).all(), cfg
+
+
+def _kernels_launched(fn) -> list[str]:
+    """The CUDA kernels ``fn`` launches, by name, from the profiler (skips where it sees none)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not names:
+        pytest.skip("the profiler records no CUDA kernels here")
+    return names
+
+
+@pytest.mark.parametrize("m", [1, 17, 33, 64, 100])
+@pytest.mark.parametrize("n,k", [(130, 96), (4160, 4160), (1024, 14336)])
+def test_fused_kernel_gives_the_two_kernels_bits(m, n, k):
+    """One launch that quantizes in shared memory == quantizer + GEMM, bit for bit, for every config whose stages
+    fit (bias, strided rows); the automatic choice runs it eagerly and the two kernels under graph capture."""
+    q, s = random_mx_weight(n, k, seed=n + m, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
+    wide = random_act(m, k + 40, seed=k + m, device="cuda")
+    bias = torch.randn(n, device="cuda").bfloat16()
+    ran = 0
+    for x in (wide[:, :k].contiguous(), wide[:, 8 : k + 8]):  # dense rows, and rows 80 elements apart
+        for cfg in _configs(qd.shape[1]):
+            two = fp8_gemm.fp8_linear(x, qd, bs, n, cfg, bias, fused=False)
+            try:
+                one = fp8_gemm.fp8_linear(x, qd, bs, n, cfg, bias, fused=True)
+            except RuntimeError as exc:
+                assert "exceed shared memory" in str(exc), cfg
+                continue
+            ran += 1
+            assert torch.equal(one, two), cfg
+    assert ran > 10
+
+
+def test_fused_kernel_refuses_what_it_cannot_read_and_auto_falls_back():
+    q, s = random_mx_weight(512, 256, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
+    cfg = {"TN": 32, "RW": 1, "SPLITS": 1, "ST": 2}
+    x = random_act(20, 256 + 1, device="cuda")[:, 1:]  # rows start 2 bytes off 16-byte alignment
+    two = fp8_gemm.fp8_linear(x, qd, bs, 512, cfg, fused=False)
+    assert torch.equal(fp8_gemm.fp8_linear(x, qd, bs, 512, cfg), two)
+    with pytest.raises(RuntimeError, match="failed to launch"):
+        fp8_gemm.fp8_linear(x, qd, bs, 512, cfg, fused=True)
+    with pytest.raises(RuntimeError, match="failed to launch"):
+        fp8_gemm.fp8_linear(x.contiguous().half(), qd, bs, 512, cfg, fused=True)  # bf16 only
+    y16 = fp8_gemm.fp8_linear(x.contiguous().half(), qd, bs, 512, cfg)
+    assert torch.isfinite(y16).all()
+
+
+def test_auto_runs_one_kernel_eagerly_and_two_under_capture():
+    q, s = random_mx_weight(4096, 4096, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
+    x = random_act(32, 4096, device="cuda")
+    cfg = fp8_gemm.default_config(32, *qd.shape, torch.cuda.get_device_properties(0).multi_processor_count)
+    plan = fp8_gemm.linear_plan(qd, bs, 4096, 4096, 32, cfg)
+    eager = plan(x, None)
+    names = _kernels_launched(lambda: plan(x, None))
+    assert len(names) == 1 and "fp8_gemm_kernel" in names[0] and "true" in names[0], names
+    graph = torch.cuda.CUDAGraph()
+    plan(x, None)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        captured = plan(x, None)
+    names = _kernels_launched(graph.replay)
+    assert any("quant_1x128" in n for n in names) and any("false" in n for n in names), names
+    assert torch.equal(captured, eager)

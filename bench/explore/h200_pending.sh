@@ -20,6 +20,7 @@
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
 #   e2e     bench/model_e2e.py: a 32-layer Llama at 8B dimensions through generate, bf16 vs mxgemm, eager and graphs
 #   load    bench/load_gpu.py: an 8B-dimension MXFP8 checkpoint loaded to the GPU (peak against final footprint)
+#   fused   bench/explore/fused_fp8.py: the fused FP8 kernel against quantizer + GEMM, eager and under graph replay
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -55,6 +56,9 @@ for stage in "$@"; do
       tail -12 "$out/pytest_gpu.txt" ;;
     load)
       timeout 500 python3 bench/load_gpu.py --json "$out/load-gpu-h200.json" 2>&1 | tail -14 ;;
+    fused)
+      timeout "${FUSED_S:-300}" python3 bench/explore/fused_fp8.py --json "$out/fused-fp8-h200.json" > /tmp/fused.log 2>&1
+      tail -60 /tmp/fused.log ;;
     e2e)
       timeout 550 python3 bench/model_e2e.py --json "$out/e2e.json" --markdown "$out/e2e.md" > /tmp/e2e.log 2>&1
       tail -12 /tmp/e2e.log ;;

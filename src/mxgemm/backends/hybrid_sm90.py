@@ -29,7 +29,19 @@ from ..kernels.small_m import valid_config as valid_small_m
 from .base import Availability, Backend, PreparedWeight, UnsupportedWeightError, finish_output
 from .cublas_block import blockwise_device_check, cublas_block_linear, prepare_block128
 
-__all__ = ["HybridSM90Backend", "crossover_for", "reencode_max_error"]
+__all__ = ["HybridSM90Backend", "crossover_for", "fused_for", "reencode_max_error"]
+
+
+def fused_for(m: int, n: int, k: int) -> bool | str:
+    """How the FP8 plan launches for M rows of an [n, k] weight (``fp8_gemm.linear_plan``'s ``fused``): the fused
+    kernel outside graph capture ("auto") up to M = 32 on weights of at most 16Mi elements, else quantizer + GEMM.
+
+    Measured on the H200 (bench/explore/results/fused-fp8-h200.json): the fused kernel saves 3-5 µs of an eager call's
+    host time, and there an eager call is bound by host time (about 16-20 µs) while the fused kernel's device time is
+    9-15 µs (4096 x 4096, 3584 x 3584 and 4608 x 3584 at M = 1-32). It quantizes on its consumers' critical path, so
+    its device time grows with the token tile: on larger weights (6144 x 4096: 22 µs at M = 17-32) and from M = 33
+    (the tokens-as-M kernel: 2-5x the two kernels' device time) an eager call would wait for the GPU instead."""
+    return "auto" if m <= 32 and n * k <= 16 * 2**20 else False
 
 
 def crossover_for(n: int, k: int, small_m: bool = True, fp8: bool = False) -> int:
@@ -179,7 +191,7 @@ class HybridSM90Backend(Backend):
             quantize = fp8_gemm.quantize_1x128 if "fp8_sms" in weight.info else None  # CUDA where built, else Triton
             return lambda x, bias: cublas_block_linear(x, weight, bias, quantize=quantize)
         if path == "fp8":
-            fp8 = fp8_gemm.linear_plan(qd, bs, n, k, m, config)
+            fp8 = fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused_for(m, n, k))
             return _bf16_epilogue(lambda x, bias: fp8(x if x.stride(1) == 1 else x.contiguous(), bias), n)
         from ..kernels.w8a16 import default_config, w8a16_linear
 

@@ -4,8 +4,10 @@ quantizer and numerics), with K split over a thread-block cluster so that small 
 where cuBLASLt's blockwise kernel runs few CTAs. Two kernels: swap-AB (64 weight rows as wgmma's M, 8-128 tokens its
 N) and, above M = 32 by default, tokens as wgmma's M (64 or 128 tokens per CTA sharing a 64- or 128-row weight
 tile). The 1x128 activation quantizer is a CUDA kernel of the same library, and :func:`linear_plan` launches it and
-the GEMM (as its programmatic dependent) in one ctypes call, its arguments worked out once. Built with nvcc on first
-use (``kernels/nvcc.py``), loaded with ctypes.
+the GEMM (as its programmatic dependent) in one ctypes call, its arguments worked out once; outside CUDA-graph capture
+that call launches one fused kernel instead, which loads the bf16 activations with TMA and quantizes them in shared
+memory (the same bits, one launch's host time less). Built with nvcc on first use (``kernels/nvcc.py``), loaded with
+ctypes.
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 # W, S, s_stride, X, XS, bias, Y, ldy, M, Mp, N, Np, Kp
 _GEMM_ARGS = [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
 _QUANT_ARGS = [_P, _I, _I, _I, _I, _P, _P, _I, _I, _P]  # X, ldx, x_fp16, M, K, XQ, XS, Mp, Kp, stream
-# X, ldx, x_fp16, K, XQ, XS, W, S, s_stride, bias, Y, ldy, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages, stream
-_LINEAR_ARGS = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, *[_I] * 12, _P]
+# X, ldx, x_fp16, K, XQ, XS, W, S, s_stride, bias, Y, ldy, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages, fused,
+# stream
+_LINEAR_ARGS = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, *[_I] * 13, _P]
+# how mxgemm_fp8_linear launches: quantizer + GEMM, the fused kernel, or the fused one unless the stream is capturing
+_FUSED = {False: 0, True: 1, "auto": 2}
 
 
 @functools.cache
@@ -220,14 +225,25 @@ def quantize_1x128(x: torch.Tensor, rows_multiple: int = 1) -> tuple[torch.Tenso
 
 
 def linear_plan(
-    qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, config: dict
+    qdata: torch.Tensor,
+    block_scale: torch.Tensor,
+    n: int,
+    k: int,
+    m: int,
+    config: dict,
+    fused: bool | str = "auto",
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
     """``(x, bias) -> y`` for M rows on this weight and config: ``x`` [M, k] bf16/fp16 (unit stride along K),
-    ``bias`` contiguous bf16 [n] or None, ``y`` bf16 [M, n]. Quantizer and GEMM launch in one ctypes call whose
-    arguments, but for the pointers of ``x``, ``bias`` and the fresh buffers, are computed here, once."""
+    ``bias`` contiguous bf16 [n] or None, ``y`` bf16 [M, n]. One ctypes call, whose arguments but for the pointers of
+    ``x``, ``bias`` and the fresh buffer are computed here, once, launches either the quantizer and the GEMM as its
+    programmatic dependent (``fused=False``) or one kernel that quantizes in shared memory (``True``: bf16 ``x`` with
+    16-byte aligned rows, and the config's stages, which grow by the bf16 tile, within shared memory); both give the
+    same bits. ``"auto"``: the fused kernel where it can run and the stream is not capturing a CUDA graph (eager
+    calls are bound by host time, and it saves a launch), else the two (under graph replay only device time counts).
+    """
     np_, kp = qdata.shape
-    if not valid_config(config, kp):
-        raise ValueError(f"the FP8 kernel cannot run config {config} on a [{np_}, {kp}] weight")
+    if not valid_config(config, kp) or fused not in _FUSED:
+        raise ValueError(f"the FP8 kernel cannot run config {config} (fused={fused!r}) on a [{np_}, {kp}] weight")
     tokm = "WN" in config
     mp, _ = padded_1x128_shape(m, k, config["TN"] if tokm else 1)  # whole token tiles: no box reads past the tensor
     q_bytes = mp * kp
@@ -239,7 +255,7 @@ def linear_plan(
     fn = library(torch.cuda.get_device_capability(device)).mxgemm_fp8_linear
     weight_args = (qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0))
     shape_args = (n, m, mp, n, np_, kp, int(tokm), config["TN"], config["WN"] if tokm else config["RW"],
-                  config.get("KC", 1), config["SPLITS"], config["ST"])  # fmt: skip
+                  config.get("KC", 1), config["SPLITS"], config["ST"], _FUSED[fused])  # fmt: skip
     index = device.index
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -249,7 +265,8 @@ def linear_plan(
         err = fn(x.data_ptr(), x.stride(0), x.dtype == torch.float16, k, xq, xq + q_bytes, *weight_args,
                  None if bias is None else bias.data_ptr(), y, *shape_args, raw_stream(index))  # fmt: skip
         if err:
-            raise RuntimeError(f"mxgemm FP8 linear failed to launch (cudaError {err}) for M={m} config {config}")
+            why = "the fused kernel's stages exceed shared memory" if err < 0 else f"cudaError {err}"
+            raise RuntimeError(f"mxgemm FP8 linear failed to launch ({why}) for M={m} config {config} fused={fused}")
         return buf[:m]
 
     return launch
@@ -262,10 +279,11 @@ def fp8_linear(
     n: int,
     config: dict,
     bias: torch.Tensor | None = None,
+    fused: bool | str = "auto",
 ) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16, quantized per 1x128, times the re-encoded weight (+ a bf16 ``bias``) -> bf16 [M, n]
-    (the numerics of ``cublas_block_linear``)."""
+    (the numerics of ``cublas_block_linear``); ``fused`` as for :func:`linear_plan`."""
     if x.stride(1) != 1:
         x = x.contiguous()
     check_bf16_bias(bias, n)
-    return linear_plan(qdata, block_scale, n, x.shape[1], x.shape[0], config)(x, bias)
+    return linear_plan(qdata, block_scale, n, x.shape[1], x.shape[0], config, fused)(x, bias)

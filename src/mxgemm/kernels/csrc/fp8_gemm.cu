@@ -88,6 +88,95 @@ __device__ __forceinline__ float2 lds2(const float* p) {  // p 8-byte aligned
   return v;
 }
 
+__device__ __forceinline__ uint4 lds_u4(const void* p) {  // p 16-byte aligned
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem_u32(p)));
+  return v;
+}
+__device__ __forceinline__ void sts_u2(void* p, uint2 v) {  // p 8-byte aligned
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(smem_u32(p)), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ void sts_f32(float* p, float v) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(smem_u32(p)), "f"(v) : "memory");
+}
+
+// The 1x128 rule (bit-exact to mxgemm.block128.quantize_1x128) on one lane's N consecutive values of a 128-wide group
+// held by LANES aligned consecutive lanes: amax floored at 2^-64, q = satfinite_e4m3(clamp(x * (448 / amax))) with
+// IEEE divisions; the e4m3 bytes into `bits` (element i in byte i % 4 of word i / 4); returns amax / 448, the scale.
+template <int N, int LANES>
+__device__ __forceinline__ float quant_values(const float (&v)[N], uint32_t (&bits)[N / 4]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int off = LANES / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  amax = fmaxf(amax, 0x1p-64f);
+  const float inv = __fdiv_rn(448.f, amax);
+#pragma unroll
+  for (int i = 0; i < N; i += 2) {
+    const float lo = fminf(fmaxf(__fmul_rn(v[i], inv), -448.f), 448.f);
+    const float hi = fminf(fmaxf(__fmul_rn(v[i + 1], inv), -448.f), 448.f);
+    uint16_t pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+    if (i % 4 == 0) bits[i / 4] = pair;
+    else bits[i / 4] |= (uint32_t)pair << 16;
+  }
+  return __fdiv_rn(amax, 448.f);
+}
+
+// 8 bf16 (one uint4) -> floats
+__device__ __forceinline__ void unpack8(uint4 raw, float* v) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
+    v[2 * i] = __low2float(b);
+    v[2 * i + 1] = __high2float(b);
+  }
+}
+
+// In-kernel quantization (the fused kernels): the ROWS bf16 activation rows of one 128-deep K block, as TMA copied
+// them (unswizzled, 256 bytes a row, zeros past M and K), into e4m3 at `dst` laid out as TMA's 128-byte swizzle would
+// have written them, and their scales into `xsc`, by the WARPS warps that share the tile (this one: w). 8 lanes take
+// a row, 4 rows a warp at a time: lane j holds elements 8j..8j+7 and 64+8j..64+8j+7 (conflict-free reads), and the
+// loads of two such passes are in flight together. Then the async-proxy fence (wgmma reads `dst`) and the group's
+// named barrier `bar`.
+template <int ROWS, int WARPS>
+__device__ __forceinline__ void quantize_tile(const uint8_t* src, uint8_t* dst, float* xsc, int w, int lane,
+                                              int bar) {
+  constexpr int PASSES = (ROWS + 4 * WARPS - 1) / (4 * WARPS);
+  const int j = lane % 8;
+#pragma unroll
+  for (int p0 = 0; p0 < PASSES; p0 += 2) {
+    uint4 raw[2][2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int r = ((p0 + q) * WARPS + w) * 4 + lane / 8;
+      if (p0 + q < PASSES && r < ROWS) {
+        raw[q][0] = lds_u4(src + r * 2 * BK + 16 * j);
+        raw[q][1] = lds_u4(src + r * 2 * BK + BK + 16 * j);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int base = ((p0 + q) * WARPS + w) * 4, r = base + lane / 8;
+      if (p0 + q >= PASSES || base >= ROWS) continue;  // warp-uniform: ROWS % 4 == 0
+      float v[16];
+      unpack8(raw[q][0], v);
+      unpack8(raw[q][1], v + 8);
+      uint32_t bits[4];
+      const float scale = quant_values<16, 8>(v, bits);
+      uint8_t* row = dst + r * BK + 8 * (j % 2);
+      sts_u2(row + (((j / 2) ^ (r % 8)) * 16), make_uint2(bits[0], bits[1]));
+      sts_u2(row + (((4 + j / 2) ^ (r % 8)) * 16), make_uint2(bits[2], bits[3]));
+      if (j == 0) sts_f32(xsc + r, scale);
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(32 * WARPS) : "memory");
+}
+
 // shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128-byte swizzle: 8-row groups 1024
 // bytes apart; the start address moves by 32 bytes per 32-deep K step inside the swizzle span. The address sits in
 // the low 14 bits in 16-byte units, so moving the tile by d bytes (d % 16 == 0, inside shared memory) adds d / 16.
@@ -199,24 +288,27 @@ __device__ __forceinline__ void mma_block(float (&blk)[N / 2], uint64_t* full, i
 // The producer warp's lane 0 of either kernel: each 128-deep K block's weight tile (WR rows, in boxes of 64, at byte
 // WOFF of the stage) and activation tile (TN tokens at byte XOFF) into the ring's next stage with TMA, and its token
 // scales (a bulk copy of xs_bytes) into xsc, all completing on the stage's `full` mbarrier; a stage is refilled once
-// its `empty` mbarrier says the consumers are done with it. The weight does not depend on the kernel before this one
-// (the activation quantizer): with programmatic dependent launch this grid starts early, so the first stages' weight
-// tiles load while that kernel runs.
-template <int ST, int STAGE, int WR, int WOFF, int TN, int XOFF>
+// its `empty` mbarrier says the consumers are done with it. QX (the fused kernels): the activation tile is the bf16
+// rows themselves (TN x 256 bytes at XOFF, unswizzled), which the consumers quantize; no token scales are copied.
+// The weight does not depend on the kernel before this one (the activation quantizer, or whatever wrote the
+// activations): with programmatic dependent launch this grid starts early, so the first stages' weight tiles load
+// while that kernel runs.
+template <int ST, int STAGE, int WR, int WOFF, int TN, int XOFF, bool QX>
 __device__ __forceinline__ void produce(const CUtensorMap& wmap, const CUtensorMap& xmap, const Args& a,
                                         uint8_t* smem, float* xsc, uint64_t* full, uint64_t* empty, int row0, int tok0,
                                         int kb0, int xs_bytes) {
+  const int tx = WR * BK + (QX ? TN * 2 * BK : TN * BK + xs_bytes);
   auto weights = [&](int s, int it) {
     for (int r = 0; r < WR / ROWS; ++r)
       tma_load(smem + s * STAGE + WOFF + r * ROWS * BK, &wmap, (kb0 + it) * BK, row0 + r * ROWS, &full[s]);
   };
   auto activations = [&](int s, int it) {
     tma_load(smem + s * STAGE + XOFF, &xmap, (kb0 + it) * BK, tok0, &full[s]);
-    bulk_load(xsc + s * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[s]);
+    if (!QX) bulk_load(xsc + s * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[s]);
   };
   const int pre = a.kblocks < ST ? a.kblocks : ST;
   for (int it = 0; it < pre; ++it) {
-    mbar_expect_tx(&full[it], STAGE + xs_bytes);
+    mbar_expect_tx(&full[it], tx);
     weights(it, it);
   }
   griddep_wait();
@@ -224,18 +316,19 @@ __device__ __forceinline__ void produce(const CUtensorMap& wmap, const CUtensorM
   for (int it = pre; it < a.kblocks; ++it) {
     const int s = it % ST;
     mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);  // the consumers are done with its last use
-    mbar_expect_tx(&full[s], STAGE + xs_bytes);
+    mbar_expect_tx(&full[s], tx);
     weights(s, it);
     activations(s, it);
   }
 }
 
-template <int TN, int RW, int ST, int KC>
+template <int TN, int RW, int ST, int KC, bool QX>
 __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                  const __grid_constant__ CUtensorMap xmap,
                                                                  const Args a) {
-  constexpr int WB = RW * ROWS * BK;   // weight bytes per stage
-  constexpr int STAGE = WB + TN * BK;  // + activation bytes; a multiple of 1024, as the swizzle needs
+  constexpr int WB = RW * ROWS * BK;  // weight bytes per stage
+  // + e4m3 activation bytes (+ with QX their bf16 rows after them); a multiple of 1024, as the swizzle needs
+  constexpr int STAGE = WB + TN * BK + (QX ? TN * 2 * BK : 0);
   static_assert(STAGE % 1024 == 0, "stages must stay 1024-byte aligned");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -262,9 +355,11 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
 #pragma unroll
   for (int i = 0; i < TN / 2; ++i) acc[i] = 0.f;
 
-  if (wg == RW * KC) {  // producer: weight tiles first in the stage, the activation tile after them
+  if (wg == RW * KC) {  // producer: weight tiles first in the stage, the activation tile after them (QX: the bf16
+                        // rows after the e4m3 tile that the consumers write)
     if (lane == 0)
-      produce<ST, STAGE, RW * ROWS, 0, TN, WB>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0, xs_bytes);
+      produce<ST, STAGE, RW * ROWS, 0, TN, QX ? WB + TN * BK : WB, QX>(wmap, xmap, a, smem, xsc, full, empty, row0,
+                                                                      tok0, kb0, xs_bytes);
   } else {  // consumers: RW x KC warpgroups
     // the weight scales (which do not depend on the kernel before either) staged once, while the first tiles load
     for (int i = tid; i < RW * a.kblocks; i += NC)
@@ -272,7 +367,7 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
     // the token-scale slots past Mp are never copied: zero them once (their tokens' activations are zero-filled, and
     // stale shared memory could hold a NaN), so that the loop reads every slot unmasked
     const int valid = a.Mp - tok0;
-    if (valid < TN)
+    if (!QX && valid < TN)
       for (int i = tid; i < ST * TN; i += NC)
         if (i % TN >= valid) xsc[i] = 0.f;
     // the stage-0 descriptors of this warpgroup's weight tile and of the activation tile; stage s adds s * STAGE / 16
@@ -283,6 +378,11 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
     for (int i = 0; i < TN / 2; ++i) blk[i] = 0.f;
     for (int it = kc; it < a.kblocks; it += KC) {
       const int s = it % ST;
+      if constexpr (QX) {  // the RW warpgroups of this K-block group quantize the stage's activations together
+        mbar_wait(&full[s], (it / ST) & 1);
+        quantize_tile<TN, 4 * RW>(smem + s * STAGE + WB + TN * BK, smem + s * STAGE + WB, xsc + s * TN,
+                                  4 * r + warp % 4, lane, 2 + kc);
+      }
       mma_block<TN, ST, STAGE>(blk, full, it, dw0, dx0);
       const float sw = lds(wsc + r * a.kblocks + it);
       float tsc[TN / 8][2];  // this thread's tokens' scales times the weight block's (zero past Mp)
@@ -334,13 +434,14 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
 // instruction's N, inside one 128-row scale block), so a stage's weight tile is read once for 64 * TW tokens and each
 // thread promotes with two token scales and one weight scale per K block (the swap-AB kernel above reads TN / 4 token
 // scales). The ring, its producer, the K split over a cluster and the numerics are the swap-AB kernel's.
-template <int WN, int TW, int ST>
+template <int WN, int TW, int ST, bool QX>
 __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                     const __grid_constant__ CUtensorMap xmap,
                                                                     const Args a) {
-  constexpr int TN = 64 * TW;           // tokens per CTA
-  constexpr int XB = TN * BK;           // activation bytes per stage
-  constexpr int STAGE = XB + WN * BK;   // + weight bytes; a multiple of 1024, as the swizzle needs
+  constexpr int TN = 64 * TW;  // tokens per CTA
+  constexpr int XB = TN * BK;  // e4m3 activation bytes per stage
+  // + weight bytes (+ with QX the activations' bf16 rows after them); a multiple of 1024, as the swizzle needs
+  constexpr int STAGE = XB + WN * BK + (QX ? TN * 2 * BK : 0);
   static_assert(STAGE % 1024 == 0 && WN % ROWS == 0 && WN <= 128, "stages must stay 1024-byte aligned");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -364,13 +465,15 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
 #pragma unroll
   for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
 
-  if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it
+  if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it (QX: the bf16 rows
+                   // after the weight tile, for the consumers to quantize into the first)
     if (lane == 0)
-      produce<ST, STAGE, WN, XB, TN, 0>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0, xs_bytes);
+      produce<ST, STAGE, WN, XB, TN, QX ? XB + WN * BK : 0, QX>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0,
+                                                                xs_bytes);
   } else {  // consumers
     for (int i = tid; i < a.kblocks; i += CT) wsc[i] = __ldg(a.S + (size_t)(row0 / 128) * a.s_stride + kb0 + i);
     const int valid = a.Mp - tok0;  // token-scale slots past Mp zeroed once, as in the swap-AB kernel
-    if (valid < TN)
+    if (!QX && valid < TN)
       for (int i = tid; i < ST * TN; i += CT)
         if (i % TN >= valid) xsc[i] = 0.f;
     const uint64_t dx0 = desc_sw128(smem_u32(smem) + wg * 64 * BK), dw0 = desc_sw128(smem_u32(smem) + XB);
@@ -380,6 +483,11 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
     for (int i = 0; i < WN / 2; ++i) blk[i] = 0.f;
     for (int it = 0; it < a.kblocks; ++it) {
       const int s = it % ST;
+      if constexpr (QX) {  // each consumer warpgroup quantizes its own 64 tokens of the stage
+        mbar_wait(&full[s], (it / ST) & 1);
+        quantize_tile<64, 4>(smem + s * STAGE + XB + WN * BK + wg * 64 * 2 * BK, smem + s * STAGE + wg * 64 * BK,
+                             xsc + s * TN + wg * 64, warp % 4, lane, 2 + wg);
+      }
       mma_block<WN, ST, STAGE>(blk, full, it, dx0, dw0);
       const float sw = lds(wsc + it);
       const float x0 = lds(xsc + s * TN + trow) * sw, x1 = lds(xsc + s * TN + trow + 8) * sw;
@@ -420,10 +528,9 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
   }
 }
 
-// The 1x128 activation quantizer (bit-exact to mxgemm.block128.quantize_1x128): a warp per row and 128-wide K
-// group, 4 elements a lane; amax floored at 2^-64, q = satfinite_e4m3(clamp(x * (448 / amax))) with IEEE divisions,
-// scale = amax / 448 written K-group-major ([Kp/128, Mp]); rows past M and columns past K are zeros. It lets the
-// GEMM launched after it as a programmatic dependent start at once.
+// The 1x128 activation quantizer (quant_values' rule): a warp per row and 128-wide K group, 4 elements a lane; scale
+// written K-group-major ([Kp/128, Mp]); rows past M and columns past K are zeros. It lets the GEMM launched after it
+// as a programmatic dependent start at once.
 template <typename T>
 __global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ X, int ldx, int M, int K,
                                                           uint32_t* __restrict__ Q, float* __restrict__ XS, int Mp,
@@ -431,32 +538,18 @@ __global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ 
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32, col = blockIdx.y * BK + 4 * lane;
   float v[4];
-  float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[i] = row < M && col + i < K ? static_cast<float>(X[(size_t)row * ldx + col + i]) : 0.f;
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  amax = fmaxf(amax, 0x1p-64f);
-  const float inv = __fdiv_rn(448.f, amax);
-  uint32_t bits = 0;
-#pragma unroll
-  for (int i = 0; i < 4; i += 2) {
-    const float lo = fminf(fmaxf(__fmul_rn(v[i], inv), -448.f), 448.f);
-    const float hi = fminf(fmaxf(__fmul_rn(v[i + 1], inv), -448.f), 448.f);
-    uint16_t pair;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
-    bits |= (uint32_t)pair << (16 * (i / 2));
-  }
-  Q[((size_t)row * Kp + col) / 4] = bits;
-  if (lane == 0) XS[(size_t)blockIdx.y * Mp + row] = __fdiv_rn(amax, 448.f);
+  for (int i = 0; i < 4; ++i) v[i] = row < M && col + i < K ? static_cast<float>(X[(size_t)row * ldx + col + i]) : 0.f;
+  uint32_t bits[1];
+  const float scale = quant_values<4, 32>(v, bits);
+  Q[((size_t)row * Kp + col) / 4] = bits[0];
+  if (lane == 0) XS[(size_t)blockIdx.y * Mp + row] = scale;
 }
 
-// a 2-D tensor map over a row-major e4m3 matrix [rows, cols] (cols % 16 == 0), boxes of [box_rows x 128] with the
-// 128-byte swizzle; rows past the matrix read as zeros
-int make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_rows) {
+// a 2-D tensor map over a row-major matrix [rows, cols] with row stride `ld` elements, boxes of [box_rows x 128]:
+// e4m3 with the 128-byte swizzle, or (bf16) bf16 unswizzled (the fused kernels' activations; ld % 8 == 0 and a
+// 16-byte aligned `ptr`); elements past the matrix read as zeros
+int make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int ld, int box_rows, bool bf16) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (!encode) {
     void* fn = nullptr;
@@ -467,44 +560,60 @@ int make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_rows
       return (int)cudaErrorNotSupported;
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
-  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)cols};
+  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)ld * (bf16 ? 2 : 1)};
   const cuuint32_t box[2] = {BK, (cuuint32_t)box_rows}, elem[2] = {1, 1};
-  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides, box, elem,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const CUresult res = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+                              const_cast<void*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              bf16 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return res == CUDA_SUCCESS ? 0 : (int)cudaErrorInvalidValue;
 }
 
-// make_map through a small per-thread cache: a map encodes only the pointer, shape and box, so an entry with the same
-// four stays valid (eager calls reuse the weight's map, and the activation buffer's whenever the allocator hands the
-// same address back)
-int cached_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_rows) {
+// make_map through a small per-thread cache: a map encodes only the pointer, shape, stride, box and type, so an entry
+// with the same six stays valid (eager calls reuse the weight's map, and the activation buffer's whenever the
+// allocator hands the same address back)
+int cached_map(CUtensorMap* map, const void* ptr, int rows, int cols, int ld, int box_rows, bool bf16) {
   struct Entry {
     const void* ptr;
-    int rows, cols, box_rows;
+    int rows, cols, ld, box_rows;
+    bool bf16;
     CUtensorMap map;
   };
   thread_local Entry cache[64] = {};
   Entry& e = cache[((reinterpret_cast<uintptr_t>(ptr) >> 7) ^ (uintptr_t)rows ^ ((uintptr_t)box_rows << 3)) % 64];
-  if (e.ptr == ptr && e.rows == rows && e.cols == cols && e.box_rows == box_rows) {
+  if (e.ptr == ptr && e.rows == rows && e.cols == cols && e.ld == ld && e.box_rows == box_rows && e.bf16 == bf16) {
     *map = e.map;
     return 0;
   }
-  const int err = make_map(map, ptr, rows, cols, box_rows);
-  if (!err) e = Entry{ptr, rows, cols, box_rows, *map};
+  const int err = make_map(map, ptr, rows, cols, ld, box_rows, bf16);
+  if (!err) e = Entry{ptr, rows, cols, ld, box_rows, bf16, *map};
   return err;
 }
 
+// what the launchers return when a config's shared memory exceeds the device's (the fused kernels' larger stages):
+// the automatic choice then runs the two kernels
+constexpr int kSmemTooLarge = -1;
+
 using Kernel = void (*)(const CUtensorMap, const CUtensorMap, const Args);
+
+// The activations a GEMM kernel reads: the quantizer's e4m3 [Mp, Kp] (bf16 false), or for the fused kernels the
+// bf16 rows [M, k] themselves with row stride `ld`
+struct Activations {
+  const void* ptr;
+  bool bf16;
+  int ld, k;
+};
 
 // Launches either kernel: weight tensor map in boxes of 64 rows, activation map in boxes of `tokens` rows, a grid of
 // (weight tiles of `rows`, K splits as one cluster, token tiles), `smem` bytes of shared memory (raised to the
 // device's opt-in limit once per kernel: `max_smem`, per device), as a programmatic dependent when `pdl`.
-int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const void* X, const Args& a, int splits,
+int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const Activations& x, const Args& a, int splits,
                   int rows, int tokens, int threads, int smem, int pdl, cudaStream_t st) {
   CUtensorMap wmap, xmap;
-  int err = cached_map(&wmap, W, a.Np, a.Kp, ROWS);
-  if (!err) err = cached_map(&xmap, X, a.Mp, a.Kp, tokens);
+  int err = cached_map(&wmap, W, a.Np, a.Kp, a.Kp, ROWS, false);
+  if (!err)
+    err = x.bf16 ? cached_map(&xmap, x.ptr, a.M, x.k, x.ld, tokens, true)
+                 : cached_map(&xmap, x.ptr, a.Mp, a.Kp, a.Kp, tokens, false);
   if (err) return err;
   int device = 0;
   cudaError_t cerr = cudaGetDevice(&device);
@@ -516,7 +625,7 @@ int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const void*
     if (cerr != cudaSuccess) return (int)cerr;
     if (device < 64) max_smem[device] = limit;
   }
-  if (smem > limit) return (int)cudaErrorInvalidValue;
+  if (smem > limit) return kSmemTooLarge;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((a.Np + rows - 1) / rows, splits, (a.M + tokens - 1) / tokens);
   config.blockDim = dim3(threads);
@@ -549,22 +658,24 @@ constexpr int smem_bytes(int ST, int stage, int TN, int wsc, int red) {
   return (ring > red ? ring : red) + 1024;
 }
 
-template <int TN, int RW, int ST, int KC>
-int launch(const void* W, const void* X, Args a, int splits, int pdl, cudaStream_t st) {
+template <int TN, int RW, int ST, int KC, bool QX>
+int launch(const void* W, const Activations& x, Args a, int splits, int pdl, cudaStream_t st) {
   if (!split_k(a, splits)) return (int)cudaErrorInvalidValue;
   static int max_smem[64] = {};
-  const int smem = smem_bytes(ST, RW * ROWS * BK + TN * BK, TN, RW * a.kblocks, RW * TN / 2 * 128 * 4);
-  return launch_kernel(fp8_gemm_kernel<TN, RW, ST, KC>, max_smem, W, X, a, splits, RW * ROWS, TN, 128 * RW * KC + 32,
-                       smem, pdl, st);
+  const int stage = RW * ROWS * BK + TN * BK + (QX ? TN * 2 * BK : 0);
+  const int smem = smem_bytes(ST, stage, TN, RW * a.kblocks, RW * TN / 2 * 128 * 4);
+  return launch_kernel(fp8_gemm_kernel<TN, RW, ST, KC, QX>, max_smem, W, x, a, splits, RW * ROWS, TN,
+                       128 * RW * KC + 32, smem, pdl, st);
 }
 
-template <int WN, int TW, int ST>
-int launch_tokm(const void* W, const void* X, Args a, int splits, int pdl, cudaStream_t st) {
+template <int WN, int TW, int ST, bool QX>
+int launch_tokm(const void* W, const Activations& x, Args a, int splits, int pdl, cudaStream_t st) {
   if (!split_k(a, splits)) return (int)cudaErrorInvalidValue;
   static int max_smem[64] = {};
-  const int smem = smem_bytes(ST, (64 * TW + WN) * BK, 64 * TW, a.kblocks, WN / 2 * 128 * TW * 4);
-  return launch_kernel(fp8_gemm_tokm_kernel<WN, TW, ST>, max_smem, W, X, a, splits, WN, 64 * TW, 128 * TW + 32, smem,
-                       pdl, st);
+  const int stage = (64 * TW + WN) * BK + (QX ? 64 * TW * 2 * BK : 0);
+  const int smem = smem_bytes(ST, stage, 64 * TW, a.kblocks, WN / 2 * 128 * TW * 4);
+  return launch_kernel(fp8_gemm_tokm_kernel<WN, TW, ST, QX>, max_smem, W, x, a, splits, WN, 64 * TW, 128 * TW + 32,
+                       smem, pdl, st);
 }
 
 // f(std::integral_constant<int, ST>{}) for a ring depth of 2, 4 or 6
@@ -576,10 +687,11 @@ int by_stages(int stages, F f) {
   return (int)cudaErrorInvalidValue;
 }
 
-template <int RW, int KC>
-int launch_tn(const void* W, const void* X, const Args& a, int tn, int splits, int stages, int pdl, cudaStream_t st) {
+template <int RW, int KC, bool QX>
+int launch_tn(const void* W, const Activations& x, const Args& a, int tn, int splits, int stages, int pdl,
+              cudaStream_t st) {
   auto tile = [&](auto tn) {
-    return by_stages(stages, [&](auto s) { return launch<tn.value, RW, s.value, KC>(W, X, a, splits, pdl, st); });
+    return by_stages(stages, [&](auto s) { return launch<tn.value, RW, s.value, KC, QX>(W, x, a, splits, pdl, st); });
   };
   if (tn == 8) return tile(std::integral_constant<int, 8>{});
   if (tn == 16) return tile(std::integral_constant<int, 16>{});
@@ -589,9 +701,38 @@ int launch_tn(const void* W, const void* X, const Args& a, int tn, int splits, i
   return (int)cudaErrorInvalidValue;
 }
 
-template <int WN, int TW>
-int launch_tokm_st(const void* W, const void* X, const Args& a, int splits, int stages, int pdl, cudaStream_t st) {
-  return by_stages(stages, [&](auto s) { return launch_tokm<WN, TW, s.value>(W, X, a, splits, pdl, st); });
+template <bool QX>
+int gemm(const void* W, const Activations& x, const Args& a, int tokm, int tn, int rows, int kc, int splits,
+         int stages, int pdl, cudaStream_t st) {
+  auto tokm_st = [&](auto wn, auto tw) {
+    return by_stages(stages, [&](auto s) {
+      return launch_tokm<wn.value, tw.value, s.value, QX>(W, x, a, splits, pdl, st);
+    });
+  };
+  using I64 = std::integral_constant<int, 64>;
+  using I128 = std::integral_constant<int, 128>;
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  if (tokm) {
+    if (tn == 64 && rows == 64) return tokm_st(I64{}, I1{});
+    if (tn == 64 && rows == 128) return tokm_st(I128{}, I1{});
+    if (tn == 128 && rows == 64) return tokm_st(I64{}, I2{});
+    if (tn == 128 && rows == 128) return tokm_st(I128{}, I2{});
+    return (int)cudaErrorInvalidValue;
+  }
+  if (rows == 2 && kc == 1) return launch_tn<2, 1, QX>(W, x, a, tn, splits, stages, pdl, st);
+  if (rows == 1 && kc == 1) return launch_tn<1, 1, QX>(W, x, a, tn, splits, stages, pdl, st);
+  if (rows == 1 && kc == 2) return launch_tn<1, 2, QX>(W, x, a, tn, splits, stages, pdl, st);
+  return (int)cudaErrorInvalidValue;
+}
+
+int gemm_xq(const void* W, const void* S, int s_stride, const void* XQ, const void* XS, const void* bias, void* Y,
+            int ldy, int M, int Mp, int N, int Np, int Kp, int tokm, int tn, int rows, int kc, int splits, int stages,
+            int pdl, cudaStream_t st) {
+  if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
+  const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0,
+               (const __nv_bfloat16*)bias};
+  return gemm<false>(W, Activations{XQ, false, Kp, Kp}, a, tokm, tn, rows, kc, splits, stages, pdl, st);
 }
 
 }  // namespace
@@ -604,14 +745,8 @@ int launch_tokm_st(const void* W, const void* X, const Args& a, int splits, int 
 extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const void* X, const void* XS,
                                const void* bias, void* Y, int ldy, int M, int Mp, int N, int Np, int Kp, int tn,
                                int rw, int kc, int splits, int stages, int pdl, void* stream) {
-  if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
-  const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0,
-               (const __nv_bfloat16*)bias};
-  cudaStream_t st = (cudaStream_t)stream;
-  if (rw == 2 && kc == 1) return launch_tn<2, 1>(W, X, a, tn, splits, stages, pdl, st);
-  if (rw == 1 && kc == 1) return launch_tn<1, 1>(W, X, a, tn, splits, stages, pdl, st);
-  if (rw == 1 && kc == 2) return launch_tn<1, 2>(W, X, a, tn, splits, stages, pdl, st);
-  return (int)cudaErrorInvalidValue;
+  return gemm_xq(W, S, s_stride, X, XS, bias, Y, ldy, M, Mp, N, Np, Kp, 0, tn, rw, kc, splits, stages, pdl,
+                 (cudaStream_t)stream);
 }
 
 // Tokens as wgmma's M: tn tokens per CTA (64, 128: a consumer warpgroup per 64), wn weight rows per CTA (64, 128);
@@ -619,15 +754,8 @@ extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const
 extern "C" int mxgemm_fp8_gemm_tokm(const void* W, const void* S, int s_stride, const void* X, const void* XS,
                                     const void* bias, void* Y, int ldy, int M, int Mp, int N, int Np, int Kp, int tn,
                                     int wn, int splits, int stages, int pdl, void* stream) {
-  if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
-  const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0,
-               (const __nv_bfloat16*)bias};
-  cudaStream_t st = (cudaStream_t)stream;
-  if (tn == 64 && wn == 64) return launch_tokm_st<64, 1>(W, X, a, splits, stages, pdl, st);
-  if (tn == 64 && wn == 128) return launch_tokm_st<128, 1>(W, X, a, splits, stages, pdl, st);
-  if (tn == 128 && wn == 64) return launch_tokm_st<64, 2>(W, X, a, splits, stages, pdl, st);
-  if (tn == 128 && wn == 128) return launch_tokm_st<128, 2>(W, X, a, splits, stages, pdl, st);
-  return (int)cudaErrorInvalidValue;
+  return gemm_xq(W, S, s_stride, X, XS, bias, Y, ldy, M, Mp, N, Np, Kp, 1, tn, wn, 1, splits, stages, pdl,
+                 (cudaStream_t)stream);
 }
 
 // The 1x128 quantizer alone: x [M, K] bf16 (x_fp16 = 0) or fp16 with row stride ldx, into xq [Mp, Kp] e4m3 and
@@ -645,16 +773,32 @@ extern "C" int mxgemm_quant_1x128(const void* X, int ldx, int x_fp16, int M, int
   return (int)cudaGetLastError();
 }
 
-// One call for a whole FP8 linear: the quantizer, then the GEMM as its programmatic dependent (tokm: tokens-as-M
-// kernel with `rows` = wn, else swap-AB with `rows` = rw); arguments as above.
+// One call for a whole FP8 linear (tokm: tokens-as-M kernel with `rows` = wn, else swap-AB with `rows` = rw; other
+// arguments as above), one of two ways with the same result bit for bit: the quantizer into XQ / XS, then the GEMM
+// as its programmatic dependent (fused = 0); or one fused kernel that loads the bf16 rows with TMA and quantizes
+// them in shared memory (fused = 1: bf16 x, ldx % 8 == 0, x 16-byte aligned, the larger stages within the device's
+// shared memory). fused = 2: the fused kernel where it can run and the stream is not being captured (it saves a
+// launch's host time; under graph replay the two kernels' device time is what counts), else the two.
 extern "C" int mxgemm_fp8_linear(const void* X, int ldx, int x_fp16, int K, void* XQ, void* XS, const void* W,
                                  const void* S, int s_stride, const void* bias, void* Y, int ldy, int M, int Mp, int N,
-                                 int Np, int Kp, int tokm, int tn, int rows, int kc, int splits, int stages,
+                                 int Np, int Kp, int tokm, int tn, int rows, int kc, int splits, int stages, int fused,
                                  void* stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  const bool fusable = !x_fp16 && ldx % 8 == 0 && reinterpret_cast<uintptr_t>(X) % 16 == 0 && K % 32 == 0 && K <= Kp;
+  if (fused == 1 && !fusable) return (int)cudaErrorInvalidValue;
+  if (fused == 2 && fusable) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t cerr = cudaStreamIsCapturing(st, &capture);
+    if (cerr != cudaSuccess) return (int)cerr;
+    if (capture != cudaStreamCaptureStatusNone) fused = 0;
+  }
+  if (fused && fusable && M >= 1) {
+    const Args a{(const float*)S, s_stride, nullptr, (__nv_bfloat16*)Y, M, M, N, Np, Kp, ldy, 0,
+                 (const __nv_bfloat16*)bias};
+    const int err = gemm<true>(W, Activations{X, true, ldx, K}, a, tokm, tn, rows, kc, splits, stages, 0, st);
+    if (err != kSmemTooLarge || fused == 1) return err;
+  }
   const int err = mxgemm_quant_1x128(X, ldx, x_fp16, M, K, XQ, XS, Mp, Kp, stream);
   if (err) return err;
-  if (tokm) return mxgemm_fp8_gemm_tokm(W, S, s_stride, XQ, XS, bias, Y, ldy, M, Mp, N, Np, Kp, tn, rows, splits,
-                                        stages, 1, stream);
-  return mxgemm_fp8_gemm(W, S, s_stride, XQ, XS, bias, Y, ldy, M, Mp, N, Np, Kp, tn, rows, kc, splits, stages, 1,
-                         stream);
+  return gemm_xq(W, S, s_stride, XQ, XS, bias, Y, ldy, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages, 1, st);
 }
