@@ -56,3 +56,17 @@ def hybrid_twin(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, quantized:
 
     weight = EmulationBackend().prepare(q, s, "hybrid-block128", crossover=1 if quantized else 2**31)
     return emulate_linear(x, weight, None)
+
+
+def kernels_launched(fn) -> list[str]:
+    """The CUDA kernels ``fn`` launches, by name, as the profiler records them (skips where it records none)."""
+    import pytest
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not names:
+        pytest.skip("the profiler records no CUDA kernels here")
+    return names

@@ -129,3 +129,14 @@ def test_the_fused_kernel_runs_where_eager_calls_wait_on_the_host():
     assert fused_for(1, 4096, 4096) == fused_for(32, 3584, 3584) == fused_for(17, 4608, 3584) == "auto"
     assert fused_for(33, 4096, 4096) is False and fused_for(17, 6144, 4096) is False
     assert fused_for(1, 28672, 4096) is False
+
+
+def test_launch_plans_mirror_the_c_structures():
+    """The ctypes structures of the plan entry points have the sizes the CUDA sources assert for theirs (a field
+    added on one side only fails here or at compile time)."""
+    import ctypes
+
+    from mxgemm.kernels import small_m
+
+    assert ctypes.sizeof(fp8_gemm._LinearPlan) == 96
+    assert ctypes.sizeof(small_m._Plan) == 56

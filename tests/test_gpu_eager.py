@@ -3,7 +3,7 @@ the kernels' epilogue, and one copy of the weight per layer."""
 
 import pytest
 import torch
-from helpers import random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
+from helpers import kernels_launched, random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
 
 import mxgemm
 from mxgemm.block128 import dequantize_1x128, quantize_1x128, reencode_block128
@@ -123,3 +123,42 @@ def test_eager_path_under_graph_capture_and_compile():
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(static_y, layer(x)) and torch.equal(compiled(x), layer(x))
+
+
+# (weight N x K, M, what hybrid_sm90 launches eagerly there: substrings of the kernels' names, in order)
+_EAGER_KERNELS = [
+    ((4096, 4096), 1, ["small_m_kernel"]),
+    ((4096, 4096), 16, ["small_m_kernel"]),
+    ((4096, 4096), 24, ["fp8_gemm_kernel<32, 1, 6, 2, true>"]),  # fused: quantized in shared memory
+    ((6144, 4096), 24, ["quant_1x128", "fp8_gemm_kernel<32"]),  # above the fused kernel's weight limit
+    ((4096, 4096), 64, ["quant_1x128", "fp8_gemm_tokm_kernel<64"]),
+    ((4096, 4096), 300, ["quant_1x128", ""]),  # then cuBLASLt's blockwise kernel
+    ((28672, 4096), 1, ["quant_1x128", "fp8_gemm_kernel<8"]),  # large weights: FP8 from M = 1
+]
+
+
+@pytest.mark.parametrize("shape,m,expected", _EAGER_KERNELS)
+def test_each_regime_launches_the_kernels_it_names_and_writes_every_output(shape, m, expected, monkeypatch):
+    """The crossover and launch rules, checked by the kernels the profiler sees; the output, allocated where a
+    NaN-filled block of the same size was just freed, comes back fully written and matches the op."""
+    monkeypatch.setenv("MXGEMM_AUTOTUNE", "0")
+    n, k = shape
+    q, s = random_mx_weight(n, k, device="cuda")
+    layer = mxgemm.MXFP8Linear.from_quantized(q, s, backend="hybrid_sm90")
+    x = random_act(m, k, device="cuda")
+    with torch.inference_mode():
+        layer(x)  # the plan is made, and the library loaded, outside the profile
+        names = kernels_launched(lambda: layer(x))
+        position = 0
+        for want in expected:
+            found = [i for i, name in enumerate(names) if want in name and i >= position]
+            assert found, (want, names)
+            position = found[0] + 1
+        if m == 300:
+            assert not any("fp8_gemm" in name for name in names), names
+        poison = torch.full((max(m, 64) * 4, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        del poison
+        y = layer(x)
+        w = layer.prepared
+        assert torch.isfinite(y).all()
+        assert torch.equal(y, linear_op(x, w.op_tensors, None, w.backend, w.op_meta))

@@ -57,7 +57,7 @@ def rows_for(model, proj, n, k, has_bias, ms, sms, l2, calls, repeats) -> list[d
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 17, 24, 32, 48, 64])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 17, 24, 32])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json")

@@ -38,9 +38,9 @@ def fused_for(m: int, n: int, k: int) -> bool | str:
 
     Measured on the H200 (bench/explore/results/fused-fp8-h200.json): the fused kernel saves 3-5 µs of an eager call's
     host time, and there an eager call is bound by host time (about 16-20 µs) while the fused kernel's device time is
-    9-15 µs (4096 x 4096, 3584 x 3584 and 4608 x 3584 at M = 1-32). It quantizes on its consumers' critical path, so
-    its device time grows with the token tile: on larger weights (6144 x 4096: 22 µs at M = 17-32) and from M = 33
-    (the tokens-as-M kernel: 2-5x the two kernels' device time) an eager call would wait for the GPU instead."""
+    9-15 µs (4096 x 4096, 3584 x 3584 and 4608 x 3584 at M = 1-32). It quantizes on its consumers' path, so its
+    device time grows with the tokens: on larger weights (6144 x 4096: 22 µs at M = 17-32) an eager call would wait
+    for the GPU instead, and a fused tokens-as-M kernel for M = 33-64 took 2-5x the two kernels' device time."""
     return "auto" if m <= 32 and n * k <= 16 * 2**20 else False
 
 
@@ -200,7 +200,7 @@ class HybridSM90Backend(Backend):
         triton = lambda x, bias: w8a16_linear(x, q8, bs, bias, block_scaled=True, config=cfg)  # noqa: E731
         if path == "triton" or x_dtype != torch.bfloat16:
             return triton
-        small = _bf16_epilogue(small_m_plan(qd, bs, n, m, config), n)
+        small = _bf16_epilogue(small_m_plan(qd, bs, n, k, m, config), n)
         # strided or misaligned activations: a copy into a fresh (aligned) buffer, so the same kernel runs
         return lambda x, bias: small(x if accepts(x) else x.clone(memory_format=torch.contiguous_format), bias)
 

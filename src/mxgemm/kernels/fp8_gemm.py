@@ -45,23 +45,29 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 # W, S, s_stride, X, XS, bias, Y, ldy, M, Mp, N, Np, Kp
 _GEMM_ARGS = [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
 _QUANT_ARGS = [_P, _I, _I, _I, _I, _P, _P, _I, _I, _P]  # X, ldx, x_fp16, M, K, XQ, XS, Mp, Kp, stream
-# X, ldx, x_fp16, K, XQ, XS, W, S, s_stride, bias, Y, ldy, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages, fused,
-# stream
-_LINEAR_ARGS = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, *[_I] * 13, _P]
-# how mxgemm_fp8_linear launches: quantizer + GEMM, the fused kernel, or the fused one unless the stream is capturing
+_RUN_ARGS = [_P, _P, _I, _P, _P, _P]  # plan, X, ldx, bias, Y, stream
+# how mxgemm_fp8_linear_run launches: quantizer + GEMM, the fused kernel, or that one unless the stream is capturing
 _FUSED = {False: 0, True: 1, "auto": 2}
+
+
+class _LinearPlan(ctypes.Structure):
+    """``LinearPlan`` of csrc/fp8_gemm.cu: a call's fixed arguments."""
+
+    _fields_ = [("W", _P), ("S", _P)] + [(name, _I) for name in ("s_stride", "x_fp16", "K", "M", "Mp", "N", "Np", "Kp",
+               "tokm", "tn", "rows", "kc", "splits", "stages", "fused")] + [("ws_offset", ctypes.c_longlong),
+               ("q_bytes", ctypes.c_longlong)]  # fmt: skip
 
 
 @functools.cache
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel for sm_90a. Raises RuntimeError when it cannot be built."""
-    names = ("mxgemm_fp8_gemm", "mxgemm_fp8_gemm_tokm", "mxgemm_quant_1x128", "mxgemm_fp8_linear")
+    names = ("mxgemm_fp8_gemm", "mxgemm_fp8_gemm_tokm", "mxgemm_quant_1x128", "mxgemm_fp8_linear_run")
     lib = nvcc.build(_SOURCE, capability, suffix="a", symbols=names)
     for name, args in (
         ("mxgemm_fp8_gemm", [*_GEMM_ARGS, *[_I] * 6, _P]),  # + tn, rw, kc, splits, stages, pdl, stream
         ("mxgemm_fp8_gemm_tokm", [*_GEMM_ARGS, *[_I] * 5, _P]),  # + tn, wn, splits, stages, pdl, stream
         ("mxgemm_quant_1x128", _QUANT_ARGS),
-        ("mxgemm_fp8_linear", _LINEAR_ARGS),
+        ("mxgemm_fp8_linear_run", _RUN_ARGS),
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, _I
@@ -237,10 +243,10 @@ def linear_plan(
     ``bias`` contiguous bf16 [n] or None, ``y`` bf16 [M, n]. One ctypes call, whose arguments but for the pointers of
     ``x``, ``bias`` and the fresh buffer are computed here, once, launches either the quantizer and the GEMM as its
     programmatic dependent (``fused=False``) or one kernel that quantizes in shared memory (``True``: bf16 ``x`` with
-    16-byte aligned rows, and the config's stages, which grow by the bf16 tile, within shared memory); both give the
-    same bits. ``"auto"``: the fused kernel where it can run and the stream is not capturing a CUDA graph (eager
-    calls are bound by host time, and it saves a launch), else the two (under graph replay only device time counts).
-    """
+    16-byte aligned rows, a swap-AB config of one row tile and up to 32 tokens, its stages, which grow by the bf16
+    tile, within shared memory); both give the same bits. ``"auto"``: the fused kernel where it can run and the
+    stream is not capturing a CUDA graph (eager calls are bound by host time, and it saves a launch), else the two
+    (under graph replay only device time counts)."""
     np_, kp = qdata.shape
     if not valid_config(config, kp) or fused not in _FUSED:
         raise ValueError(f"the FP8 kernel cannot run config {config} (fused={fused!r}) on a [{np_}, {kp}] weight")
@@ -252,23 +258,25 @@ def linear_plan(
     ws_offset = -(-m * n * 2 // 256) * 256
     rows = -(-(ws_offset + q_bytes + 4 * mp * (kp // 128)) // (2 * n))
     device = qdata.device
-    fn = library(torch.cuda.get_device_capability(device)).mxgemm_fp8_linear
-    weight_args = (qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0))
-    shape_args = (n, m, mp, n, np_, kp, int(tokm), config["TN"], config["WN"] if tokm else config["RW"],
-                  config.get("KC", 1), config["SPLITS"], config["ST"], _FUSED[fused])  # fmt: skip
+    fn = library(torch.cuda.get_device_capability(device)).mxgemm_fp8_linear_run
+    plan = _LinearPlan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), 0, k, m, mp, n, np_, kp,
+                       int(tokm), config["TN"], config["WN"] if tokm else config["RW"], config.get("KC", 1),
+                       config["SPLITS"], config["ST"], _FUSED[fused], ws_offset, q_bytes)  # fmt: skip
+    plans = {torch.bfloat16: plan, torch.float16: _LinearPlan.from_buffer_copy(plan)}
+    plans[torch.float16].x_fp16 = 1
+    addresses = {dtype: ctypes.addressof(p) for dtype, p in plans.items()}
     index = device.index
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         buf = torch.empty((rows, n), dtype=torch.bfloat16, device=device)
-        y = buf.data_ptr()
-        xq = y + ws_offset
-        err = fn(x.data_ptr(), x.stride(0), x.dtype == torch.float16, k, xq, xq + q_bytes, *weight_args,
-                 None if bias is None else bias.data_ptr(), y, *shape_args, raw_stream(index))  # fmt: skip
+        err = fn(addresses[x.dtype], x.data_ptr(), x.stride(0), None if bias is None else bias.data_ptr(),
+                 buf.data_ptr(), raw_stream(index))  # fmt: skip
         if err:
-            why = "the fused kernel's stages exceed shared memory" if err < 0 else f"cudaError {err}"
+            why = f"cudaError {err}" if err > 0 else "no fused kernel for this config, or its stages exceed smem"
             raise RuntimeError(f"mxgemm FP8 linear failed to launch ({why}) for M={m} config {config} fused={fused}")
         return buf[:m]
 
+    launch.plans = plans  # the structures the addresses point into live as long as the launcher
     return launch
 
 

@@ -43,12 +43,21 @@ _K_PER_CTA = 512  # 4 warps x 128
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel library for a GPU architecture. Raises RuntimeError with
     nvcc's message when it cannot be built."""
-    lib = nvcc.build(_SOURCE, capability, symbols=("mxgemm_small_m",))
+    lib = nvcc.build(_SOURCE, capability, symbols=("mxgemm_small_m", "mxgemm_small_m_run"))
     p, i = ctypes.c_void_p, ctypes.c_int
     # W, S, s_stride, X, bias, Y, ldy, M, K, N, Np, Kp, rt, splits, stages, stream
     lib.mxgemm_small_m.argtypes = [p, p, i, p, p, p, *[i] * 9, p]
-    lib.mxgemm_small_m.restype = i
+    lib.mxgemm_small_m_run.argtypes = [p, p, p, p, p]  # plan, X, bias, Y, stream
+    lib.mxgemm_small_m.restype = lib.mxgemm_small_m_run.restype = i
     return lib
+
+
+class _Plan(ctypes.Structure):
+    """``SmallMPlan`` of csrc/small_m.cu: a call's fixed arguments."""
+
+    _fields_ = [("W", ctypes.c_void_p), ("S", ctypes.c_void_p)] + [
+        (name, ctypes.c_int) for name in ("s_stride", "M", "K", "N", "Np", "Kp", "rt", "splits", "stages")
+    ]
 
 
 @functools.cache
@@ -93,28 +102,30 @@ def accepts(x: torch.Tensor) -> bool:
 
 
 def linear_plan(
-    qdata: torch.Tensor, block_scale: torch.Tensor, n: int, m: int, config: dict | None = None
+    qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, config: dict | None = None
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """``(x, bias) -> y`` for M rows (M <= 16): ``x`` bf16 [M, K] that :func:`accepts`, ``bias`` contiguous bf16
+    """``(x, bias) -> y`` for M rows (M <= 16): ``x`` bf16 [M, k] that :func:`accepts`, ``bias`` contiguous bf16
     [n] or None, ``y`` bf16 [M, n]; ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128]. One
-    ctypes call per launch, its arguments but the pointers computed here, once."""
+    ctypes call per launch, its arguments but the call's pointers computed here, once."""
     np_, kp = qdata.shape
     cfg = config or default_config(np_, kp)
     if not 1 <= m <= MAX_M or not valid_config(cfg, np_, kp):
         raise ValueError(f"the small-M kernel cannot run M={m} with config {cfg} on a [{np_}, {kp}] weight")
     device = qdata.device
-    fn = library(torch.cuda.get_device_capability(device)).mxgemm_small_m
-    weight_args = (qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0))
+    fn = library(torch.cuda.get_device_capability(device)).mxgemm_small_m_run
+    plan = _Plan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), m, k, n, np_, kp, cfg["RT"],
+                 cfg["SPLITS"], cfg["ST"])  # fmt: skip
+    address = ctypes.addressof(plan)
     index = device.index
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = torch.empty((m, n), dtype=torch.bfloat16, device=device)
-        err = fn(*weight_args, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n, m,
-                 x.shape[1], n, np_, kp, cfg["RT"], cfg["SPLITS"], cfg["ST"], raw_stream(index))  # fmt: skip
+        err = fn(address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))
         if err:
             raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {cfg}")
         return y
 
+    launch.plan = plan  # the structure the address points into lives as long as the launcher
     return launch
 
 
@@ -131,4 +142,4 @@ def small_m_linear(
     if not accepts(x):
         raise ValueError(f"the small-M kernel takes contiguous 16-byte-aligned bf16 x of <= {MAX_M} rows")
     check_bf16_bias(bias, n)
-    return linear_plan(qdata, block_scale, n, x.shape[0], config)(x, bias)
+    return linear_plan(qdata, block_scale, n, x.shape[1], x.shape[0], config)(x, bias)

@@ -18,6 +18,11 @@
 // A second kernel, fp8_gemm_tokm_kernel, turns the roles round for M > 32: tokens are wgmma's M (64 per consumer
 // warpgroup) and 64 or 128 weight rows its N, so one weight tile serves 64-128 tokens and each thread promotes with
 // two token scales per block; same ring, K split and numerics.
+// The fused variant of the swap-AB kernel (QX; one row tile, up to 32 tokens) takes the bf16 activations instead:
+// TMA copies each K block's rows into the stage unswizzled, and the consumer warpgroups that multiply the stage first
+// quantize them into the e4m3 tile (the quantizer's rule, the layout TMA's swizzle would give) and the token scales.
+// One launch instead of two, the same bits; its device time grows with the tokens (the quantization sits on the
+// consumers' path and every CTA reads the same rows), so mxgemm runs it where an eager call waits on the host anyway.
 // What limits it, and the variants measured and dropped: docs/performance.md.
 #include <cooperative_groups.h>
 #include <cuda.h>
@@ -434,14 +439,13 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
 // instruction's N, inside one 128-row scale block), so a stage's weight tile is read once for 64 * TW tokens and each
 // thread promotes with two token scales and one weight scale per K block (the swap-AB kernel above reads TN / 4 token
 // scales). The ring, its producer, the K split over a cluster and the numerics are the swap-AB kernel's.
-template <int WN, int TW, int ST, bool QX>
+template <int WN, int TW, int ST>
 __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                     const __grid_constant__ CUtensorMap xmap,
                                                                     const Args a) {
-  constexpr int TN = 64 * TW;  // tokens per CTA
-  constexpr int XB = TN * BK;  // e4m3 activation bytes per stage
-  // + weight bytes (+ with QX the activations' bf16 rows after them); a multiple of 1024, as the swizzle needs
-  constexpr int STAGE = XB + WN * BK + (QX ? TN * 2 * BK : 0);
+  constexpr int TN = 64 * TW;          // tokens per CTA
+  constexpr int XB = TN * BK;          // activation bytes per stage
+  constexpr int STAGE = XB + WN * BK;  // + weight bytes; a multiple of 1024, as the swizzle needs
   static_assert(STAGE % 1024 == 0 && WN % ROWS == 0 && WN <= 128, "stages must stay 1024-byte aligned");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -465,15 +469,13 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
 #pragma unroll
   for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
 
-  if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it (QX: the bf16 rows
-                   // after the weight tile, for the consumers to quantize into the first)
+  if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it
     if (lane == 0)
-      produce<ST, STAGE, WN, XB, TN, QX ? XB + WN * BK : 0, QX>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0,
-                                                                xs_bytes);
+      produce<ST, STAGE, WN, XB, TN, 0, false>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0, xs_bytes);
   } else {  // consumers
     for (int i = tid; i < a.kblocks; i += CT) wsc[i] = __ldg(a.S + (size_t)(row0 / 128) * a.s_stride + kb0 + i);
     const int valid = a.Mp - tok0;  // token-scale slots past Mp zeroed once, as in the swap-AB kernel
-    if (!QX && valid < TN)
+    if (valid < TN)
       for (int i = tid; i < ST * TN; i += CT)
         if (i % TN >= valid) xsc[i] = 0.f;
     const uint64_t dx0 = desc_sw128(smem_u32(smem) + wg * 64 * BK), dw0 = desc_sw128(smem_u32(smem) + XB);
@@ -483,11 +485,6 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
     for (int i = 0; i < WN / 2; ++i) blk[i] = 0.f;
     for (int it = 0; it < a.kblocks; ++it) {
       const int s = it % ST;
-      if constexpr (QX) {  // each consumer warpgroup quantizes its own 64 tokens of the stage
-        mbar_wait(&full[s], (it / ST) & 1);
-        quantize_tile<64, 4>(smem + s * STAGE + XB + WN * BK + wg * 64 * 2 * BK, smem + s * STAGE + wg * 64 * BK,
-                             xsc + s * TN + wg * 64, warp % 4, lane, 2 + wg);
-      }
       mma_block<WN, ST, STAGE>(blk, full, it, dx0, dw0);
       const float sw = lds(wsc + it);
       const float x0 = lds(xsc + s * TN + trow) * sw, x1 = lds(xsc + s * TN + trow + 8) * sw;
@@ -590,9 +587,9 @@ int cached_map(CUtensorMap* map, const void* ptr, int rows, int cols, int ld, in
   return err;
 }
 
-// what the launchers return when a config's shared memory exceeds the device's (the fused kernels' larger stages):
-// the automatic choice then runs the two kernels
-constexpr int kSmemTooLarge = -1;
+// what the fused launch returns for a config it is not built for or whose larger stages exceed the device's shared
+// memory: the automatic choice then runs the two kernels
+constexpr int kNoFusedKernel = -1;
 
 using Kernel = void (*)(const CUtensorMap, const CUtensorMap, const Args);
 
@@ -625,7 +622,7 @@ int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const Activ
     if (cerr != cudaSuccess) return (int)cerr;
     if (device < 64) max_smem[device] = limit;
   }
-  if (smem > limit) return kSmemTooLarge;
+  if (smem > limit) return kNoFusedKernel;  // only the fused kernels' stages: valid configs fit unfused
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((a.Np + rows - 1) / rows, splits, (a.M + tokens - 1) / tokens);
   config.blockDim = dim3(threads);
@@ -668,14 +665,13 @@ int launch(const void* W, const Activations& x, Args a, int splits, int pdl, cud
                        128 * RW * KC + 32, smem, pdl, st);
 }
 
-template <int WN, int TW, int ST, bool QX>
+template <int WN, int TW, int ST>
 int launch_tokm(const void* W, const Activations& x, Args a, int splits, int pdl, cudaStream_t st) {
   if (!split_k(a, splits)) return (int)cudaErrorInvalidValue;
   static int max_smem[64] = {};
-  const int stage = (64 * TW + WN) * BK + (QX ? 64 * TW * 2 * BK : 0);
-  const int smem = smem_bytes(ST, stage, 64 * TW, a.kblocks, WN / 2 * 128 * TW * 4);
-  return launch_kernel(fp8_gemm_tokm_kernel<WN, TW, ST, QX>, max_smem, W, x, a, splits, WN, 64 * TW, 128 * TW + 32,
-                       smem, pdl, st);
+  const int smem = smem_bytes(ST, (64 * TW + WN) * BK, 64 * TW, a.kblocks, WN / 2 * 128 * TW * 4);
+  return launch_kernel(fp8_gemm_tokm_kernel<WN, TW, ST>, max_smem, W, x, a, splits, WN, 64 * TW, 128 * TW + 32, smem,
+                       pdl, st);
 }
 
 // f(std::integral_constant<int, ST>{}) for a ring depth of 2, 4 or 6
@@ -687,11 +683,11 @@ int by_stages(int stages, F f) {
   return (int)cudaErrorInvalidValue;
 }
 
-template <int RW, int KC, bool QX>
+template <int RW, int KC>
 int launch_tn(const void* W, const Activations& x, const Args& a, int tn, int splits, int stages, int pdl,
               cudaStream_t st) {
   auto tile = [&](auto tn) {
-    return by_stages(stages, [&](auto s) { return launch<tn.value, RW, s.value, KC, QX>(W, x, a, splits, pdl, st); });
+    return by_stages(stages, [&](auto s) { return launch<tn.value, RW, s.value, KC, false>(W, x, a, splits, pdl, st); });
   };
   if (tn == 8) return tile(std::integral_constant<int, 8>{});
   if (tn == 16) return tile(std::integral_constant<int, 16>{});
@@ -701,13 +697,11 @@ int launch_tn(const void* W, const Activations& x, const Args& a, int tn, int sp
   return (int)cudaErrorInvalidValue;
 }
 
-template <bool QX>
+// The GEMM on the quantizer's output, any config
 int gemm(const void* W, const Activations& x, const Args& a, int tokm, int tn, int rows, int kc, int splits,
          int stages, int pdl, cudaStream_t st) {
   auto tokm_st = [&](auto wn, auto tw) {
-    return by_stages(stages, [&](auto s) {
-      return launch_tokm<wn.value, tw.value, s.value, QX>(W, x, a, splits, pdl, st);
-    });
+    return by_stages(stages, [&](auto s) { return launch_tokm<wn.value, tw.value, s.value>(W, x, a, splits, pdl, st); });
   };
   using I64 = std::integral_constant<int, 64>;
   using I128 = std::integral_constant<int, 128>;
@@ -720,10 +714,30 @@ int gemm(const void* W, const Activations& x, const Args& a, int tokm, int tn, i
     if (tn == 128 && rows == 128) return tokm_st(I128{}, I2{});
     return (int)cudaErrorInvalidValue;
   }
-  if (rows == 2 && kc == 1) return launch_tn<2, 1, QX>(W, x, a, tn, splits, stages, pdl, st);
-  if (rows == 1 && kc == 1) return launch_tn<1, 1, QX>(W, x, a, tn, splits, stages, pdl, st);
-  if (rows == 1 && kc == 2) return launch_tn<1, 2, QX>(W, x, a, tn, splits, stages, pdl, st);
+  if (rows == 2 && kc == 1) return launch_tn<2, 1>(W, x, a, tn, splits, stages, pdl, st);
+  if (rows == 1 && kc == 1) return launch_tn<1, 1>(W, x, a, tn, splits, stages, pdl, st);
+  if (rows == 1 && kc == 2) return launch_tn<1, 2>(W, x, a, tn, splits, stages, pdl, st);
   return (int)cudaErrorInvalidValue;
+}
+
+// The fused GEMM (bf16 activations quantized in shared memory): built for the swap-AB kernel with one row tile and
+// up to 32 tokens, where it saves host time without costing more device time than an eager call waits anyway; other
+// configs answer kNoFusedKernel
+int gemm_fused(const void* W, const Activations& x, const Args& a, int tokm, int tn, int rows, int kc, int splits,
+               int stages, cudaStream_t st) {
+  if (tokm || rows != 1 || (kc != 1 && kc != 2)) return kNoFusedKernel;
+  auto tile = [&](auto tn, auto kc) {
+    return by_stages(stages, [&](auto s) { return launch<tn.value, 1, s.value, kc.value, true>(W, x, a, splits, 0, st); });
+  };
+  using K1 = std::integral_constant<int, 1>;
+  using K2 = std::integral_constant<int, 2>;
+  auto tiles = [&](auto kc) {
+    if (tn == 8) return tile(std::integral_constant<int, 8>{}, kc);
+    if (tn == 16) return tile(std::integral_constant<int, 16>{}, kc);
+    if (tn == 32) return tile(std::integral_constant<int, 32>{}, kc);
+    return kNoFusedKernel;
+  };
+  return kc == 1 ? tiles(K1{}) : tiles(K2{});
 }
 
 int gemm_xq(const void* W, const void* S, int s_stride, const void* XQ, const void* XS, const void* bias, void* Y,
@@ -732,7 +746,7 @@ int gemm_xq(const void* W, const void* S, int s_stride, const void* XQ, const vo
   if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
   const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0,
                (const __nv_bfloat16*)bias};
-  return gemm<false>(W, Activations{XQ, false, Kp, Kp}, a, tokm, tn, rows, kc, splits, stages, pdl, st);
+  return gemm(W, Activations{XQ, false, Kp, Kp}, a, tokm, tn, rows, kc, splits, stages, pdl, st);
 }
 
 }  // namespace
@@ -776,9 +790,10 @@ extern "C" int mxgemm_quant_1x128(const void* X, int ldx, int x_fp16, int M, int
 // One call for a whole FP8 linear (tokm: tokens-as-M kernel with `rows` = wn, else swap-AB with `rows` = rw; other
 // arguments as above), one of two ways with the same result bit for bit: the quantizer into XQ / XS, then the GEMM
 // as its programmatic dependent (fused = 0); or one fused kernel that loads the bf16 rows with TMA and quantizes
-// them in shared memory (fused = 1: bf16 x, ldx % 8 == 0, x 16-byte aligned, the larger stages within the device's
-// shared memory). fused = 2: the fused kernel where it can run and the stream is not being captured (it saves a
-// launch's host time; under graph replay the two kernels' device time is what counts), else the two.
+// them in shared memory (fused = 1: bf16 x, ldx % 8 == 0, x 16-byte aligned, a config gemm_fused is built for whose
+// larger stages fit in shared memory). fused = 2: the fused kernel where it can run and the stream is not being
+// captured (it saves a launch's host time; under graph replay the two kernels' device time is what counts), else
+// the two.
 extern "C" int mxgemm_fp8_linear(const void* X, int ldx, int x_fp16, int K, void* XQ, void* XS, const void* W,
                                  const void* S, int s_stride, const void* bias, void* Y, int ldy, int M, int Mp, int N,
                                  int Np, int Kp, int tokm, int tn, int rows, int kc, int splits, int stages, int fused,
@@ -795,10 +810,29 @@ extern "C" int mxgemm_fp8_linear(const void* X, int ldx, int x_fp16, int K, void
   if (fused && fusable && M >= 1) {
     const Args a{(const float*)S, s_stride, nullptr, (__nv_bfloat16*)Y, M, M, N, Np, Kp, ldy, 0,
                  (const __nv_bfloat16*)bias};
-    const int err = gemm<true>(W, Activations{X, true, ldx, K}, a, tokm, tn, rows, kc, splits, stages, 0, st);
-    if (err != kSmemTooLarge || fused == 1) return err;
+    const int err = gemm_fused(W, Activations{X, true, ldx, K}, a, tokm, tn, rows, kc, splits, stages, st);
+    if (err != kNoFusedKernel || fused == 1) return err;
   }
   const int err = mxgemm_quant_1x128(X, ldx, x_fp16, M, K, XQ, XS, Mp, Kp, stream);
   if (err) return err;
   return gemm_xq(W, S, s_stride, XQ, XS, bias, Y, ldy, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages, 1, st);
+}
+
+// What mxgemm_fp8_linear_run takes besides the call's pointers: everything fixed for one weight, config and M (one
+// ctypes argument instead of twenty: each costs host time on every call). The workspace lies in the output's
+// allocation: XQ at Y + ws_offset bytes, XS q_bytes after it.
+struct LinearPlan {
+  const void* W;
+  const void* S;
+  int s_stride, x_fp16, K, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages, fused;
+  long long ws_offset, q_bytes;
+};
+static_assert(sizeof(LinearPlan) == 96, "fp8_gemm._LinearPlan mirrors this layout");
+
+extern "C" int mxgemm_fp8_linear_run(const LinearPlan* p, const void* X, int ldx, const void* bias, void* Y,
+                                     void* stream) {
+  uint8_t* xq = static_cast<uint8_t*>(Y) + p->ws_offset;
+  return mxgemm_fp8_linear(X, ldx, p->x_fp16, p->K, xq, xq + p->q_bytes, p->W, p->S, p->s_stride, bias, Y, p->N,
+                           p->M, p->Mp, p->N, p->Np, p->Kp, p->tokm, p->tn, p->rows, p->kc, p->splits, p->stages,
+                           p->fused, stream);
 }

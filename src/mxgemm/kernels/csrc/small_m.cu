@@ -305,3 +305,17 @@ extern "C" int mxgemm_small_m(const void* W, const void* S, int s_stride, const 
   if (M <= 8) return rt == 2 ? launch_st<1, 2>(a, splits, stages, st) : launch_st<1, 1>(a, splits, stages, st);
   return rt == 2 ? launch_st<2, 2>(a, splits, stages, st) : launch_st<2, 1>(a, splits, stages, st);
 }
+
+// What mxgemm_small_m_run takes besides the call's pointers: everything fixed for one weight, config and M (one
+// ctypes argument instead of a dozen: each costs host time on every call); the output's row stride is N.
+struct SmallMPlan {
+  const void* W;
+  const void* S;
+  int s_stride, M, K, N, Np, Kp, rt, splits, stages;
+};
+static_assert(sizeof(SmallMPlan) == 56, "small_m._Plan mirrors this layout");
+
+extern "C" int mxgemm_small_m_run(const SmallMPlan* p, const void* X, const void* bias, void* Y, void* stream) {
+  return mxgemm_small_m(p->W, p->S, p->s_stride, X, bias, Y, p->N, p->M, p->K, p->N, p->Np, p->Kp, p->rt, p->splits,
+                        p->stages, stream);
+}
