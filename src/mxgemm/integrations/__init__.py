@@ -1,0 +1,30 @@
+"""mxgemm inside the stacks users already run. Each integration imports its framework only when one of its names is
+first used (``import mxgemm`` imports none of them):
+
+- ``MXFP8Config`` (transformers): ``AutoModelForCausalLM.from_pretrained(path, quantization_config=MXFP8Config())``
+  quantizes a bf16/fp16/fp32 model online into ``MXFP8Linear`` layers; a model saved from there with
+  ``save_pretrained`` loads back into them. Registered with transformers' ``register_quantization_config`` /
+  ``register_quantizer`` under the method name ``"mxgemm"`` when first used (:func:`enable_transformers`).
+- ``MXFP8LinearConfig`` (torchao): ``torchao.quantization.quantize_(model, MXFP8LinearConfig())`` swaps
+  ``nn.Linear`` layers for ``MXFP8Linear`` through ``register_quantize_module_handler``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["MXFP8Config", "MXFP8HfQuantizer", "MXFP8LinearConfig", "enable_transformers"]
+
+_HOMES = {
+    "MXFP8Config": "hf_quantizer",
+    "MXFP8HfQuantizer": "hf_quantizer",
+    "enable_transformers": "hf_quantizer",
+    "MXFP8LinearConfig": "torchao_config",
+}
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

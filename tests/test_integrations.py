@@ -1,0 +1,158 @@
+"""mxgemm inside transformers (a registered quantization method) and torchao (a registered quantize_ config), on CPU
+with the real packages; byte parity with torchao's MX quantizer."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import mxgemm
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_import_mxgemm_imports_neither_framework():
+    code = (
+        "import sys, mxgemm, mxgemm.integrations; print([m for m in ('transformers', 'torchao') if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+# --- torchao ---------------------------------------------------------------------------------------------------------
+
+
+def test_torchao_quantize_swaps_linears_like_quantize_model():
+    pytest.importorskip("torchao")
+    from torchao.quantization import quantize_
+
+    from mxgemm.integrations import MXFP8LinearConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 64, bias=False), nn.Linear(64, 8), nn.Linear(8, 4)
+    )
+    reference = copy.deepcopy(model)
+    quantize_(model, MXFP8LinearConfig(scale_mode="rceil"))
+    mxgemm.quantize_model(reference, scale_mode="rceil", skip=())
+    kinds = [type(m).__name__ for m in model]
+    assert kinds == ["MXFP8Linear", "ReLU", "MXFP8Linear", "MXFP8Linear", "Linear"]  # K = 8: not a multiple of 32
+    x = torch.randn(5, 64)
+    assert torch.equal(model(x), reference(x))
+    assert torch.equal(model[0].weight_scale, reference[0].weight_scale)
+
+
+def test_torchao_config_refuses_what_is_not_a_linear():
+    pytest.importorskip("torchao")
+    from torchao.quantization import quantize_
+
+    from mxgemm.integrations import MXFP8LinearConfig
+
+    with pytest.raises(TypeError, match=r"nn\.Linear"):
+        quantize_(nn.Sequential(nn.Conv1d(32, 32, 1)), MXFP8LinearConfig(), filter_fn=lambda m, name: True)
+
+
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_byte_parity_with_torchao_to_mx(scale_mode, dtype):
+    """mxgemm.quantize and torchao's to_mx write the same E8M0 scales and E4M3 bytes under each rounding rule, on
+    weights of normal range and on blocks spanning 16 decades."""
+    pytest.importorskip("torchao")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    g = torch.Generator().manual_seed(0)
+    plain = torch.randn(256, 512, generator=g)
+    wide = torch.randn(256, 512, generator=g) * torch.logspace(-8, 8, 512)
+    edges = torch.zeros(8, 64)
+    edges[1], edges[2], edges[3, :32], edges[4] = 448.0, 480.0, 1.75 * 2**-3, -0.0
+    for w in (plain.to(dtype), wide.to(dtype), edges.to(dtype)):
+        ours = mxgemm.quantize(w, scale_mode=scale_mode)
+        scale, data = to_mx(w, torch.float8_e4m3fn, 32, ScaleCalculationMode(scale_mode))
+        assert torch.equal(data.view(torch.uint8), ours.qdata.view(torch.uint8))
+        assert torch.equal(scale.view(torch.uint8).reshape(ours.scale.shape), ours.scale.view(torch.uint8))
+
+
+def test_subnormal_blocks_stay_exact():
+    """A block of bf16 subnormals (2^-130) at the smallest scale (2^-127): mxgemm keeps it exactly (E4M3 2^-3 at scale
+    2^-127); torchao 0.18's to_mx does not (floor: 2^-131, rceil: 0), the one difference the parity test leaves out."""
+    w = torch.full((1, 32), 2.0**-130, dtype=torch.bfloat16)
+    t = mxgemm.quantize(w)
+    assert int(t.scale[0, 0]) == 0 and torch.equal(mxgemm.dequantize(t).bfloat16(), w)
+
+
+# --- transformers ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tmp_path_factory):
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("bf16")
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def _linear_kinds(model) -> dict[str, str]:
+    return {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, (nn.Linear, mxgemm.MXFP8Linear))}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_from_pretrained_quantizes_online_through_the_registered_method(bf16_llama, dtype):
+    from mxgemm.integrations import MXFP8Config
+
+    auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(bf16_llama, quantization_config=MXFP8Config(), dtype=dtype)
+    reference = auto.from_pretrained(bf16_llama, dtype=dtype)
+    mxgemm.quantize_model(reference)
+    kinds = _linear_kinds(model)
+    assert kinds["lm_head"] == "Linear" and kinds["model.layers.0.self_attn.q_proj"] == "MXFP8Linear"
+    assert sum(kind == "MXFP8Linear" for kind in kinds.values()) == 14
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert logits.dtype == dtype and torch.isfinite(logits).all()
+        assert torch.equal(logits, reference(ids).logits)
+
+
+def test_a_saved_quantized_model_loads_back_into_mxgemm_layers(bf16_llama, tmp_path):
+    from mxgemm.integrations import MXFP8Config
+
+    auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(bf16_llama, quantization_config=MXFP8Config(skip=["lm_head", "*.o_proj"]))
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert saved["quant_method"] == "mxgemm" and saved["skip"] == ["lm_head", "*.o_proj"]
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale").dtype == torch.uint8
+        assert f.get_tensor("model.layers.0.self_attn.o_proj.weight").dtype == torch.bfloat16
+    loaded = auto.from_pretrained(tmp_path)
+    assert _linear_kinds(loaded) == _linear_kinds(model)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    layer = loaded.model.layers[1].mlp.gate_proj
+    assert torch.equal(layer.weight.view(torch.uint8), model.model.layers[1].mlp.gate_proj.weight.view(torch.uint8))
+
+
+def test_registration_is_idempotent_and_the_config_checks_its_method():
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    from mxgemm.integrations import MXFP8Config, MXFP8HfQuantizer, enable_transformers
+
+    enable_transformers()
+    enable_transformers()
+    assert AUTO_QUANTIZER_MAPPING["mxgemm"] is MXFP8HfQuantizer
+    assert MXFP8Config.from_dict({"quant_method": "mxgemm", "scale_mode": "rceil"}).scale_mode == "rceil"
+    with pytest.raises(ValueError, match="quant_method"):
+        MXFP8Config(quant_method="fp8")
