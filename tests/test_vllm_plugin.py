@@ -45,14 +45,43 @@ def vllm_python() -> Path:
     return python
 
 
-def test_vllm_generates_hugging_face_tokens_on_mxgemm_kernels(vllm_python, tmp_path):
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+def _env(**extra) -> dict:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **extra}
     for name in ("PYTHONPATH", "TRITON_INTERPRET", "MXGEMM_BACKEND"):  # mxgemm resolves as on a plain CPU machine
         env.pop(name, None)
-    done = _run([vllm_python, REPO / "tests" / "vllm" / "greedy_tokens.py", tmp_path], env=env, timeout=1200)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "Using MxgemmMxfp8LinearKernel for MXFP8 GEMM" in done.stdout + done.stderr
+    return env
+
+
+def _result(done: subprocess.CompletedProcess) -> dict:
+    """The script's JSON line (vLLM may log after it on shutdown)."""
+    return json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith('{"')))
+
+
+SCRIPT = REPO / "tests" / "vllm" / "greedy_tokens.py"
+
+
+@pytest.fixture(scope="module")
+def single_worker(vllm_python, tmp_path_factory) -> tuple[Path, dict, str]:
+    work = tmp_path_factory.mktemp("vllm")
+    done = _run([vllm_python, SCRIPT, work], env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=1200)
+    return work, _result(done), done.stdout + done.stderr
+
+
+def test_vllm_generates_hugging_face_tokens_on_mxgemm_kernels(single_worker):
+    _, result, log = single_worker
+    assert "Using MxgemmMxfp8LinearKernel for MXFP8 GEMM" in log
     # 2 layers x (qkv, o, gate_up, down); lm_head stays bf16 (`mxgemm quantize` skips it by default)
     assert len(result["layers"]) == 8
     assert all(row.startswith("MxgemmMxfp8LinearKernel:emulation:") for row in result["layers"]), result["layers"]
     assert len(result["hf"]) == 16 and result["vllm"] == result["hf"]
+
+
+def test_tensor_parallel_shards_give_the_same_tokens(vllm_python, single_worker):
+    """2 CPU workers, one core each: qkv and gate_up split along N, o and down along K (128 and 256 per rank)."""
+    work, result, _ = single_worker
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("tensor parallelism over 2 workers needs 2 cores")
+    env = _env(VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
+    done = _run([vllm_python, SCRIPT, work, "--tp", "2"], env=env, timeout=1200)
+    assert _result(done)["vllm"] == result["hf"]

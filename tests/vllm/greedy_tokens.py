@@ -1,6 +1,9 @@
-"""Run inside an environment with vLLM (CPU build) and mxgemm installed: write a tiny Llama, convert it with
-`mxgemm quantize`, then print as JSON the greedy tokens of vLLM (with mxgemm's plugin) and of Hugging Face + mxgemm,
-and the MXFP8 kernel vLLM reports using. Usage: python greedy_tokens.py WORK_FOLDER"""
+"""Run inside an environment with vLLM (CPU build) and mxgemm installed.
+
+`python greedy_tokens.py WORK_FOLDER`: write a tiny Llama, convert it with `mxgemm quantize` into WORK_FOLDER/mx,
+then print as JSON the greedy tokens of vLLM (with mxgemm's plugin) and of Hugging Face + mxgemm, and each MXFP8
+layer's kernel and backend. `python greedy_tokens.py WORK_FOLDER --tp 2`: vLLM's greedy tokens on that checkpoint
+with tensor parallelism over 2 CPU workers (column-parallel layers split N, row-parallel ones K)."""
 
 import json
 import subprocess
@@ -40,12 +43,13 @@ def hf_tokens(folder: Path) -> list[int]:
     return out[0, len(PROMPT) :].tolist()
 
 
-def vllm_tokens(folder: Path) -> tuple[list[int], list[str]]:
+def vllm_tokens(folder: Path, tp: int = 1) -> tuple[list[int], list[str]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128)
-    layers = llm.apply_model(_mxfp8_layers)[0]  # vLLM's public hook into its model
+    llm = LLM(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
+              tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None)  # fmt: skip
+    layers = llm.apply_model(_mxfp8_layers)[0] if tp == 1 else []  # vLLM's public hook into its model
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params)
     return list(out[0].outputs[0].token_ids), layers
@@ -66,6 +70,9 @@ def _mxfp8_layers(model) -> list[str]:
 
 def main() -> None:
     work = Path(sys.argv[1])
+    if sys.argv[2:4] == ["--tp", "2"]:
+        print(json.dumps({"vllm": vllm_tokens(work / "mx", tp=2)[0]}))
+        return
     folder = write_checkpoint(work)
     hf = hf_tokens(folder)
     vllm, layers = vllm_tokens(folder)
