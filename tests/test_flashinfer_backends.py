@@ -1,4 +1,6 @@
-"""FlashInfer / cuBLAS MX backends on CPU: selection by FlashInfer's own answer, reasons, weight preparation."""
+"""FlashInfer / cuBLAS MX backends on CPU: selection by FlashInfer's own answer, reasons, weight preparation, with a
+stand-in FlashInfer that records what it is asked (and can fail); its support table is FlashInfer 0.7.4's. The real
+package runs in test_flashinfer_real.py."""
 
 import importlib.machinery
 import sys
@@ -32,11 +34,14 @@ def reference_shuffle_rows(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    """A pretended FlashInfer: records what it is asked; supports cute-dsl and cutlass on SM100 only."""
+    """A pretended FlashInfer: records what it is asked; FlashInfer 0.7.4's mm_mxfp8 table (cute-dsl and trtllm on
+    SM100/103/107, cutlass on SM100/103/107/110/120/121)."""
     fi = types.ModuleType("flashinfer")
     fi.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
     fi.asked = []
-    fi.supported = {("cute-dsl", 100), ("cutlass", 100), ("cutlass", 103), ("trtllm", 100)}
+    fi.supported = {(b, cc) for b in ("cute-dsl", "trtllm", "cutlass") for cc in (100, 103, 107)} | {
+        ("cutlass", cc) for cc in (110, 120, 121)
+    }
 
     def is_backend_supported(backend, cc):
         fi.asked.append((backend, cc))
@@ -64,18 +69,25 @@ def test_sm100_picks_cutedsl(fake_flashinfer):
     assert ("cute-dsl", 100) in fake_flashinfer.asked
 
 
-def test_sm107_falls_back_and_asked_with_107(fake_flashinfer):
-    res = mxgemm.explain_auto(SM107)
+def test_sm107_is_asked_with_107(fake_flashinfer):
+    assert mxgemm.resolve_backend("auto", device=SM107).name == "flashinfer_cutedsl"
+    assert ("cute-dsl", 107) in fake_flashinfer.asked
+
+
+def test_sm120_gets_cutlass_where_only_it_is_supported(fake_flashinfer):
+    sm120 = DeviceInfo(type="cuda", name="RTX PRO 6000", capability=(12, 0), index=0)
+    res = mxgemm.explain_auto(sm120)
+    assert res.backend.name == "flashinfer_cutlass"
+    assert "does not support compute capability 120" in dict(res.skipped)["flashinfer_cutedsl"]
+
+
+def test_an_unsupported_sm_falls_back_with_reasons(fake_flashinfer):
+    sm89 = DeviceInfo(type="cuda", name="L40S", capability=(8, 9), index=0)
+    res = mxgemm.explain_auto(sm89)
     assert res.backend.name == "triton"
-    assert ("cute-dsl", 107) in fake_flashinfer.asked and ("cutlass", 107) in fake_flashinfer.asked
     skipped = dict(res.skipped)
-    assert "does not support compute capability 107" in skipped["flashinfer_cutedsl"]
+    assert "does not support compute capability 89" in skipped["flashinfer_cutedsl"]
     assert "cannot probe cuBLAS" in skipped["cublas_mx"] and "Hopper" in skipped["hybrid_sm90"]
-
-
-def test_sm103_gets_cutlass_when_only_it_is_supported(fake_flashinfer):
-    sm103 = DeviceInfo(type="cuda", name="B300", capability=(10, 3), index=0)
-    assert mxgemm.resolve_backend("auto", device=sm103).name == "flashinfer_cutlass"
 
 
 def test_explicit_trtllm_on_hopper_raises_with_reason(fake_flashinfer):

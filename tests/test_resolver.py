@@ -159,6 +159,7 @@ def test_blockwise_needs_hopper_and_new_cuda(pretend_cuda_runtime, monkeypatch):
     b200 = DeviceInfo(type="cuda", name="B200", capability=(10, 0), index=0)
     with pytest.raises(mxgemm.BackendUnavailableError, match=r"runs on Hopper \(SM90\); B200 \(SM100\) is not"):
         mxgemm.resolve_backend("cublas_block", device=b200)
+    hide_package(monkeypatch, "flashinfer")  # auto on a Blackwell without FlashInfer
     assert mxgemm.resolve_backend("auto", device=b200).name == "triton"
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     with pytest.raises(mxgemm.BackendUnavailableError, match=r"CUDA >= 12.9.*12.4"):

@@ -4,9 +4,11 @@ Availability is FlashInfer's own answer, asked at run time: ``mm_mxfp8.is_backen
 the device's compute capability as an integer (100, 103, 107, 120, ...), plus the problem constraints FlashInfer
 documents (N >= 128, K >= 128; trtllm: K % 256 == 0). mxgemm keeps no list of SM numbers for these backends.
 
-Weights are prepared once: cutlass and cute-dsl take the weight as is and its scales in the 128x4 layout; trtllm
-takes N padded to a multiple of 128, rows shuffled by FlashInfer's ``shuffle_matrix_a`` / ``shuffle_matrix_sf_a``
-(epilogue tile 128, 32 elements per scale), and 8x4 activation scales; the output is sliced back to the logical N.
+Weights are prepared once: cutlass and cute-dsl take the weight with N padded to a multiple of 32 (CUTLASS writes
+bf16 output rows 16-byte aligned, N % 8 == 0, and on SM12x needs N and K multiples of 32) and its scales in the
+128x4 layout; trtllm takes N padded to a multiple of 128, rows shuffled by FlashInfer's ``shuffle_matrix_a`` /
+``shuffle_matrix_sf_a`` (epilogue tile 128, 32 elements per scale), and 8x4 activation scales. The output is sliced
+back to the logical N.
 Activations are quantized by mxgemm's own Triton kernel (:mod:`mxgemm.kernels.mx_quant`), never by FlashInfer's
 ``mxfp8_quantize``, whose kernel is compiled for SM100+ only and silently does nothing elsewhere.
 
@@ -30,6 +32,14 @@ __all__ = ["FlashInferCuteDSL", "FlashInferCutlass", "FlashInferTRTLLM"]
 
 ACT_SCALE_MODE = "floor"  # as the w8a8-mx emulated twin quantizes activations
 TRTLLM_TILE = 128
+N_MULTIPLE = 32  # cutlass / cute-dsl weight rows: bf16 output rows 16-byte aligned, and SM12x's N % 32
+
+
+def _pad_rows(qdata: torch.Tensor, scale: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight and scales with zero rows appended up to a multiple of ``multiple`` (their products are zero)."""
+    pad = round_up(qdata.shape[0], multiple) - qdata.shape[0]
+    q = F.pad(qdata.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+    return q, F.pad(scale.view(torch.uint8), (0, 0, 0, pad))
 
 
 def _flashinfer():
@@ -65,7 +75,7 @@ class _FlashInferMX(Backend):
                 False,
                 f"FlashInfer says mm_mxfp8 backend '{self.fi_backend}' does not support compute capability {device.sm}",
             )
-        return Availability(True, f"FlashInfer mm_mxfp8 '{self.fi_backend}' on SM{device.sm}")
+        return Availability(True, f"FlashInfer mm_mxfp8 '{self.fi_backend}' on SM{device.sm}; {_kernels_origin()}")
 
     def check_problem(self, out_features: int, in_features: int) -> Availability:
         if out_features < 128 or in_features < 128:
@@ -78,7 +88,8 @@ class _FlashInferMX(Backend):
         if qdata.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{self.name} takes E4M3 weights; got {qdata.dtype}")
         n, k = qdata.shape
-        return PreparedWeight(self.name, recipe, n, k, {"qdata": qdata.contiguous(), "scale": to_128x4(scale)})
+        q, s = _pad_rows(qdata, scale, N_MULTIPLE)
+        return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": to_128x4(s)})
 
     def _mm(self, xq, xs, weight: PreparedWeight) -> torch.Tensor:
         t = weight.tensors
@@ -94,7 +105,7 @@ class _FlashInferMX(Backend):
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         n, k = weight.out_features, weight.in_features
-        return weight.tensors["qdata"], from_128x4(weight.tensors["scale"], n, k // BLOCK_SIZE)
+        return weight.tensors["qdata"][:n], from_128x4(weight.tensors["scale"], n, k // BLOCK_SIZE)
 
     act_layout: ClassVar[str] = "128x4"
 
@@ -128,9 +139,7 @@ class FlashInferTRTLLM(_FlashInferMX):
             raise ValueError(f"{self.name} takes E4M3 weights; got {qdata.dtype}")
         fi = _flashinfer()
         n, k = qdata.shape
-        pad = round_up(n, TRTLLM_TILE) - n
-        q = F.pad(qdata.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
-        s = F.pad(scale, (0, 0, 0, pad))
+        q, s = _pad_rows(qdata, scale, TRTLLM_TILE)
         q = fi.shuffle_matrix_a(q, TRTLLM_TILE)
         s = fi.shuffle_matrix_sf_a(s, TRTLLM_TILE, num_elts_per_sf=32).reshape(-1)
         return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": s.contiguous()})
@@ -157,6 +166,28 @@ class FlashInferTRTLLM(_FlashInferMX):
         s = torch.empty(shape[0] * shape[1], dtype=torch.uint8, device=t["scale"].device)
         s[src[kept]] = t["scale"].reshape(-1)[kept]
         return q[:n], s.reshape(shape)[:n]
+
+
+def _kernels_origin() -> str:
+    """Where FlashInfer's kernels come from on first use: its precompiled packages of the same version, when
+    installed, else a JIT compile with nvcc (trtllm: a download of kernel binaries) at the first GEMM of a shape."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("flashinfer-python")
+    except metadata.PackageNotFoundError:
+        return "FlashInfer's version unknown"
+    found = []
+    for package in ("flashinfer-cubin", "flashinfer-jit-cache"):
+        try:
+            if metadata.version(package).split("+")[0] == version:
+                found.append(package)
+        except metadata.PackageNotFoundError:
+            pass
+    if found:
+        return f"kernels precompiled ({', '.join(found)} {version})"
+    return (f"kernels compiled on first use (no flashinfer-cubin / flashinfer-jit-cache {version} installed; "
+            "trtllm downloads its kernel binaries)")  # fmt: skip
 
 
 def _source_positions(move, shape: tuple[int, int], device: torch.device) -> torch.Tensor:

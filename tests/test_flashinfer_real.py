@@ -1,0 +1,141 @@
+"""mxgemm's FlashInfer backends against the real `flashinfer-python` (pinned in the dev extras), on CPU.
+
+Each backend runs through FlashInfer's real entry points: `mm_mxfp8.is_backend_supported`, `mm_mxfp8` with its
+argument checks and per-backend requirements, its backend selection and its autotuner's choice, and (trtllm)
+`shuffle_matrix_a` / `shuffle_matrix_sf_a`. Stubbed are only what needs a GPU: the device queries (the pretended
+compute capability), the compiled-module loads, and the final kernel launch, whose stand-in computes what FlashInfer
+documents from the operands it receives (a [M, K] and b [K, N] E4M3 with 1-D 128x4-swizzled E8M0 scales; trtllm: b's
+rows and scales shuffled, a's scales 8x4 when asked), so a call that passed anything else would give other numbers
+than mxgemm's emulated twin.
+"""
+
+import sys
+import types
+from typing import ClassVar
+
+import pytest
+import torch
+from helpers import random_act, random_mx_weight
+
+import mxgemm
+from mxgemm import layouts
+from mxgemm.device import DeviceInfo
+
+flashinfer = pytest.importorskip("flashinfer")
+gemm_base = pytest.importorskip("flashinfer.gemm.gemm_base")
+fi_utils = pytest.importorskip("flashinfer.utils")
+from flashinfer.autotuner import TunableRunner  # noqa: E402
+
+
+def _dequant(q: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
+    """E4M3 [rows, K] with E8M0 scales [rows, K/32] -> fp32."""
+    s = torch.exp2(scale_rows.float() - 127).repeat_interleave(32, dim=1)
+    return q.float() * s
+
+
+def _unshuffle_rows(shuffled: torch.Tensor, rows: int) -> torch.Tensor:
+    """Undo FlashInfer's shuffle_matrix_a (epilogue tile 128) by its own row indices."""
+    order = flashinfer.shuffle_matrix_a(torch.arange(rows, dtype=torch.int32).unsqueeze(1), 128).squeeze(1).long()
+    out = torch.empty_like(shuffled)
+    out[order] = shuffled
+    return out
+
+
+class _Launch(TunableRunner):
+    """The kernel launch's stand-in: out = dequant(a) @ dequant(b), reading the operands as FlashInfer documents."""
+
+    calls: ClassVar[list] = []
+
+    def __init__(self, backend: str, use_8x4: bool = False):
+        self.backend, self.use_8x4 = backend, use_8x4
+
+    def get_valid_tactics(self, inputs, profile):
+        return [-1]
+
+    def forward(self, inputs, tactic=-1, **kwargs):
+        a, b, a_sf, b_sf, out_dtype, out, _workspace = inputs
+        m, k = a.shape
+        n = b.shape[1]
+        assert b.stride() == (1, k), "b must be the transpose of a row-major [N, K] weight"
+        cols = k // 32
+        a_rows = layouts.from_8x4(a_sf, m, cols) if self.use_8x4 else layouts.from_128x4(a_sf, m, cols)
+        if self.backend == "trtllm":  # b's rows and scale rows shuffled for epilogue tile 128
+            w = _unshuffle_rows(b.t().contiguous().view(torch.uint8), n).view(torch.float8_e4m3fn)
+            b_rows = _unshuffle_rows(layouts.from_128x4(b_sf, n, cols), n)
+        else:
+            w, b_rows = b.t(), layouts.from_128x4(b_sf, n, cols)
+        if self.backend != "trtllm":  # CUTLASS / CuTe-DSL store bf16 output rows 16-byte aligned
+            assert out.stride(0) * out.element_size() % 16 == 0, f"output rows of {n} bf16 are not 16-byte aligned"
+        _Launch.calls.append((self.backend, m, n, k, self.use_8x4))
+        out.copy_((_dequant(a, a_rows) @ _dequant(w, b_rows).t()).to(out_dtype))
+
+
+@pytest.fixture(params=[(10, 0), (12, 0)], ids=["sm100", "sm120"])
+def pretend(request, monkeypatch):
+    """FlashInfer on CPU tensors as if on a GPU of this compute capability."""
+    cc = request.param
+    for module in (fi_utils, gemm_base):
+        if hasattr(module, "get_compute_capability"):
+            monkeypatch.setattr(module, "get_compute_capability", lambda device: cc)
+    monkeypatch.setattr(gemm_base, "is_sm12x_supported", lambda device: cc[0] == 12)
+    monkeypatch.setattr(gemm_base, "_check_cute_dsl_availability", lambda: None)
+    monkeypatch.setattr(gemm_base, "_check_cute_dsl_arch", lambda device: None)
+    monkeypatch.setattr(gemm_base, "_get_stream_cache_buf", lambda name, size, device, zero_init=False: torch.empty(0))
+    cutlass = types.SimpleNamespace(cutlass_mxfp8_gemm_runner=lambda: _Launch("cutlass"))
+    monkeypatch.setattr(gemm_base, "get_cutlass_mxfp8_gemm_module", lambda major: cutlass)
+    trtllm = types.SimpleNamespace(trtllm_mxfp8_gemm_runner=lambda use_8x4: _Launch("trtllm", use_8x4))
+    monkeypatch.setattr(gemm_base, "get_trtllm_gemm_module", lambda: trtllm)
+    monkeypatch.setattr(gemm_base, "_use_sm107_mxfp8_cute_dsl", lambda *args: False)
+    monkeypatch.setattr(gemm_base, "_cute_dsl_mxfp8_runners", lambda *args: [_Launch("cute-dsl")])
+    # shuffle_matrix_sf_a's 128x4 re-interleave is a compiled op: the documented layout in its place
+    quantization = sys.modules[flashinfer.shuffle_matrix_sf_a.__module__]
+    monkeypatch.setattr(quantization, "block_scale_interleave", lambda t: layouts.to_128x4(t.view(torch.uint8)))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # mxgemm's activation quantizer runs in Triton's interpreter
+    _Launch.calls = []
+    return DeviceInfo(type="cuda", name="pretend", capability=cc, index=0)
+
+
+# FlashInfer 0.7.4's table (gemm_base's @supported_compute_capability on each mm_mxfp8 requirement)
+REAL_TABLE = {"cute-dsl": {100, 103, 107}, "trtllm": {100, 103, 107}, "cutlass": {100, 103, 107, 110, 120, 121}}
+
+
+@pytest.mark.parametrize("cc", [90, 100, 103, 107, 110, 120, 121])
+def test_availability_is_flashinfers_own_table(cc):
+    device = DeviceInfo(type="cuda", name="pretend", capability=divmod(cc, 10), index=0)
+    for name, fi_name in (("flashinfer_cutedsl", "cute-dsl"), ("flashinfer_cutlass", "cutlass"),
+                          ("flashinfer_trtllm", "trtllm")):  # fmt: skip
+        assert bool(mxgemm.backends.get_backend(name).check_device(device)) == (cc in REAL_TABLE[fi_name]), (name, cc)
+
+
+@pytest.mark.parametrize("n", [256, 130, 136])
+@pytest.mark.parametrize("name", ["flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_trtllm"])
+def test_each_backend_through_flashinfer_matches_the_twin(pretend, name, n):
+    backend = mxgemm.backends.get_backend(name)
+    if not backend.check_device(pretend):
+        pytest.skip(f"{name} is not FlashInfer's on SM{pretend.sm}")
+    k, m = 512, 5
+    q, s = random_mx_weight(n, k, seed=n)
+    x = random_act(m, k, seed=7)
+    w = backend.prepare(q, s, "w8a8-mx")
+    y = backend.run(x, w, None)
+    twin = mxgemm.backends.get_backend("emulation")
+    ref = twin.run(x, twin.prepare(q, s, "w8a8-mx"), None)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    # both round an fp32 product to bf16 once: equal but for the fp32 summation order (within 1 bf16 ulp)
+    assert torch.allclose(y.float(), ref.float(), rtol=2**-7, atol=0), (y - ref).abs().max()
+    assert (y != ref).float().mean() < 0.01
+    fi_name = {"flashinfer_cutlass": "cutlass", "flashinfer_cutedsl": "cute-dsl", "flashinfer_trtllm": "trtllm"}[name]
+    assert _Launch.calls[-1][0] == fi_name and _Launch.calls[-1][4] == (name == "flashinfer_trtllm")
+    exported_q, exported_s = backend.export_mx(w)
+    assert torch.equal(exported_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(exported_s, s)
+
+
+def test_info_says_where_the_kernels_come_from():
+    """Without FlashInfer's precompiled packages of its version (none exist for 0.7.4 on the index), the reason says
+    the first GEMM compiles (trtllm downloads)."""
+    device = DeviceInfo(type="cuda", name="pretend", capability=(10, 0), index=0)
+    reason = mxgemm.backends.get_backend("flashinfer_cutlass").check_device(device).reason
+    assert (
+        f"kernels compiled on first use (no flashinfer-cubin / flashinfer-jit-cache {flashinfer.__version__}" in reason
+    )
