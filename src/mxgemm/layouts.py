@@ -20,11 +20,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["from_8x4", "from_128x4", "padded_size_8x4", "padded_size_128x4", "round_up", "to_8x4", "to_128x4"]
+__all__ = ["from_8x4", "from_128x4", "pad_rows", "padded_size_8x4", "padded_size_128x4", "round_up", "to_8x4",
+           "to_128x4"]  # fmt: skip
 
 
 def round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
+
+
+def pad_rows(qdata: torch.Tensor, scale: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MX weight (E4M3 [N, K]) and its scales ([N, K/32], uint8 or E8M0) with zero rows appended up to N a
+    multiple of ``multiple`` (their products are zero): (E4M3, uint8)."""
+    pad = round_up(qdata.shape[0], multiple) - qdata.shape[0]
+    q = torch.nn.functional.pad(qdata.view(torch.uint8), (0, 0, 0, pad)).view(qdata.dtype)
+    return q, torch.nn.functional.pad(scale.view(torch.uint8), (0, 0, 0, pad))
 
 
 def _check_scale(scale: torch.Tensor) -> None:

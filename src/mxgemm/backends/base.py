@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..availability import Availability
 from ..device import DeviceInfo
 
 if TYPE_CHECKING:
@@ -31,17 +32,6 @@ RECIPES: dict[str, str] = {
 class UnsupportedWeightError(Exception):
     """Raised by ``Backend.prepare`` when this particular weight's values rule the backend out (the message says
     why). An explicit request then fails with that reason; ``auto`` moves on to the next backend."""
-
-
-@dataclass(frozen=True)
-class Availability:
-    """A check's answer: ``available`` and, either way, a reason a user can act on."""
-
-    available: bool
-    reason: str
-
-    def __bool__(self) -> bool:
-        return self.available
 
 
 _FP8 = {str(d): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}

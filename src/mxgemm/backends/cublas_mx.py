@@ -10,11 +10,10 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from ..device import DeviceInfo
 from ..format import BLOCK_SIZE
-from ..layouts import from_128x4, round_up, to_128x4
+from ..layouts import from_128x4, pad_rows, to_128x4
 from .base import (
     Availability,
     Backend,
@@ -73,10 +72,8 @@ class CublasMXBackend(Backend):
         if qdata.dtype != torch.float8_e4m3fn:
             raise ValueError(f"cublas_mx takes E4M3 weights; got {qdata.dtype}")
         n, k = qdata.shape
-        pad = round_up(n, N_ALIGN) - n
-        q = F.pad(qdata.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
-        s = to_128x4(F.pad(scale, (0, 0, 0, pad)))
-        return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": s})
+        q, s = pad_rows(qdata, scale, N_ALIGN)  # torch._scaled_mm: both dimensions of mat2 divisible by 16
+        return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": to_128x4(s)})
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return cublas_mx_linear(x, weight, bias)

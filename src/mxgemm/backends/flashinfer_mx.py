@@ -21,11 +21,10 @@ import importlib.util
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from ..device import DeviceInfo
 from ..format import BLOCK_SIZE
-from ..layouts import from_128x4, round_up, to_128x4
+from ..layouts import from_128x4, pad_rows, to_128x4
 from .base import Availability, Backend, PreparedWeight, finish_output
 
 __all__ = ["FlashInferCuteDSL", "FlashInferCutlass", "FlashInferTRTLLM"]
@@ -33,13 +32,6 @@ __all__ = ["FlashInferCuteDSL", "FlashInferCutlass", "FlashInferTRTLLM"]
 ACT_SCALE_MODE = "floor"  # as the w8a8-mx emulated twin quantizes activations
 TRTLLM_TILE = 128
 N_MULTIPLE = 32  # cutlass / cute-dsl weight rows: bf16 output rows 16-byte aligned, and SM12x's N % 32
-
-
-def _pad_rows(qdata: torch.Tensor, scale: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight and scales with zero rows appended up to a multiple of ``multiple`` (their products are zero)."""
-    pad = round_up(qdata.shape[0], multiple) - qdata.shape[0]
-    q = F.pad(qdata.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
-    return q, F.pad(scale.view(torch.uint8), (0, 0, 0, pad))
 
 
 def _flashinfer():
@@ -88,7 +80,7 @@ class _FlashInferMX(Backend):
         if qdata.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{self.name} takes E4M3 weights; got {qdata.dtype}")
         n, k = qdata.shape
-        q, s = _pad_rows(qdata, scale, N_MULTIPLE)
+        q, s = pad_rows(qdata, scale, N_MULTIPLE)
         return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": to_128x4(s)})
 
     def _mm(self, xq, xs, weight: PreparedWeight) -> torch.Tensor:
@@ -139,7 +131,7 @@ class FlashInferTRTLLM(_FlashInferMX):
             raise ValueError(f"{self.name} takes E4M3 weights; got {qdata.dtype}")
         fi = _flashinfer()
         n, k = qdata.shape
-        q, s = _pad_rows(qdata, scale, TRTLLM_TILE)
+        q, s = pad_rows(qdata, scale, TRTLLM_TILE)
         q = fi.shuffle_matrix_a(q, TRTLLM_TILE)
         s = fi.shuffle_matrix_sf_a(s, TRTLLM_TILE, num_elts_per_sf=32).reshape(-1)
         return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": s.contiguous()})

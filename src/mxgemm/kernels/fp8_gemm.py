@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..backends.base import Availability
+from ..availability import Availability
 from ..block128 import padded_1x128_shape
 from . import check_bf16_bias, nvcc, raw_stream
 

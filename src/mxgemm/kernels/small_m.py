@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..backends.base import Availability
+from ..availability import Availability
 from . import check_bf16_bias, nvcc, raw_stream
 
 logger = logging.getLogger("mxgemm")
