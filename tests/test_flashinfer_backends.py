@@ -162,8 +162,8 @@ def test_tuning_a_flashinfer_backend_runs_flashinfers_autotuner(fake_flashinfer,
     state = {"tuning": False, "runs_while_tuning": 0}
 
     @contextlib.contextmanager
-    def autotune(on):
-        state["tuning"] = on
+    def autotune(on, cache=None):
+        state["tuning"], state["cache"] = on, cache
         yield
         state["tuning"] = False
 
@@ -180,6 +180,7 @@ def test_tuning_a_flashinfer_backend_runs_flashinfers_autotuner(fake_flashinfer,
     tuner = Autotuner(TuningCache(tmp_path / "t.json", {"test": 1}), timer=lambda fn: (fn(), 1.0)[1])
     result = tuner.tune(backend, w, 8, torch.bfloat16)
     assert result is not None and state["runs_while_tuning"] == 1 and not state["tuning"]
+    assert state["cache"].endswith("flashinfer-tuning-cpu.json")
 
 
 def test_cublas_mx_preparation(fake_flashinfer):

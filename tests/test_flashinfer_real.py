@@ -139,3 +139,32 @@ def test_info_says_where_the_kernels_come_from():
     assert (
         f"kernels compiled on first use (no flashinfer-cubin / flashinfer-jit-cache {flashinfer.__version__}" in reason
     )
+
+
+def test_flashinfers_tactics_persist_beside_mxgemms_tuning_file(monkeypatch, tmp_path):
+    """mxgemm's tuner runs FlashInfer's autotuner with its file cache beside mxgemm's tuning file; preparing a weight
+    later (a restart) loads that file into FlashInfer's autotuner, once per process."""
+    import flashinfer.autotuner as fi_autotuner
+
+    from mxgemm.backends import flashinfer_mx
+
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
+    flashinfer_mx._load_tactics_file.cache_clear()
+    backend = mxgemm.backends.get_backend("flashinfer_cutlass")
+    q, s = random_mx_weight(256, 512)
+    weight = backend.prepare(q, s, "w8a8-mx")
+    path = flashinfer_mx.tactics_path(weight.device)
+    assert path.parent == tmp_path and path.name == "flashinfer-tuning-cpu.json" and not path.exists()
+    asked = []
+    real_autotune = fi_autotuner.autotune
+    monkeypatch.setattr(fi_autotuner, "autotune", lambda *a, **k: asked.append(k) or real_autotune(*a, **k))
+    with backend.tuning_context(weight):
+        assert fi_autotuner.AutoTuner.get().is_tuning_mode
+    assert asked == [{"cache": str(path)}] or asked[0]["cache"] == str(path)
+    fi_autotuner.AutoTuner.get().save_configs(str(path))  # what FlashInfer writes after profiling on a GPU
+    loaded = []
+    real_load = fi_autotuner.AutoTuner.load_configs
+    monkeypatch.setattr(fi_autotuner.AutoTuner, "load_configs", lambda self, p: loaded.append(p) or real_load(self, p))
+    backend.prepare(q, s, "w8a8-mx")
+    backend.prepare(q, s, "w8a8-mx")
+    assert loaded == [str(path)]

@@ -289,7 +289,7 @@ class Autotuner:
                 failed += 1
                 return math.inf
 
-        with backend.tuning_context():
+        with backend.tuning_context(weight):
             times = [measure(tactic) for tactic in tactics]
             best = min(range(len(times)), key=lambda i: (times[i], i))
             chosen = 0

@@ -188,9 +188,9 @@ class Backend(ABC):
         given."""
         return weight.tensors["qdata"], weight.tensors["scale"]
 
-    def tuning_context(self) -> contextlib.AbstractContextManager:
-        """Entered while the autotuner times this backend: a backend whose library tunes itself (FlashInfer)
-        switches that library's tuning on here."""
+    def tuning_context(self, weight: PreparedWeight) -> contextlib.AbstractContextManager:
+        """Entered while the autotuner times this backend on ``weight``: a backend whose library tunes itself
+        (FlashInfer) switches that library's tuning on here, and saves what it learns where a restart finds it."""
         return contextlib.nullcontext()
 
     def tactics(self, m: int, weight: PreparedWeight) -> list[Any]:

@@ -9,6 +9,8 @@ bf16 output rows 16-byte aligned, N % 8 == 0, and on SM12x needs N and K multipl
 128x4 layout; trtllm takes N padded to a multiple of 128, rows shuffled by FlashInfer's ``shuffle_matrix_a`` /
 ``shuffle_matrix_sf_a`` (epilogue tile 128, 32 elements per scale), and 8x4 activation scales. The output is sliced
 back to the logical N.
+FlashInfer's autotuner tunes these backends' tactics while mxgemm's tuner runs (``tuning_context``); its file cache
+lies beside mxgemm's tuning file and is loaded when a weight is prepared, so a restart replays the tactics.
 Activations are quantized by mxgemm's own Triton kernel (:mod:`mxgemm.kernels.mx_quant`), never by FlashInfer's
 ``mxfp8_quantize``, whose kernel is compiled for SM100+ only and silently does nothing elsewhere.
 
@@ -17,7 +19,9 @@ These backends have not been run on Blackwell by this project: no such GPU has b
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -45,11 +49,10 @@ class _FlashInferMX(Backend):
     tunable = True  # by FlashInfer's own autotuner, switched on while mxgemm's tuner runs (tuning_context)
     fi_backend: ClassVar[str]
 
-    def tuning_context(self):
-        import contextlib
-
-        autotune = getattr(getattr(_flashinfer(), "autotuner", None), "autotune", None)
-        return autotune(True) if autotune is not None else contextlib.nullcontext()
+    def tuning_context(self, weight: PreparedWeight):
+        """FlashInfer's autotuner on, with its file cache beside mxgemm's tuning file (:func:`tactics_path`): it loads
+        that file on entry and saves what it profiled on exit."""
+        return _flashinfer().autotuner.autotune(True, cache=str(tactics_path(weight.device)))
 
     def check_device(self, device: DeviceInfo) -> Availability:
         if importlib.util.find_spec("flashinfer") is None:
@@ -81,6 +84,7 @@ class _FlashInferMX(Backend):
             raise ValueError(f"{self.name} takes E4M3 weights; got {qdata.dtype}")
         n, k = qdata.shape
         q, s = pad_rows(qdata, scale, N_MULTIPLE)
+        load_tactics(qdata.device)
         return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": to_128x4(s)})
 
     def _mm(self, xq, xs, weight: PreparedWeight) -> torch.Tensor:
@@ -132,6 +136,7 @@ class FlashInferTRTLLM(_FlashInferMX):
         fi = _flashinfer()
         n, k = qdata.shape
         q, s = pad_rows(qdata, scale, TRTLLM_TILE)
+        load_tactics(qdata.device)
         q = fi.shuffle_matrix_a(q, TRTLLM_TILE)
         s = fi.shuffle_matrix_sf_a(s, TRTLLM_TILE, num_elts_per_sf=32).reshape(-1)
         return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": s.contiguous()})
@@ -158,6 +163,31 @@ class FlashInferTRTLLM(_FlashInferMX):
         s = torch.empty(shape[0] * shape[1], dtype=torch.uint8, device=t["scale"].device)
         s[src[kept]] = t["scale"].reshape(-1)[kept]
         return q[:n], s.reshape(shape)[:n]
+
+
+def tactics_path(device: torch.device) -> Path:
+    """Where FlashInfer's tuned tactics for this device persist: ``flashinfer-<mxgemm's tuning file name>`` beside
+    that file (FlashInfer's own JSON format, with its environment metadata)."""
+    from ..autotune import default_cache_path
+    from ..device import describe_device
+
+    path = default_cache_path(describe_device(device))
+    return path.with_name(f"flashinfer-{path.name}")
+
+
+@functools.cache
+def _load_tactics_file(path: str) -> bool:
+    from flashinfer.autotuner import AutoTuner
+
+    return AutoTuner.get().load_configs(path)
+
+
+def load_tactics(device: torch.device) -> bool:
+    """Give FlashInfer's autotuner the tactics tuned on this device before (once per file and process), so that a
+    restart replays them instead of running FlashInfer's fallback; False when there are none (or FlashInfer rejects
+    the file: it checks its own version and the CUDA libraries' against the file's)."""
+    path = tactics_path(device)
+    return path.is_file() and _load_tactics_file(str(path))
 
 
 def _kernels_origin() -> str:
