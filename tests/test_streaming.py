@@ -122,3 +122,37 @@ def test_a_model_with_meta_parameters_loads_from_the_checkpoint(tmp_path, tie):
     ids = torch.randint(0, 128, (1, 7))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_a_sharded_modelopt_checkpoint_streams_into_a_meta_model(tmp_path):
+    """The same tensors in NVIDIA ModelOpt's layout (hf_quant_config.json, quant_algo MXFP8), in shards with an
+    index: a model on the meta device loads them one tensor at a time and computes what the compressed-tensors
+    checkpoint gives."""
+    import accelerate
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(_config()).save_pretrained(tmp_path / "model")
+    args = ["quantize", str(tmp_path / "model"), str(tmp_path / "mx"), "--max-shard-size", "40KB"]
+    assert main(args) == 0
+    opt = tmp_path / "modelopt"
+    opt.mkdir()
+    config = json.loads((tmp_path / "mx" / "config.json").read_text())
+    del config["quantization_config"]
+    (opt / "config.json").write_text(json.dumps(config))
+    quant = {"quant_algo": "MXFP8", "exclude_modules": ["lm_head"]}
+    (opt / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
+    shards = sorted((tmp_path / "mx").glob("model-*.safetensors"))
+    assert len(shards) >= 4
+    for shard in shards:
+        (opt / shard.name).write_bytes(shard.read_bytes())
+    (opt / "model.safetensors.index.json").write_bytes((tmp_path / "mx" / "model.safetensors.index.json").read_bytes())
+    reference = transformers.LlamaForCausalLM(_config())
+    mxgemm.load_checkpoint(reference, tmp_path / "mx", backend="emulation")
+    with accelerate.init_empty_weights():
+        model = transformers.LlamaForCausalLM(_config())
+    report = mxgemm.load_checkpoint(model, opt, backend="emulation", device="cpu")
+    assert report.format.kind == "modelopt" and len(report.quantized) == 14
+    assert not any(t.is_meta for t in model.state_dict().values())
+    ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
