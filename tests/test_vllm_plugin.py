@@ -85,3 +85,11 @@ def test_tensor_parallel_shards_give_the_same_tokens(vllm_python, single_worker)
     env = _env(VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
     done = _run([vllm_python, SCRIPT, work, "--tp", "2"], env=env, timeout=1200)
     assert _result(done)["vllm"] == result["hf"]
+
+
+def test_a_modelopt_checkpoint_runs_on_mxgemm_too(vllm_python, single_worker):
+    """The same tensors as a ModelOpt MXFP8 checkpoint (vLLM's modelopt_mxfp8 method): the same greedy tokens."""
+    work, result, _ = single_worker
+    done = _run([vllm_python, SCRIPT, work, "--modelopt"], env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=1200)
+    assert "Using MxgemmMxfp8LinearKernel for MXFP8 GEMM" in done.stdout + done.stderr
+    assert _result(done)["vllm"] == result["hf"]

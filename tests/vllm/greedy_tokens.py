@@ -3,7 +3,9 @@
 `python greedy_tokens.py WORK_FOLDER`: write a tiny Llama, convert it with `mxgemm quantize` into WORK_FOLDER/mx,
 then print as JSON the greedy tokens of vLLM (with mxgemm's plugin) and of Hugging Face + mxgemm, and each MXFP8
 layer's kernel and backend. `python greedy_tokens.py WORK_FOLDER --tp 2`: vLLM's greedy tokens on that checkpoint
-with tensor parallelism over 2 CPU workers (column-parallel layers split N, row-parallel ones K)."""
+with tensor parallelism over 2 CPU workers (column-parallel layers split N, row-parallel ones K).
+`python greedy_tokens.py WORK_FOLDER --modelopt`: the same tensors as a ModelOpt MXFP8 checkpoint (vLLM's
+`modelopt_mxfp8` method, the quantization config in config.json), vLLM's greedy tokens."""
 
 import json
 import subprocess
@@ -68,10 +70,28 @@ def _mxfp8_layers(model) -> list[str]:
     return rows
 
 
+def as_modelopt(folder: Path, out: Path) -> Path:
+    """``folder``'s compressed-tensors checkpoint rewritten as a ModelOpt MXFP8 one: the same tensors, the
+    quantization config ModelOpt's (quant_algo MXFP8, lm_head excluded)."""
+    out.mkdir(exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt_mxfp8", "quantization": {
+        "quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    for f in folder.iterdir():
+        if f.name != "config.json" and f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
 def main() -> None:
     work = Path(sys.argv[1])
     if sys.argv[2:4] == ["--tp", "2"]:
         print(json.dumps({"vllm": vllm_tokens(work / "mx", tp=2)[0]}))
+        return
+    if sys.argv[2:3] == ["--modelopt"]:
+        tokens, layers = vllm_tokens(as_modelopt(work / "mx", work / "modelopt"))
+        print(json.dumps({"vllm": tokens, "layers": layers}))
         return
     folder = write_checkpoint(work)
     hf = hf_tokens(folder)
