@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from ..errors import MXGemmError
 from ..format import BLOCK_SIZE
 from ..resolve import resolve_backend
 from ..weights import linear, prepare_weight
@@ -43,7 +44,7 @@ def _kernel_class():
         def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
             try:
                 resolve_backend(cls.backend)
-            except Exception as exc:  # the resolver's own reason, for vLLM's list of failures
+            except MXGemmError as exc:  # the resolver's own reason, for vLLM's list of failures
                 return False, f"mxgemm: {exc}"
             return True, None
 
