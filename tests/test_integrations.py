@@ -143,6 +143,12 @@ def test_a_saved_quantized_model_loads_back_into_mxgemm_layers(bf16_llama, tmp_p
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     layer = loaded.model.layers[1].mlp.gate_proj
     assert torch.equal(layer.weight.view(torch.uint8), model.model.layers[1].mlp.gate_proj.weight.view(torch.uint8))
+    for dtype in (torch.float32, torch.float16):  # the float8 / uint8 tensors load as saved whatever the model dtype
+        other = auto.from_pretrained(tmp_path, dtype=dtype)
+        assert _linear_kinds(other) == _linear_kinds(model)
+        with torch.no_grad():
+            logits = other(ids).logits
+        assert logits.dtype == dtype and torch.isfinite(logits).all()
 
 
 def test_registration_is_idempotent_and_the_config_checks_its_method():
