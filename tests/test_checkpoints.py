@@ -246,6 +246,12 @@ def test_unreadable_files_and_meta_models_are_named(llama_dir, tmp_path):
         meta_model = transformers.LlamaForCausalLM(_tiny_llama_config())
     with pytest.raises(mxgemm.CheckpointError, match="meta device"):
         mxgemm.load_checkpoint(meta_model, mx, backend="emulation")
+    meta_model.register_buffer("extra_table", torch.empty(3, device="meta"))  # a tensor no checkpoint fills
+    with pytest.raises(mxgemm.CheckpointError, match="the checkpoint has no tensor for extra_table"):
+        mxgemm.load_checkpoint(meta_model, mx, backend="emulation", device="cpu")
+    meta_model.register_buffer("extra_table", torch.empty(3, device="meta"), persistent=False)  # not in a state dict
+    with pytest.raises(mxgemm.CheckpointError, match=r"extra_table is on the meta device and not in the checkpoint"):
+        mxgemm.load_checkpoint(meta_model, mx, backend="emulation", device="cpu")
     data = (mx / "model.safetensors").read_bytes()
     (mx / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(mxgemm.CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
