@@ -168,3 +168,21 @@ def test_flashinfers_tactics_persist_beside_mxgemms_tuning_file(monkeypatch, tmp
     backend.prepare(q, s, "w8a8-mx")
     backend.prepare(q, s, "w8a8-mx")
     assert loaded == [str(path)]
+
+
+@pytest.mark.parametrize("name", ["flashinfer_cutlass", "flashinfer_trtllm"])
+def test_preparation_builds_the_kernels_not_the_first_forward(pretend, monkeypatch, name):
+    """On a GPU (here: the pretended device, its tensors on the CPU) the first prepare of a backend runs one GEMM of
+    one row through FlashInfer, where its kernels are built; later prepares on that device do not."""
+    from mxgemm.backends import flashinfer_mx
+
+    backend = mxgemm.backends.get_backend(name)
+    if not backend.check_device(pretend):
+        pytest.skip(f"{name} is not FlashInfer's on SM{pretend.sm}")
+    monkeypatch.setattr(flashinfer_mx, "WARM_UP_ON", ("cpu",))
+    monkeypatch.setattr(flashinfer_mx, "_WARMED", set())
+    q, s = random_mx_weight(256, 512)
+    backend.prepare(q, s, "w8a8-mx")
+    assert [call[:2] for call in _Launch.calls] == [(backend.fi_backend, 1)]
+    backend.prepare(q, s, "w8a8-mx")
+    assert len(_Launch.calls) == 1

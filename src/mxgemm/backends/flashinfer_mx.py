@@ -36,6 +36,8 @@ __all__ = ["FlashInferCuteDSL", "FlashInferCutlass", "FlashInferTRTLLM"]
 ACT_SCALE_MODE = "floor"  # as the w8a8-mx emulated twin quantizes activations
 TRTLLM_TILE = 128
 N_MULTIPLE = 32  # cutlass / cute-dsl weight rows: bf16 output rows 16-byte aligned, and SM12x's N % 32
+WARM_UP_ON = ("cuda",)  # device types whose first prepare runs one GEMM (FlashInfer's kernels need a GPU)
+_WARMED: set[tuple[str, torch.device]] = set()
 
 
 def _flashinfer():
@@ -80,12 +82,29 @@ class _FlashInferMX(Backend):
         return Availability(True, "shape fits")
 
     def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
+        """The backend's tensors (:meth:`_tensors`); then FlashInfer's tuned tactics for this device are loaded, and
+        its kernels built, at load time rather than in the first forward (:meth:`_warm_up`)."""
         if qdata.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{self.name} takes E4M3 weights; got {qdata.dtype}")
         n, k = qdata.shape
-        q, s = pad_rows(qdata, scale, N_MULTIPLE)
+        weight = PreparedWeight(self.name, recipe, n, k, self._tensors(qdata, scale))
         load_tactics(qdata.device)
-        return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": to_128x4(s)})
+        self._warm_up(weight)
+        return weight
+
+    def _tensors(self, qdata: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, s = pad_rows(qdata, scale, N_MULTIPLE)
+        return {"qdata": q.contiguous(), "scale": to_128x4(s)}
+
+    def _warm_up(self, weight: PreparedWeight) -> None:
+        """FlashInfer builds a backend's kernels at its first GEMM (with nvcc; trtllm downloads kernel binaries): one
+        GEMM of one row here, once per backend and device, moves that (and mxgemm's activation quantizer's compile)
+        to load time."""
+        key = (self.name, weight.device)
+        if weight.device.type not in WARM_UP_ON or key in _WARMED:
+            return
+        self.run(torch.zeros(1, weight.in_features, dtype=torch.bfloat16, device=weight.device), weight, None)
+        _WARMED.add(key)
 
     def _mm(self, xq, xs, weight: PreparedWeight) -> torch.Tensor:
         t = weight.tensors
@@ -130,16 +149,12 @@ class FlashInferTRTLLM(_FlashInferMX):
             return Availability(False, f"flashinfer_trtllm needs K % 256 == 0, got K={in_features}")
         return answer
 
-    def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
-        if qdata.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"{self.name} takes E4M3 weights; got {qdata.dtype}")
+    def _tensors(self, qdata: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
         fi = _flashinfer()
-        n, k = qdata.shape
         q, s = pad_rows(qdata, scale, TRTLLM_TILE)
-        load_tactics(qdata.device)
         q = fi.shuffle_matrix_a(q, TRTLLM_TILE)
         s = fi.shuffle_matrix_sf_a(s, TRTLLM_TILE, num_elts_per_sf=32).reshape(-1)
-        return PreparedWeight(self.name, recipe, n, k, {"qdata": q.contiguous(), "scale": s.contiguous()})
+        return {"qdata": q.contiguous(), "scale": s.contiguous()}
 
     def _mm(self, xq, xs, weight: PreparedWeight) -> torch.Tensor:
         t = weight.tensors
@@ -191,8 +206,8 @@ def load_tactics(device: torch.device) -> bool:
 
 
 def _kernels_origin() -> str:
-    """Where FlashInfer's kernels come from on first use: its precompiled packages of the same version, when
-    installed, else a JIT compile with nvcc (trtllm: a download of kernel binaries) at the first GEMM of a shape."""
+    """Where FlashInfer's kernels come from: its precompiled packages of the same version, when installed, else a JIT
+    compile with nvcc (trtllm: a download of kernel binaries) when the backend first prepares a weight on a device."""
     from importlib import metadata
 
     try:
@@ -208,8 +223,8 @@ def _kernels_origin() -> str:
             pass
     if found:
         return f"kernels precompiled ({', '.join(found)} {version})"
-    return (f"kernels compiled on first use (no flashinfer-cubin / flashinfer-jit-cache {version} installed; "
-            "trtllm downloads its kernel binaries)")  # fmt: skip
+    return (f"kernels compiled when it first prepares a weight (no flashinfer-cubin / flashinfer-jit-cache {version} "
+            "installed; trtllm downloads its kernel binaries)")  # fmt: skip
 
 
 def _source_positions(move, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
