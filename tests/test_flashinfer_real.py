@@ -133,12 +133,11 @@ def test_each_backend_through_flashinfer_matches_the_twin(pretend, name, n):
 
 def test_info_says_where_the_kernels_come_from():
     """Without FlashInfer's precompiled packages of its version (none exist for 0.7.4 on the index), the reason says
-    the first GEMM compiles (trtllm downloads)."""
+    the kernels compile when the backend first prepares a weight (trtllm downloads)."""
     device = DeviceInfo(type="cuda", name="pretend", capability=(10, 0), index=0)
     reason = mxgemm.backends.get_backend("flashinfer_cutlass").check_device(device).reason
-    assert (
-        f"kernels compiled on first use (no flashinfer-cubin / flashinfer-jit-cache {flashinfer.__version__}" in reason
-    )
+    assert "kernels compiled when it first prepares a weight (no flashinfer-cubin / flashinfer-jit-cache " in reason
+    assert flashinfer.__version__ in reason
 
 
 def test_flashinfers_tactics_persist_beside_mxgemms_tuning_file(monkeypatch, tmp_path):
