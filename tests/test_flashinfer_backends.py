@@ -1,8 +1,6 @@
-"""FlashInfer / cuBLAS MX backends on CPU: selection by FlashInfer's own answer, reasons, weight preparation, with a
-stand-in FlashInfer that records what it is asked (and can fail); its support table is FlashInfer 0.7.4's. The real
-package runs in test_flashinfer_real.py."""
+"""FlashInfer / cuBLAS MX backends on CPU: selection by FlashInfer's own answer, reasons, weight preparation, with the
+real FlashInfer and spies on what it is asked (the GEMMs themselves run in test_flashinfer_real.py)."""
 
-import importlib.machinery
 import sys
 import types
 
@@ -34,34 +32,34 @@ def reference_shuffle_rows(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    """A pretended FlashInfer: records what it is asked; FlashInfer 0.7.4's mm_mxfp8 table (cute-dsl and trtllm on
-    SM100/103/107, cutlass on SM100/103/107/110/120/121)."""
-    fi = types.ModuleType("flashinfer")
-    fi.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
-    fi.asked = []
-    fi.supported = {(b, cc) for b in ("cute-dsl", "trtllm", "cutlass") for cc in (100, 103, 107)} | {
-        ("cutlass", cc) for cc in (110, 120, 121)
-    }
+    """The real FlashInfer (pinned in the dev extras) with spies: what ``is_backend_supported`` is asked, and the
+    trtllm shuffles' calls. Its scale shuffle ends in a CUDA-only 128x4 re-interleave: the documented layout
+    (``layouts.to_128x4``) stands in for that step alone."""
+    fi = pytest.importorskip("flashinfer")
+    quantization = sys.modules[fi.shuffle_matrix_sf_a.__module__]
+    monkeypatch.setattr(quantization, "block_scale_interleave", lambda t: layouts.to_128x4(t.view(torch.uint8)))
+    asked, shuffle_calls = [], []
+    supported = fi.mm_mxfp8.is_backend_supported
 
     def is_backend_supported(backend, cc):
-        fi.asked.append((backend, cc))
-        return (backend, cc) in fi.supported
+        asked.append((backend, cc))
+        return supported(backend, cc)
 
-    fi.mm_mxfp8 = types.SimpleNamespace(is_backend_supported=is_backend_supported)
-    fi.shuffle_calls = []
+    monkeypatch.setattr(fi.mm_mxfp8, "is_backend_supported", is_backend_supported)
+    shuffle_a, shuffle_sf = fi.shuffle_matrix_a, fi.shuffle_matrix_sf_a
 
     def shuffle_matrix_a(t, tile):
-        fi.shuffle_calls.append(("a", tuple(t.shape), tile))
-        return reference_shuffle_rows(t)
+        shuffle_calls.append(("a", tuple(t.shape), tile))
+        return shuffle_a(t, tile)
 
     def shuffle_matrix_sf_a(t, tile, num_elts_per_sf=16):
-        fi.shuffle_calls.append(("sf", tuple(t.shape), tile, num_elts_per_sf))
-        return layouts.to_128x4(reference_shuffle_rows(t))
+        shuffle_calls.append(("sf", tuple(t.shape), tile, num_elts_per_sf))
+        return shuffle_sf(t, tile, num_elts_per_sf)
 
-    fi.shuffle_matrix_a, fi.shuffle_matrix_sf_a = shuffle_matrix_a, shuffle_matrix_sf_a
-    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    monkeypatch.setattr(fi, "shuffle_matrix_a", shuffle_matrix_a)
+    monkeypatch.setattr(fi, "shuffle_matrix_sf_a", shuffle_matrix_sf_a)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    return fi
+    return types.SimpleNamespace(module=fi, asked=asked, shuffle_calls=shuffle_calls)
 
 
 def test_sm100_picks_cutedsl(fake_flashinfer):
@@ -110,11 +108,11 @@ def test_missing_flashinfer_names_the_package(monkeypatch):
         mxgemm.resolve_backend("flashinfer_cutedsl", device=B200)
 
 
-def test_flashinfer_answer_errors_become_reasons(fake_flashinfer):
+def test_flashinfer_answer_errors_become_reasons(fake_flashinfer, monkeypatch):
     def broken(backend, cc):
         raise RuntimeError("no such backend")
 
-    fake_flashinfer.mm_mxfp8.is_backend_supported = broken
+    monkeypatch.setattr(fake_flashinfer.module.mm_mxfp8, "is_backend_supported", broken)
     answer = mxgemm.backends.get_backend("flashinfer_cutlass").check_device(B200)
     assert not answer and "FlashInfer could not answer for 'cutlass': no such backend" in answer.reason
 
