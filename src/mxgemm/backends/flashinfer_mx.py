@@ -205,6 +205,7 @@ def load_tactics(device: torch.device) -> bool:
     return path.is_file() and _load_tactics_file(str(path))
 
 
+@functools.cache  # installed packages do not change in a process; resolving each layer asks again
 def _kernels_origin() -> str:
     """Where FlashInfer's kernels come from: its precompiled packages of the same version, when installed, else a JIT
     compile with nvcc (trtllm: a download of kernel binaries) when the backend first prepares a weight on a device."""
