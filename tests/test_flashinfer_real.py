@@ -27,12 +27,6 @@ fi_utils = pytest.importorskip("flashinfer.utils")
 from flashinfer.autotuner import TunableRunner  # noqa: E402
 
 
-def _dequant(q: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
-    """E4M3 [rows, K] with E8M0 scales [rows, K/32] -> fp32."""
-    s = torch.exp2(scale_rows.float() - 127).repeat_interleave(32, dim=1)
-    return q.float() * s
-
-
 def _unshuffle_rows(shuffled: torch.Tensor, rows: int) -> torch.Tensor:
     """Undo FlashInfer's shuffle_matrix_a (epilogue tile 128) by its own row indices."""
     order = flashinfer.shuffle_matrix_a(torch.arange(rows, dtype=torch.int32).unsqueeze(1), 128).squeeze(1).long()
@@ -67,7 +61,8 @@ class _Launch(TunableRunner):
         if self.backend != "trtllm":  # CUTLASS / CuTe-DSL store bf16 output rows 16-byte aligned
             assert out.stride(0) * out.element_size() % 16 == 0, f"output rows of {n} bf16 are not 16-byte aligned"
         _Launch.calls.append((self.backend, m, n, k, self.use_8x4))
-        out.copy_((_dequant(a, a_rows) @ _dequant(w, b_rows).t()).to(out_dtype))
+        dequant = lambda q, s: mxgemm.dequantize(mxgemm.MXTensor(q.contiguous(), s))  # noqa: E731
+        out.copy_((dequant(a, a_rows) @ dequant(w, b_rows).t()).to(out_dtype))
 
 
 @pytest.fixture(params=[(10, 0), (12, 0)], ids=["sm100", "sm120"])
