@@ -11,7 +11,8 @@ from torch import nn
 from .format import BLOCK_SIZE, ScaleMode
 from .linear import MXFP8Linear
 
-__all__ = ["LayerReport", "QuantizeReport", "hf_model_class", "linear_shapes", "quantize_model", "skip_reason"]
+__all__ = ["LayerReport", "QuantizeReport", "hf_model_class", "linear_shapes", "quantizable_linears", "quantize_model",
+           "skip_reason"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,12 @@ def skip_reason(name: str, module: nn.Linear, skip: Sequence[str]) -> str:
     return ""
 
 
+def quantizable_linears(model: nn.Module, skip: Sequence[str]) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` layers of ``model`` that :func:`quantize_model` replaces (none of :func:`skip_reason`'s),
+    with their names."""
+    return [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not skip_reason(n, m, skip)]
+
+
 def hf_model_class(config):
     """The transformers auto class a model of ``config`` is built with: ``AutoModelForCausalLM`` for a causal LM,
     else ``AutoModel``."""
@@ -104,7 +111,6 @@ def linear_shapes(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> li
     replace, each with the name of its first layer: what ``mxgemm tune --model-dir`` tunes. Works on a model built
     on the meta device."""
     shapes: dict[tuple[int, int], str] = {}
-    for name, module in model.named_modules():
-        if type(module) is nn.Linear and not skip_reason(name, module, skip):
-            shapes.setdefault((module.out_features, module.in_features), name)
+    for name, module in quantizable_linears(model, skip):
+        shapes.setdefault((module.out_features, module.in_features), name)
     return [(n, k, name) for (n, k), name in shapes.items()]

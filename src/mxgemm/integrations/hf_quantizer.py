@@ -27,7 +27,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..format import BLOCK_SIZE
 from ..linear import MXFP8Linear
-from ..models import quantize_model, skip_reason
+from ..models import quantizable_linears, quantize_model
 
 __all__ = ["METHOD", "MXFP8Config", "MXFP8HfQuantizer", "enable_transformers"]
 
@@ -78,14 +78,10 @@ class MXFP8HfQuantizer(HfQuantizer):
     def update_dtype(self, dtype):
         return dtype  # fp32, bf16, fp16 models all work
 
-    def _layers(self, model) -> list[str]:
-        skip = self.quantization_config.skip
-        return [n for n, m in model.named_modules() if type(m) is nn.Linear and not skip_reason(n, m, skip)]
-
     def _process_model_before_weight_loading(self, model, **kwargs):
         if self.pre_quantized:  # placeholders of the saved tensors' dtypes and shapes, for transformers to load
-            for name in self._layers(model):
-                model.set_submodule(name, _MXWeights(model.get_submodule(name)))
+            for name, module in quantizable_linears(model, self.quantization_config.skip):
+                model.set_submodule(name, _MXWeights(module))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
