@@ -16,9 +16,10 @@ from functools import partial
 import torch
 
 import mxgemm
-from mxgemm.backends.cublas_block import cublas_block_linear
+from mxgemm.backends.hybrid_sm90 import fp8_default, small_m_default
 from mxgemm.bench import MODELS
 from mxgemm.kernels import fp8_gemm, small_m
+from mxgemm.kernels.cublaslt import blockwise_linear
 from mxgemm.kernels.w8a16 import default_config, w8a16_linear
 from mxgemm.timing import copies_for_cold_l2, time_cuda
 
@@ -27,7 +28,8 @@ def exact(x, w):
     """What hybrid_sm90 runs below its crossover."""
     n, k = w.out_features, w.in_features
     if x.shape[0] <= small_m.MAX_M and w.info.get("small_m"):
-        return small_m.small_m_linear(x, w.tensors["qdata"], w.tensors["block_scale"], n)
+        qd = w.tensors["qdata"]
+        return small_m.small_m_linear(x, qd, w.tensors["block_scale"], n, small_m_default(*qd.shape))
     q = w.tensors["qdata"][:n].view(torch.uint8)
     cfg = default_config(x.shape[0], n, k, block_scaled=True)
     return w8a16_linear(x, q, w.tensors["block_scale"], None, block_scaled=True, config=cfg)
@@ -35,8 +37,12 @@ def exact(x, w):
 
 def fp8(x, w, sms):
     qd = w.tensors["qdata"]
-    cfg = fp8_gemm.default_config(x.shape[0], *qd.shape, sms)
+    cfg = fp8_default(x.shape[0], *qd.shape, sms)
     return fp8_gemm.fp8_linear(x, qd, w.tensors["block_scale"], w.out_features, cfg)
+
+
+def cublas(x, w):
+    return blockwise_linear(x, w.tensors["qdata"], w.tensors["block_scale"], w.out_features, None)
 
 
 def main() -> None:
@@ -58,7 +64,7 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 row = {"model": model, "name": name, "N": n, "K": k, "M": m,
                        "exact_us": time_cuda([partial(exact, x, w) for w in weights]),
-                       "cublas_us": time_cuda([partial(cublas_block_linear, x, w, None) for w in weights]),
+                       "cublas_us": time_cuda([partial(cublas, x, w) for w in weights]),
                        "fp8_us": time_cuda([partial(fp8, x, w, dev.multiprocessors) for w in weights])
                        if built else None}  # fmt: skip
                 rows.append(row)

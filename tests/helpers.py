@@ -49,6 +49,15 @@ def random_act(m: int, k: int, *, seed: int = 1, dtype=torch.bfloat16, device="c
     return torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
 
 
+def hybrid_operands(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, quantized: bool):
+    """The exact fp32 operands one ``hybrid_sm90`` regime multiplies: activations 1x128-quantized (``quantized``)
+    or as given, and the weight re-encoded to 128x128 blocks."""
+    from mxgemm.block128 import dequantize_1x128, quantize_1x128, reencode_block128
+
+    xe = dequantize_1x128(*quantize_1x128(x)) if quantized else x.float()
+    return xe, reencode_block128(q, s).dequantize()
+
+
 def hybrid_twin(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, quantized: bool) -> torch.Tensor:
     """The emulated twin of one ``hybrid_sm90`` regime: activations 1x128-quantized (``quantized``) or as given,
     the weight re-encoded to 128x128 blocks."""
@@ -56,6 +65,59 @@ def hybrid_twin(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, quantized:
 
     weight = EmulationBackend().prepare(q, s, "hybrid-block128", crossover=1 if quantized else 2**31)
     return emulate_linear(x, weight, None)
+
+
+# Per-element allowance for the order of a GEMM's sums, relative to sum(|x_i w_i|) (the products' magnitudes): fp32
+# accumulation (exact paths) errs by about 2^-25 of it (2^-20 allowed); Hopper's FP8 tensor cores accumulate each
+# 128-deep block in about 14 bits before the fp32 promotion (the quantized paths, both cuBLASLt's and ours: 2^-13).
+FP32_SUMS = "fp32"
+FP8_TENSOR_CORE_SUMS = "fp8-tensor-core"
+
+
+def exact_product(x_eff, w_eff, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x_eff @ w_eff.T + bias``, ``|x_eff| @ |w_eff|.T + |bias|``) in fp64: the exact product of the operands a
+    path multiplies, and the magnitudes its sums run over."""
+    ref = x_eff.double() @ w_eff.double().T
+    mag = x_eff.double().abs() @ w_eff.double().abs().T
+    if bias is not None:
+        ref, mag = ref + bias.double(), mag + bias.double().abs()
+    return ref, mag
+
+
+def assert_within_ulp(y, product, *, sums: str = FP32_SUMS, what: str = "") -> None:
+    """Element by element: ``y`` is within one ulp of its dtype (bf16/fp16) of the exact product of the operands it
+    computes (``product``: :func:`exact_product`), plus the allowance of its summation order (``sums``). An element
+    off by more (a dropped block, bias or scale, an unwritten output) fails, naming the worst one."""
+    ref, mag = product
+    order = 2.0**-20 if sums == FP32_SUMS else 2.0**-13
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[y.dtype]
+    tiny = torch.finfo(y.dtype).smallest_normal
+    top = torch.maximum(y.double().abs(), ref.abs()).clamp_min(tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(top)) - mantissa)
+    err = (y.double() - ref).abs()
+    bound = ulp + order * mag
+    bad = ~(err <= bound)  # NaN anywhere fails
+    if bad.any():
+        i = int(torch.argmax(torch.where(bad, err / bound, torch.zeros_like(err)).nan_to_num(float("inf"))))
+        r, c = divmod(i, y.shape[1])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {y.numel()} elements beyond one ulp + summation order; worst [{r}, {c}]: "
+            f"{float(y[r, c])} against {float(ref[r, c])} (ulp {float(ulp[r, c]):.3g}, "
+            f"allowed {float(bound[r, c]):.3g})"
+        )
+
+
+def poison_cuda_allocator() -> None:
+    """Fill the memory PyTorch's caching allocator hands out next with NaN: its cache emptied, then blocks of both of
+    its pools (small, under 1 MiB, and large) written with NaN and freed. An output a kernel leaves unwritten then
+    reads NaN."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    # bf16 NaN (0x7fc0) in every two bytes: NaN read as bf16, fp16 or fp32
+    small = [torch.full((1 << 19,), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(64)]  # 1 MiB
+    large = torch.full((1 << 29,), float("nan"), dtype=torch.bfloat16, device="cuda")  # 1 GiB
+    torch.cuda.synchronize()
+    del small, large
 
 
 def kernels_launched(fn) -> list[str]:

@@ -201,68 +201,76 @@ def test_choice_names_its_source_user_cache_before_shipped_file(tmp_path, weight
     assert tuner.choice(b, weight, 200, torch.bfloat16) == (None, "default")
 
 
+def _hybrid_weight(n: int, k: int, info: dict) -> mxgemm.PreparedWeight:
+    """A hybrid_sm90 weight's shapes without its values (nothing is run)."""
+    padded = (-(-n // 16) * 16, -(-k // 512) * 512)
+    tensors = {"qdata": torch.empty(padded, dtype=torch.uint8), "block_scale": torch.empty(0)}
+    return mxgemm.PreparedWeight("hybrid_sm90", "hybrid-block128", n, k, tensors, info)
+
+
 def test_hybrid_triton_configs_are_valid_block_scaled_tiles():
-    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
+    from mxgemm.backends.base import Tactic
+    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend, Path
 
     b = HybridSM90Backend()
     for n, k, crossover in ((4096, 14336, 96), (6144, 4096, 48), (28672, 4096, 1)):
-        w = mxgemm.PreparedWeight(b.name, "hybrid-block128", n, k, {"qdata": torch.empty(0)}, {"crossover": crossover})
+        w = _hybrid_weight(n, k, {"crossover": crossover})
         for m in (1, 16, 64, 256, 4096):
             tactics = b.tactics(m, w)
             if m >= crossover:
-                assert tactics == [{"path": "cublas"}]
+                assert tactics == [Tactic(Path.CUBLAS)]
                 continue
-            configs = [t["config"] for t in tactics if t["path"] == "triton"]
-            assert len(configs) > 3 and len(configs) == len({json.dumps(c, sort_keys=True) for c in configs})
+            configs = [t.config for t in tactics if t.path == Path.TRITON]
+            assert len(configs) > 3 and len(configs) == len(set(configs)) and tactics[0].config == configs[0]
             for c in configs:  # block-scaled tiles: 128 deep, a width dividing 128, whole K blocks per split
-                assert c["BK"] == 128 and 128 % c["BN"] == 0 and k >= c["SPLIT_K"] * c["BK"]
+                assert c.bk == 128 and 128 % c.bn == 0 and k >= c.split_k * c.bk and c.valid(k, block_scaled=True)
 
 
 def test_hybrid_fp8_tactics_share_the_quantized_regime():
     """Where our FP8 kernel is built: from the crossover up to M = 256 its configs join cuBLASLt's tactic (first up to
     M = 64, and up to M = 128 while its CTAs fit one wave), every config valid for the weight, none twice; above M = 256
     cuBLASLt alone; below the crossover none."""
-    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
+    from mxgemm.backends.base import Tactic
+    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend, Path, fp8_default
     from mxgemm.kernels import fp8_gemm
 
     b = HybridSM90Backend()
     for (n, k), crossover in itertools.product(((4096, 14336), (130, 96), (57344, 8192)), (1, 48)):
-        np_, kp = -(-n // 16) * 16, -(-k // 512) * 512
-        info = {"crossover": crossover, "small_m": True, "fp8_sms": 132}
-        w = mxgemm.PreparedWeight(b.name, "hybrid-block128", n, k, {"qdata": torch.empty(np_, kp)}, info)
-        assert all(t["path"] in ("cuda", "triton") for t in b.tactics(crossover - 1, w)) or crossover == 1
+        w = _hybrid_weight(n, k, {"crossover": crossover, "small_m": True, "fp8_sms": 132})
+        np_, kp = w.tensors["qdata"].shape
+        assert crossover == 1 or not any(t.path.quantized for t in b.tactics(crossover - 1, w))
         for m in (1, 5, 16, 48, 64, 100, 256)[0 if crossover == 1 else 3 :]:
             tactics = b.tactics(m, w)
             one_wave = m <= 128 and n <= 8448  # 132 SMs: up to 132 CTAs of 64 weight rows
-            assert {"path": "cublas"} in tactics and tactics[0]["path"] == ("fp8" if m <= 64 or one_wave else "cublas")
-            configs = [t["config"] for t in tactics if t["path"] == "fp8"]
-            assert configs[0] == fp8_gemm.default_config(m, np_, kp, 132) and len(configs) > 8
-            assert {c["TN"] for c in configs} == ({min(t for t in fp8_gemm.TOKEN_TILES if t >= m)} if m <= 64 else
-                                                  {64, 128})  # fmt: skip
-            assert len(configs) == len({json.dumps(c, sort_keys=True) for c in configs})
-            assert all(fp8_gemm.valid_config(c, kp) for c in configs)
-        assert b.tactics(257, w) == [{"path": "cublas"}]
+            assert Tactic(Path.CUBLAS) in tactics and tactics[0].path == (Path.FP8 if m <= 64 or one_wave else "cublas")
+            configs = [t.config for t in tactics if t.path == Path.FP8]
+            assert configs[0] == fp8_default(m, np_, kp, 132) and len(configs) > 8
+            assert {c.tn for c in configs} == ({min(t for t in fp8_gemm.TOKEN_TILES if t >= m)} if m <= 64 else
+                                               {64, 128})  # fmt: skip
+            assert len(configs) == len(set(configs)) and all(c.valid(kp) for c in configs)
+        assert b.tactics(257, w) == [Tactic(Path.CUBLAS)]
 
 
 def test_shipped_h200_file_is_found_and_names_tactics_the_backends_offer():
-    """The tuning file in the package: found for an H200, and each entry a tactic its backend would offer."""
-    from mxgemm.backends.hybrid_sm90 import crossover_for
+    """The tuning file in the package: found for an H200, tuned on these kernels (their digest), and each entry a
+    tactic its backend offers for its bucket."""
+    from mxgemm.backends.base import tactic_json
     from mxgemm.device import DeviceInfo
+    from mxgemm.kernels import source_digest
+    from mxgemm.recipes import hybrid_crossover
 
     h200 = DeviceInfo(type="cuda", name="NVIDIA H200", capability=(9, 0), index=0)
     data = json.loads(autotune.shipped_cache_path(h200).read_text())
     assert data["metadata"]["gpu"] == "NVIDIA H200" and data["metadata"]["sm"] == 90
+    assert data["metadata"]["kernels"] == source_digest(), "the shipped tuning file was made on other kernels"
     assert len(data["entries"]) >= 180  # the llama3-8b, llama3-70b and hidden-7168 sets: 12 shapes x 15 buckets
     for key, record in data["entries"].items():
         op, backend, m, n, k, *_ = key.split("|")
         assert op == "linear" and backend == "hybrid_sm90", key
         m, n, k = int(m[1:]), int(n[1:]), int(k[1:])
         b = mxgemm.backends.get_backend(backend)
-        padded = (-(-n // 16) * 16, -(-k // 512) * 512)
-        info = {"crossover": crossover_for(n, k, fp8=True), "small_m": True, "fp8_sms": 132}
-        w = mxgemm.PreparedWeight(backend, "hybrid-block128", n, k, {"qdata": torch.empty(padded, dtype=torch.uint8)},
-                                  info)  # fmt: skip
-        assert record["tactic"] in b.tactics(m, w), key
+        w = _hybrid_weight(n, k, {"crossover": hybrid_crossover(n, k, fp8=True), "small_m": True, "fp8_sms": 132})
+        assert record["tactic"] in [tactic_json(t) for t in b.tactics(m, w)], key
         assert record["us"] <= record["default_us"] and record["failed"] == 0
 
 
@@ -322,3 +330,22 @@ def test_tuning_that_cannot_be_saved_still_runs_once(tmp_path, weight, monkeypat
     mxgemm.linear(x, w)  # a new plan looks the tactic up again: tuned already, in memory
     assert b.calls == ["fast"]
     assert (path.read_text() if path.exists() else None) == before
+
+
+def test_tuning_files_record_the_kernels_they_were_timed_on(tmp_path):
+    """The environment record holds a digest of the kernels' sources: one changed byte of a CUDA source gives another
+    digest, so a file tuned on other kernels is not used."""
+    import shutil
+    from pathlib import Path
+
+    from mxgemm import kernels
+
+    meta = autotune.environment_metadata(mxgemm.describe_device("cpu"))
+    assert meta["kernels"] == kernels.source_digest() and len(meta["kernels"]) == 16
+    copy = tmp_path / "kernels"
+    shutil.copytree(Path(kernels.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert kernels.source_digest(copy) == kernels.source_digest()
+    source = copy / "csrc" / "small_m.cu"
+    source.write_bytes(source.read_bytes() + b" ")
+    kernels.source_digest.cache_clear()
+    assert kernels.source_digest(copy) != kernels.source_digest()

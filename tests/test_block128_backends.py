@@ -1,5 +1,6 @@
 """cublas_block / hybrid_sm90 preparation on CPU, the hybrid's exactness gate, and their emulated twins."""
 
+import dataclasses
 import os
 
 import pytest
@@ -8,10 +9,10 @@ from helpers import random_act, random_mx_weight, sqnr_db
 
 import mxgemm
 from mxgemm.backends.base import UnsupportedWeightError
-from mxgemm.backends.cublas_block import prepare_block128
 from mxgemm.backends.emulation import EmulationBackend, emulate_linear
-from mxgemm.backends.hybrid_sm90 import HybridSM90Backend, crossover_for
-from mxgemm.block128 import dequantize_1x128, quantize_1x128, reencode_block128
+from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
+from mxgemm.block128 import dequantize_1x128, prepare_block128, quantize_1x128, reencode_block128
+from mxgemm.recipes import hybrid_crossover as crossover_for
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1")
 
@@ -87,18 +88,20 @@ def test_act_quant_kernel_layout_and_scales():
 
 
 @interpreter
-@pytest.mark.parametrize("cfg", [dict(BN=64, BM=16, BK=128, SPLIT_K=1), dict(BN=32, BM=16, BK=128, SPLIT_K=3)])
-def test_block_scaled_w8a16_kernel(cfg):
-    from mxgemm.kernels.w8a16 import w8a16_linear
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_block_scaled_w8a16_kernel(split_k):
+    from mxgemm.kernels.w8a16 import W8A16Config, w8a16_linear
 
+    cfg = W8A16Config(bn=64 if split_k == 1 else 32, bm=16, bk=128, split_k=split_k)
     q, s = random_mx_weight(200, 416)
     tensors, _ = prepare_block128(q, s)
     x = random_act(5, 416)
     y = w8a16_linear(x, tensors["qdata"][:200].view(torch.uint8), tensors["block_scale"], None, block_scaled=True,
                      config=cfg)  # fmt: skip
     assert sqnr_db(y, x.double() @ reencode_block128(q, s).dequantize().double().T) > 40  # interpreter truncates
-    with pytest.raises(ValueError, match="BK=128"):
-        w8a16_linear(x, q.view(torch.uint8), tensors["block_scale"], None, block_scaled=True, config=dict(cfg, BK=64))
+    with pytest.raises(ValueError, match="block-scaled"):
+        w8a16_linear(x, q.view(torch.uint8), tensors["block_scale"], None, block_scaled=True,
+                     config=dataclasses.replace(cfg, bk=64))  # fmt: skip
 
 
 def test_crossover_rule():

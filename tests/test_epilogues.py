@@ -7,10 +7,10 @@ import torch
 from helpers import random_act
 
 import mxgemm
-from mxgemm.backends import cublas_block, hybrid_sm90
+from mxgemm.backends import hybrid_sm90
 from mxgemm.backends.base import PreparedWeight
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
-from mxgemm.kernels import fp8_gemm
+from mxgemm.kernels import cublaslt, fp8_gemm
 
 N, K = 200, 512  # N padded to 208 for the kernels and cuBLASLt
 
@@ -36,7 +36,7 @@ class _StandIn:
         return launch
 
 
-@pytest.mark.parametrize("path", ["cuda", "fp8"])
+@pytest.mark.parametrize("path", ["small_m", "fp8"])
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
 def test_kernel_paths_add_the_bias_once(monkeypatch, path, bias_dtype, x_dtype):
@@ -45,7 +45,7 @@ def test_kernel_paths_add_the_bias_once(monkeypatch, path, bias_dtype, x_dtype):
     monkeypatch.setattr(fp8_gemm, "linear_plan", kernel.plan)
     monkeypatch.setattr("mxgemm.kernels.w8a16.w8a16_linear", lambda *a, **k: pytest.fail("the Triton kernel ran"))
     m = 5
-    if path == "cuda" and x_dtype == torch.float16:
+    if path == "small_m" and x_dtype == torch.float16:
         pytest.skip("the CUDA small-M kernel takes bf16 activations; fp16 ones go to Triton")
     weight = _weight(crossover=1 if path == "fp8" else 17)
     x = random_act(m, K, dtype=x_dtype)
@@ -76,9 +76,10 @@ def test_cublas_path_slices_the_padded_output_and_adds_the_bias(monkeypatch, wit
         assert a.shape == (4, 512) and b.shape == (512, 208) and out_dtype == torch.bfloat16
         return padded
 
-    monkeypatch.setattr(cublas_block.torch, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(cublaslt.torch, "_scaled_mm", scaled_mm)
     bias = torch.randn(N).bfloat16() if with_bias else None
-    y = cublas_block.cublas_block_linear(random_act(m, K), _weight(1), bias, quantize=quantize)
+    t = _weight(1).tensors
+    y = cublaslt.blockwise_linear(random_act(m, K), t["qdata"], t["block_scale"], N, bias, quantize=quantize)
     expected = padded[:m, :N] + (bias if with_bias else 0)
     assert y.shape == (m, N) and y.is_contiguous() and torch.equal(y, expected)
 

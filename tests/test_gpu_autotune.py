@@ -2,21 +2,32 @@
 
 import pytest
 import torch
-from helpers import hybrid_twin, random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
+from helpers import (
+    FP8_TENSOR_CORE_SUMS,
+    FP32_SUMS,
+    assert_within_ulp,
+    exact_product,
+    hybrid_operands,
+    random_act,
+    random_mx_weight,
+    skip_unless_backend_runs,
+)
 
 import mxgemm
 from mxgemm.autotune import Autotuner, TuningCache, environment_metadata
-from mxgemm.backends.emulation import emulate_linear
 
 pytestmark = pytest.mark.gpu
 
 
-def _twin(x, q, s, backend, tactic):
-    """The emulated twin of what ``backend`` computes with ``tactic`` (the hybrid's path decides whether the
+def _check(y, x, q, s, backend, tactic):
+    """``y`` within one ulp of what ``backend`` computes with ``tactic`` (the hybrid's path decides whether the
     activations are quantized)."""
     if backend == "triton":
-        return emulate_linear(x, mxgemm.prepare_weight(q, s, backend="emulation"), None)
-    return hybrid_twin(x, q, s, quantized=tactic["path"] in ("cublas", "fp8"))
+        assert_within_ulp(y, exact_product(x.float(), mxgemm.dequantize(mxgemm.MXTensor(q, s))), what=str(tactic))
+        return
+    quantized = tactic.path.quantized
+    sums = FP8_TENSOR_CORE_SUMS if quantized else FP32_SUMS
+    assert_within_ulp(y, exact_product(*hybrid_operands(x, q, s, quantized=quantized)), sums=sums, what=str(tactic))
 
 
 @pytest.mark.parametrize("backend", ["triton", "hybrid_sm90"])
@@ -31,8 +42,7 @@ def test_tuning_improves_or_equals_default_and_matches_twin(tmp_path, backend, n
     result = tuner.tune(b, weight, m, torch.bfloat16)
     assert result.best_us <= result.default_us and result.failed < result.timed
     x = random_act(m, k, device="cuda")
-    y = b.run(x, weight, None, tactic=result.tactic)
-    assert sqnr_db(y, _twin(x, q, s, backend, result.tactic)) >= 40
+    _check(b.run(x, weight, None, tactic=result.tactic), x, q, s, backend, result.tactic)
 
 
 @pytest.mark.parametrize("m", [1, 16, 200])
@@ -45,4 +55,4 @@ def test_every_hybrid_tactic_matches_the_twin(m):
     b = mxgemm.backends.get_backend("hybrid_sm90")
     x = random_act(m, k, device="cuda")
     for tactic in b.tactics(m, weight):
-        assert sqnr_db(b.run(x, weight, None, tactic=tactic), _twin(x, q, s, "hybrid_sm90", tactic)) >= 40, tactic
+        _check(b.run(x, weight, None, tactic=tactic), x, q, s, "hybrid_sm90", tactic)

@@ -3,10 +3,21 @@ the kernels' epilogue, and one copy of the weight per layer."""
 
 import pytest
 import torch
-from helpers import kernels_launched, random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
+from helpers import (
+    FP8_TENSOR_CORE_SUMS,
+    FP32_SUMS,
+    assert_within_ulp,
+    exact_product,
+    hybrid_operands,
+    kernels_launched,
+    poison_cuda_allocator,
+    random_act,
+    random_mx_weight,
+    skip_unless_backend_runs,
+)
 
 import mxgemm
-from mxgemm.block128 import dequantize_1x128, quantize_1x128, reencode_block128
+from mxgemm.block128 import quantize_1x128, reencode_block128
 from mxgemm.ops import linear_op
 
 pytestmark = pytest.mark.gpu
@@ -57,10 +68,8 @@ def test_eager_plan_equals_op_and_twin(m, n, k, with_bias):
     via_op = linear_op(x, w.op_tensors, bias, w.backend, w.op_meta)
     assert torch.equal(y, via_op)
     quantized = m >= w.info["crossover"]
-    wd = reencode_block128(q, s).dequantize().double()
-    xe = dequantize_1x128(*quantize_1x128(x)).double() if quantized else x.double()
-    ref = xe @ wd.T + (bias.double() if with_bias else 0)
-    assert torch.isfinite(y).all() and sqnr_db(y, ref) >= 45
+    sums = FP8_TENSOR_CORE_SUMS if quantized else FP32_SUMS
+    assert_within_ulp(y, exact_product(*hybrid_operands(x, q, s, quantized=quantized), bias), sums=sums)
 
 
 def test_fp16_and_strided_inputs_and_fp32_bias():
@@ -162,3 +171,36 @@ def test_each_regime_launches_the_kernels_it_names_and_writes_every_output(shape
         w = layer.prepared
         assert torch.isfinite(y).all()
         assert torch.equal(y, linear_op(x, w.op_tensors, None, w.backend, w.op_meta))
+
+
+# (weight N x K): odd and real shapes; the crossover each gets on the H200 decides the M values tested
+_CROSSOVER_SHAPES = [(130, 96), (4160, 4160), (6144, 4096), (4096, 14336), (28672, 4096)]
+
+
+@pytest.mark.parametrize("shape", _CROSSOVER_SHAPES)
+def test_the_prepared_crossover_splits_the_kernels_and_every_output_is_written(shape, monkeypatch):
+    """Just below the crossover the prepared weight records, the exact kernels run (the small-M kernel up to
+    M = 16, Triton above) and match the exact twin; at it, the quantizer and an FP8 GEMM run (the fused kernel where
+    it applies) and match the quantized twin; element by element, each output landing on NaN-poisoned memory."""
+    monkeypatch.setenv("MXGEMM_AUTOTUNE", "0")
+    n, k = shape
+    q, s = random_mx_weight(n, k, seed=n, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    crossover = w.info["crossover"]
+    for m in (crossover - 1, crossover, crossover + 2):
+        if m < 1:
+            continue
+        x = random_act(m, k, seed=m, device="cuda")
+        mxgemm.linear(x, w)  # the plan is made, and the libraries loaded, outside the profile
+        names = " ".join(kernels_launched(lambda: mxgemm.linear(x, w)))  # noqa: B023
+        quantized = m >= crossover
+        if not quantized:
+            assert ("small_m_kernel" in names) == (m <= 16) and "fp8_gemm" not in names, (m, names)
+        else:
+            assert "fp8_gemm" in names and "small_m_kernel" not in names, (m, names)
+        poison_cuda_allocator()
+        y = mxgemm.linear(x, w)
+        sums = FP8_TENSOR_CORE_SUMS if quantized else FP32_SUMS
+        assert_within_ulp(
+            y, exact_product(*hybrid_operands(x, q, s, quantized=quantized)), sums=sums, what=f"{shape} M={m}"
+        )

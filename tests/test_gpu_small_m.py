@@ -2,9 +2,17 @@
 
 import pytest
 import torch
-from helpers import hybrid_twin, random_act, random_mx_weight, skip_unless_backend_runs, sqnr_db
+from helpers import (
+    assert_within_ulp,
+    exact_product,
+    hybrid_operands,
+    random_act,
+    random_mx_weight,
+    skip_unless_backend_runs,
+)
 
 import mxgemm
+from mxgemm.backends.hybrid_sm90 import Path
 
 pytestmark = pytest.mark.gpu
 
@@ -19,9 +27,9 @@ def _kernel_built():
         pytest.skip(status.reason)
 
 
-def _exact_twin(x, q, s):
-    """Activations as given, the re-encoded weight: what the Triton and CUDA small-M paths both compute."""
-    return hybrid_twin(x, q, s, quantized=False)
+def _exact(x, q, s):
+    """Activations as given, the re-encoded weight: the operands the Triton and CUDA small-M paths both multiply."""
+    return hybrid_operands(x, q, s, quantized=False)
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
@@ -32,24 +40,13 @@ def test_every_cuda_tactic_matches_the_twin(m, n, k):
     w.info["crossover"] = 17  # every M in the exact regime (large weights start the quantized one earlier)
     b = mxgemm.backends.get_backend("hybrid_sm90")
     x = random_act(m, k, seed=k + m, device="cuda")
-    twin = _exact_twin(x, q, s)
-    tactics = [t for t in b.tactics(m, w) if t["path"] == "cuda"]
-    assert tactics and b.tactics(m, w)[0]["path"] == "cuda"
+    product = exact_product(*_exact(x, q, s))
+    tactics = [t for t in b.tactics(m, w) if t.path == Path.SMALL_M]
+    assert tactics and b.tactics(m, w)[0].path == Path.SMALL_M
     for tactic in tactics:
         y = b.run(x, w, None, tactic=tactic)
-        assert y.shape == (m, n) and y.is_contiguous() and torch.isfinite(y).all()
-        assert sqnr_db(y, twin) >= 45, tactic
-
-
-def test_a_config_of_an_older_kernel_runs_the_default_config():
-    """A tuning file written for the kernel before the shared-memory ring names configs without ``ST``: the default
-    config runs instead (same path, same numerics), bit for bit."""
-    q, s = random_mx_weight(4096, 4096, device="cuda")
-    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
-    b = mxgemm.backends.get_backend("hybrid_sm90")
-    x = random_act(2, 4096, device="cuda")
-    old = b.run(x, w, None, tactic={"path": "cuda", "config": {"RT": 1, "SPLITS": 4}})
-    assert torch.equal(old, b.run(x, w, None, tactic={"path": "cuda", "config": None}))
+        assert y.shape == (m, n) and y.is_contiguous()
+        assert_within_ulp(y, product, what=str(tactic))
 
 
 def test_subnormal_weights_are_not_flushed():
@@ -62,8 +59,9 @@ def test_subnormal_weights_are_not_flushed():
     s = torch.full((n, k // 32), 127, dtype=torch.uint8, device="cuda")
     w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
     x = random_act(4, k, device="cuda")
-    y = mxgemm.backends.get_backend("hybrid_sm90").run(x, w, None, tactic={"path": "cuda", "config": None})
-    assert sqnr_db(y, _exact_twin(x, q, s)) >= 45
+    b = mxgemm.backends.get_backend("hybrid_sm90")
+    assert b.tactics(4, w)[0].path == Path.SMALL_M
+    assert_within_ulp(b.run(x, w, None), exact_product(*_exact(x, q, s)), what="subnormal weights")
 
 
 def test_bias_and_fp16_activations_fall_back_exactly():
@@ -72,6 +70,7 @@ def test_bias_and_fp16_activations_fall_back_exactly():
     bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
     x = random_act(5, 1024, device="cuda")
     y = mxgemm.linear(x, w, bias)
-    assert sqnr_db(y, _exact_twin(x, q, s) + bias) >= 45
+    assert_within_ulp(y, exact_product(*_exact(x, q, s), bias), what="bias in the epilogue")
     y16 = mxgemm.linear(x.half(), w)  # fp16: the Triton path runs it
-    assert y16.dtype == torch.float16 and sqnr_db(y16, _exact_twin(x.half(), q, s)) >= 45
+    assert y16.dtype == torch.float16
+    assert_within_ulp(y16, exact_product(*_exact(x.half(), q, s)), what="fp16 activations")

@@ -135,15 +135,13 @@ def test_describe_device():
 @pytest.fixture
 def pretend_cuda_runtime(monkeypatch):
     """Pretend a CUDA 13 runtime and a cuBLASLt probe with a given answer (the real probe runs on the H200)."""
-    from mxgemm.backends import cublas_block
+    from mxgemm.kernels import cublaslt
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     answers = {}
-    monkeypatch.setattr(
-        cublas_block, "probe_cublas_blockwise", lambda index: answers.get(index, Availability(True, "probed"))
-    )
+    monkeypatch.setattr(cublaslt, "probe_blockwise", lambda index: answers.get(index, Availability(True, "probed")))
     return answers
 
 
@@ -194,7 +192,7 @@ def test_a_refused_weight_goes_to_the_next_backend(monkeypatch, caplog):
 
 
 def test_probe_against_twin_reasons():
-    from mxgemm.backends.base import probe_against_twin
+    from mxgemm.availability import probe_against_twin
 
     ok = torch.ones(4)
 
@@ -208,3 +206,24 @@ def test_probe_against_twin_reasons():
     )
     wrong = probe_against_twin("a GEMM", lambda: (ok * 2, ok))
     assert not wrong and "gave wrong results in a probe (relative error 1)" in wrong.reason
+
+
+def test_every_backend_file_is_registered_and_auto_names_only_registered_backends():
+    """A backend is found from its file alone: every concrete Backend class of the package's modules is registered
+    under its name; AUTO_PRIORITY names registered backends, in its order first."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from mxgemm import backends
+
+    defined = set()
+    for info in pkgutil.iter_modules(backends.__path__):
+        module = importlib.import_module(f"mxgemm.backends.{info.name}")
+        for c in vars(module).values():
+            if isinstance(c, type) and issubclass(c, backends.Backend) and c.__module__ == module.__name__:
+                if "name" in vars(c) and not inspect.isabstract(c):
+                    defined.add(c.name)
+    names = backends.backend_names()
+    assert set(names) == defined and len(names) == 8
+    assert names[: len(backends.AUTO_PRIORITY)] == list(backends.AUTO_PRIORITY)

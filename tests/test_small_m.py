@@ -5,8 +5,10 @@ import pytest
 import torch
 
 import mxgemm
-from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
+from mxgemm.backends.base import Tactic
+from mxgemm.backends.hybrid_sm90 import HybridSM90Backend, Path, small_m_default
 from mxgemm.kernels import nvcc, small_m
+from mxgemm.kernels.small_m import SmallMConfig
 
 
 @pytest.mark.parametrize(
@@ -16,8 +18,8 @@ from mxgemm.kernels import nvcc, small_m
 def test_default_config_is_the_measured_best_and_tiles_the_weight(np_, kp, splits):
     """One K split, two in a cluster where few CTAs would each stream a long K (the llama3-8b down projection): the
     best configs measured on the H200."""
-    cfg = small_m.default_config(np_, kp)
-    assert cfg == {"RT": 1, "SPLITS": splits, "ST": 2} and small_m.valid_config(cfg, np_, kp)
+    cfg = small_m_default(np_, kp)
+    assert cfg == SmallMConfig(rt=1, splits=splits, stages=2) and cfg.valid(np_, kp)
 
 
 def test_accepts_only_what_the_kernel_reads():
@@ -29,12 +31,12 @@ def test_accepts_only_what_the_kernel_reads():
 
 
 def test_invalid_configs_are_refused():
-    assert small_m.valid_config({"RT": 1, "SPLITS": 7, "ST": 3}, 144, 7168)  # 14 CTA slices: 7 splits of 2
-    assert not small_m.valid_config({"RT": 2, "SPLITS": 1, "ST": 2}, 144, 512)  # 144 rows: not whole 32-row tiles
-    assert not small_m.valid_config({"RT": 1, "SPLITS": 2, "ST": 2}, 144, 512)  # one 512-deep CTA slice only
-    assert not small_m.valid_config({"RT": 1, "SPLITS": 16, "ST": 2}, 144, 16384)  # clusters hold at most 8 CTAs
-    assert not small_m.valid_config({"RT": 1, "SPLITS": 1, "ST": 4}, 144, 512)  # ring depths 2 and 3 only
-    assert not small_m.valid_config({"RT": 1, "SPLITS": 4}, 144, 4096)  # an older kernel's config (no ring)
+    assert SmallMConfig(rt=1, splits=7, stages=3).valid(144, 7168)  # 14 CTA slices: 7 splits of 2
+    assert not SmallMConfig(rt=2, splits=1, stages=2).valid(144, 512)  # 144 rows: not whole 32-row tiles
+    assert not SmallMConfig(rt=1, splits=2, stages=2).valid(144, 512)  # one 512-deep CTA slice only
+    assert not SmallMConfig(rt=1, splits=16, stages=2).valid(144, 16384)  # clusters hold at most 8 CTAs
+    assert not SmallMConfig(rt=1, splits=1, stages=4).valid(144, 512)  # ring depths 2 and 3 only
+    assert not SmallMConfig(rt=1, splits=0, stages=2).valid(144, 512)
 
 
 def test_no_nvcc_is_a_reason_not_a_crash(monkeypatch, tmp_path):
@@ -83,13 +85,12 @@ def test_hybrid_tactics_keep_the_regime_and_default_to_the_cuda_kernel_up_to_m16
     for m in (1, 8, 9, 16, 17, 95, 96, 4096):
         tactics = b.tactics(m, w)
         if m >= 96:  # quantized activations from the crossover: one path, whatever a cache says
-            assert tactics == [{"path": "cublas"}]
+            assert tactics == [Tactic(Path.CUBLAS)]
             continue
-        assert tactics[0]["path"] == ("cuda" if small and m <= 16 else "triton")
-        assert {t["path"] for t in tactics} == ({"cuda", "triton"} if small and m <= 16 else {"triton"})
-        cuda = [t["config"] for t in tactics if t["path"] == "cuda"]
-        assert all(small_m.valid_config(c, 4096, 14336) for c in cuda)
-        assert len(cuda) == len({tuple(sorted(c.items())) for c in cuda})
+        assert tactics[0].path == (Path.SMALL_M if small and m <= 16 else Path.TRITON)
+        assert {t.path for t in tactics} == ({Path.SMALL_M, Path.TRITON} if small and m <= 16 else {Path.TRITON})
+        cuda = [t.config for t in tactics if t.path == Path.SMALL_M]
+        assert all(c.valid(4096, 14336) for c in cuda) and len(cuda) == len(set(cuda))
 
 
 def test_a_cached_tactic_of_the_other_regime_is_not_followed(monkeypatch):
@@ -97,10 +98,10 @@ def test_a_cached_tactic_of_the_other_regime_is_not_followed(monkeypatch):
     activations of an M below the crossover."""
     b = HybridSM90Backend()
     ran = []
-    monkeypatch.setattr("mxgemm.backends.hybrid_sm90.cublas_block_linear", lambda *a, **k: ran.append("cublas"))
+    monkeypatch.setattr("mxgemm.backends.hybrid_sm90.blockwise_linear", lambda *a, **k: ran.append("cublas"))
     monkeypatch.setattr("mxgemm.kernels.w8a16.w8a16_linear", lambda *a, **k: ran.append("triton"))
     w = _weight(4096, 14336, 96, False)
     w.tensors["block_scale"] = torch.ones(32, 28)
-    b.run(torch.zeros(95, 14336, dtype=torch.bfloat16), w, None, tactic={"path": "cublas"})
-    b.run(torch.zeros(96, 14336, dtype=torch.bfloat16), w, None, tactic={"path": "triton", "config": {}})
+    b.run(torch.zeros(95, 14336, dtype=torch.bfloat16), w, None, tactic=Tactic(Path.CUBLAS))
+    b.run(torch.zeros(96, 14336, dtype=torch.bfloat16), w, None, tactic=b.tactics(64, w)[0])
     assert ran == ["triton", "cublas"]

@@ -89,15 +89,16 @@ def test_nan_scale_and_nan_element_make_their_columns_nan():
 @pytest.mark.parametrize(
     "cfg",
     [
-        dict(BN=32, BM=16, BK=64, SPLIT_K=3, PACKED=False),
-        dict(BN=16, BM=32, BK=32, SPLIT_K=2, PACKED=False),
-        dict(BN=64, BM=16, BK=128, SPLIT_K=1, PACKED=True),
-        dict(BN=16, BM=16, BK=256, SPLIT_K=4, PACKED=False),
+        dict(bn=32, bm=16, bk=64, split_k=3, packed=False),
+        dict(bn=16, bm=32, bk=32, split_k=2, packed=False),
+        dict(bn=64, bm=16, bk=128, split_k=1, packed=True),
+        dict(bn=16, bm=16, bk=256, split_k=4, packed=False),
     ],
 )
 def test_split_k_and_decodes(cfg):
-    from mxgemm.kernels.w8a16 import w8a16_linear
+    from mxgemm.kernels.w8a16 import W8A16Config, w8a16_linear
 
+    cfg = W8A16Config(**cfg)
     q, s = random_mx_weight(130, 416, seed=11)  # K = 13 x 32: ragged last tiles in every split
     x = random_act(5, 416)
     bias = torch.randn(130, dtype=torch.bfloat16)
@@ -165,16 +166,18 @@ def test_dequant_path_in_chunks_matches_the_twin(with_bias):
 
 
 def test_triton_backend_dequantizes_from_m256_and_offers_it_from_m64():
-    from mxgemm.backends.triton_w8a16 import DEQUANT_MIN_M
+    from mxgemm.backends.base import Tactic
+    from mxgemm.backends.triton_w8a16 import DEQUANT_MIN_M, Path
 
+    dequant = Tactic(Path.DEQUANT)
     b = mxgemm.backends.get_backend("triton")
     q, s = random_mx_weight(64, 128)
     w = mxgemm.prepare_weight(q, s, backend="triton")
-    assert DEQUANT_MIN_M == 256 and b.tactics(256, w)[0] == {"path": "dequant"}
-    assert b.tactics(64, w)[-1] == {"path": "dequant"} and {"path": "dequant"} not in b.tactics(63, w)
+    assert DEQUANT_MIN_M == 256 and b.tactics(256, w)[0] == dequant
+    assert b.tactics(64, w)[-1] == dequant and dequant not in b.tactics(63, w)
     x = random_act(DEQUANT_MIN_M, 128)
     y = b.run(x, w, None)
-    assert torch.equal(y, b.run(x, w, None, tactic={"path": "dequant"}))
+    assert torch.equal(y, b.run(x, w, None, tactic=dequant))
     assert sqnr_db(y, _twin(x, q, s, None)) > MIN_SQNR
-    y16 = b.run(x.half(), w, None, tactic={"path": "dequant"})  # fp16: the kernel, exact for fp16 activations
+    y16 = b.run(x.half(), w, None, tactic=dequant)  # fp16: the kernel, exact for fp16 activations
     assert y16.dtype == torch.float16 and sqnr_db(y16, _twin(x.half(), q, s, None)) > MIN_SQNR

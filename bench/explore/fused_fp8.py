@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import mxgemm
+from mxgemm.backends.hybrid_sm90 import fp8_default
 from mxgemm.bench import environment
 from mxgemm.kernels import fp8_gemm
 from mxgemm.timing import copies_for_cold_l2, time_cuda
@@ -36,7 +37,7 @@ def rows_for(model, proj, n, k, has_bias, ms, sms, l2, calls, repeats) -> list[d
     for m in ms:
         xs = [torch.randn(m, k, device="cuda", generator=g).bfloat16() for _ in range(4)]
         qd0 = weights[0].tensors["qdata"]
-        cfg = fp8_gemm.default_config(m, *qd0.shape, sms)
+        cfg = fp8_default(m, *qd0.shape, sms)
         plans = {
             mode: [
                 fp8_gemm.linear_plan(w.tensors["qdata"], w.tensors["block_scale"], n, k, m, cfg, mode) for w in weights
@@ -44,7 +45,7 @@ def rows_for(model, proj, n, k, has_bias, ms, sms, l2, calls, repeats) -> list[d
             for mode in (False, True)
         }
         same = all(torch.equal(plans[False][0](x, bias), plans[True][0](x, bias)) for x in xs)
-        row = {"model": model, "proj": proj, "n": n, "k": k, "m": m, "config": cfg, "bits_equal": same}
+        row = {"model": model, "proj": proj, "n": n, "k": k, "m": m, "config": str(cfg), "bits_equal": same}
         for mode, name in ((False, "two"), (True, "fused")):
             ps = plans[mode]
             row[f"{name}_eager_us"] = per_call_us(lambda i, x, ps=ps: ps[i % count](x, bias), xs, calls, repeats)

@@ -1,23 +1,13 @@
 #!/usr/bin/env bash
-# The H200 checks still pending (see the issues' notes), in stages; several stages may run in one device call.
+# The H200 runs, in stages; several stages may run in one device call.
 # Usage on the device: bash bench/explore/h200_pending.sh STAGE [STAGE ...]   (outputs under $OUT, or ./out when OUT is unset)
 #   tune    `mxgemm tune` of the three shape sets (llama3-8b, llama3-70b, hidden-7168), timed; the tuning file
 #   gate    the GPU tests of the small-M kernel, hybrid, graphs, autotuning; stops the run when one fails
 #   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
-#   pipeline  the small-M kernel's GPU tests, then bench/explore/explore_small_m_pipeline.py at M = 1 and 16
-#   fp8     the FP8 TMA/wgmma kernel's GPU tests, then bench/explore/explore_fp8_gemm.py (its configs at M = 1/16/64)
-#   crossover  bench/crossover.py: the exact regime against cuBLASLt and the FP8 kernel at M = 1-128
-#   diag    the FP8 GEMM's time over activation offsets, then with and without warm-up
-#   bounds  bench/explore/explore_fp8_bounds.py: the FP8 kernel as built against variants without its MMA / activation tile /
-#           cluster sum, where it is furthest from the floor (M = 64 small weights, M = 16 mid ones)
-#   stream  bench/explore/explore_stream_floor.py: a call's fixed cost against its bytes (empty kernel, pure read, bf16 GEMV,
-#           the FP8 kernel as built / ring-only / tensor maps prefetched) on N = 4096, K = 1024-28672
-#   depth   bench/explore/explore_fp8_depth.py: the FP8 kernel with rings of 8-12 stages beside 2-6, every one-warpgroup config
-#           on the M = 64 and M = 16 misses (outputs compared bitwise with the default config's)
-#   tokm    the FP8 kernel's GPU tests, then bench/explore/explore_fp8_tokm.py: tokens as wgmma M at M = 64 / 128 / 256
-#   fp8-ncu  Nsight Compute on the FP8 kernel (8B o at M = 64): throughput, warp states, stalls per SASS line
-#   waves   bench/explore/explore_waves.py: the small-M kernel's % of floor at M = 1 over N (wave tails or not)
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
+#   crossover  bench/crossover.py: the exact regime against cuBLASLt and the FP8 kernel at M = 1-128
+#   fp8-ncu  Nsight Compute on the fused FP8 kernel (bench/explore/profile_fused.py): throughput, warp states, stalls
+#   eager   bench/eager_calls.py: one eager call against bf16's, Llama-3-8B and Qwen2.5-7B projections
 #   e2e     bench/model_e2e.py: a 32-layer Llama at 8B dimensions through generate, bf16 vs mxgemm, eager and graphs
 #   load    bench/load_gpu.py: an 8B-dimension MXFP8 checkpoint loaded to the GPU (peak against final footprint)
 #   fused   bench/explore/fused_fp8.py: the fused FP8 kernel against quantizer + GEMM, eager and under graph replay
@@ -62,60 +52,28 @@ for stage in "$@"; do
     e2e)
       timeout 550 python3 bench/model_e2e.py --json "$out/e2e.json" --markdown "$out/e2e.md" > /tmp/e2e.log 2>&1
       tail -12 /tmp/e2e.log ;;
-    pipeline)  # the small-M kernel's GPU tests, then every config of it at M = 1 and 16 on the three sets
-      timeout 120 python3 -m pytest tests/test_gpu_small_m.py -q -p no:warnings --tb=short -x 2>&1 | tail -3
-      ( timeout 400 python3 bench/explore/explore_small_m_pipeline.py --m 1 16 \
-          --json "$out/explore-small-m-pipeline-h200.json" ) > "$out/pipeline.log" 2>&1
-      tail -28 "$out/pipeline.log" ;;
-    tokm)  # tokens as wgmma M: the FP8 kernel's GPU tests, then every config against the shipped path (item 24)
-      timeout 150 python3 -m pytest tests/test_gpu_fp8_gemm.py -q -p no:warnings --tb=short -x 2>&1 | tail -4
-      ( cd bench && timeout 400 python3 explore_fp8_tokm.py --json "$out/explore-fp8-tokm-h200.json" ) \
-        > "$out/tokm.log" 2>&1
-      tail -40 "$out/tokm.log" ;;
-    fp8)  # the FP8 TMA/wgmma kernel: its GPU tests, then its exploration
-      timeout 240 python3 -m pytest tests/test_gpu_fp8_gemm.py -q -p no:warnings --tb=short -x 2>&1 | tail -6
-      ( cd bench && timeout 300 python3 explore_fp8_gemm.py --m 1 16 64 \
-          --json "$out/explore-fp8-tma-h200.json" ) \
-        > "$out/fp8.log" 2>&1
-      tail -42 "$out/fp8.log" ;;
-    fp8-ncu)  # Nsight Compute on the FP8 kernel (default: 8B o at M = 64; NCU_N/NCU_K/NCU_M/NCU_CFG pick another):
-      # throughput, warp states, then the SASS lines with the most stall samples
-      ( cd bench && timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters \
-        --section Occupancy -k regex:fp8_gemm -s 2 -c 1 -o "$out/fp8" -f python3 profile_fp8_gemm.py \
-        --n "${NCU_N:-4096}" --k "${NCU_K:-4096}" --m "${NCU_M:-64}" --config "${NCU_CFG:-tn64-rw1-s2-st6}" ) \
-        > "$out/ncu.log" 2>&1
+    fp8-ncu)  # Nsight Compute on the fused FP8 kernel (NCU_N/NCU_K/NCU_M pick the shape; default 8B o at M = 32)
+      timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters --section Occupancy \
+        -k regex:fp8_gemm -s 2 -c 1 -o "$out/fp8" -f python3 bench/explore/profile_fused.py \
+        --n "${NCU_N:-4096}" --k "${NCU_K:-4096}" --m "${NCU_M:-32}" > "$out/ncu.log" 2>&1
       ncu --import "$out/fp8.ncu-rep" --section SpeedOfLight --section WarpStateStats --section Occupancy \
         > "$out/ncu-fp8.txt" 2>&1
       ncu --import "$out/fp8.ncu-rep" --page source --csv --print-source sass > "$out/ncu-sass.csv" 2>&1
       grep -E "Duration|DRAM Throughput|Compute \(SM\)|Warp Cycles Per Issued|Achieved Occupancy" "$out/ncu-fp8.txt"
       python3 bench/explore/top_stalls.py "$out/ncu-sass.csv" 30
       rm -f "$out/fp8.ncu-rep" ;;
+    eager)
+      timeout "${EAGER_S:-300}" python3 bench/eager_calls.py --json "$out/eager-h200.json" \
+        --markdown "$out/eager-h200.md" > /tmp/eager.log 2>&1
+      tail -40 /tmp/eager.log ;;
     crossover)  # the exact regime against cuBLASLt and the FP8 kernel, M = 1-128, the three sets
       ( OUT="$out" timeout 400 python3 bench/crossover.py ) > "$out/crossover.log" 2>&1
       tail -16 "$out/crossover.log" ;;
-    diag)
-      ( cd bench && timeout 200 python3 diag_offsets.py ) > "$out/diag-offsets.log" 2>&1
-      tail -20 "$out/diag-offsets.log"
-      timeout 150 python3 bench/explore/diag_data.py 2>&1 | tail -12 ;;
-    stream)
-      ( cd bench && timeout 300 python3 explore_stream_floor.py --json "$out/explore-stream-floor-h200.json" ) \
-        > "$out/stream.log" 2>&1
-      tail -12 "$out/stream.log" ;;
-    depth)
-      ( cd bench && timeout 400 python3 explore_fp8_depth.py --json "$out/explore-fp8-depth-h200.json" ) \
-        > "$out/depth.log" 2>&1
-      tail -14 "$out/depth.log" ;;
-    bounds)
-      ( cd bench && timeout 300 python3 explore_fp8_bounds.py --json "$out/explore-fp8-bounds-h200.json" ) \
-        > "$out/bounds.log" 2>&1
-      tail -14 "$out/bounds.log" ;;
-    waves)
-      ( cd bench && timeout 240 python3 explore_waves.py --json "$out/explore-waves-h200.json" ) > "$out/waves.log" 2>&1
-      tail -52 "$out/waves.log" ;;
     bench-8b) bench h200-llama3-8b 300 llama3-8b ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
-    *) echo "usage: $0 gate|tune|pipeline|fp8|bounds|stream|depth|fp8-ncu|crossover|diag|waves|tests|ship|e2e|bench-8b|bench-more|bench-all ..." >&2; exit 2 ;;
+    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|eager|e2e|load|fused|bench-8b|bench-more|bench-all ..." >&2
+       exit 2 ;;
   esac
 done
 # at most 8 files come back: the tuning file moves up, the cache folders (lock files) go

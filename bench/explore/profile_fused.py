@@ -11,6 +11,7 @@ import argparse
 import torch
 
 import mxgemm
+from mxgemm.backends.hybrid_sm90 import fp8_default
 from mxgemm.kernels import fp8_gemm
 
 
@@ -24,7 +25,7 @@ def main() -> None:
     w = mxgemm.prepare_weight(t.qdata, t.scale, backend="hybrid_sm90")
     qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = fp8_gemm.default_config(args.m, *qd.shape, sms)
+    cfg = fp8_default(args.m, *qd.shape, sms)
     x = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)
     for _ in range(4):
         fp8_gemm.fp8_linear(x, qd, bs, args.n, cfg, fused=True)

@@ -3,8 +3,9 @@
 * Only the backend that was resolved is tuned, and only if it has tactics (``Backend.tunable``). Its first tactic is
   the default and always valid; a tactic that fails or is invalid scores infinity, is counted, and is never chosen.
 * Key: op, backend, M bucket (a runtime M maps *up* to the next bucket), N, K, activation dtype, weight layout,
-  recipe. The file records mxgemm, torch, triton and CUDA versions and the GPU; a file whose record differs is not
-  used and not overwritten (said once, on logger ``mxgemm``).
+  recipe. The file records mxgemm, torch, triton and CUDA versions, the GPU and a digest of the kernels' sources; a
+  file whose record differs is not used and not overwritten (said once, on logger ``mxgemm``). A recorded tactic is
+  used only where it equals one the backend offers for its bucket now (as :meth:`Tactic.json` writes it).
 * The cache is ``$MXGEMM_CACHE_DIR/tuning-<gpu>.json`` (default ``~/.cache/mxgemm``); writes merge under a file lock
   and replace the file atomically, so several processes may tune at once. Files shipped in ``mxgemm/tuned/`` are
   read when the user's cache has no entry.
@@ -30,6 +31,7 @@ import torch
 
 from . import settings
 from .backends import Backend, PreparedWeight
+from .backends.base import tactic_json
 from .cache import cache_root, locked
 from .device import DeviceInfo, describe_device
 
@@ -71,6 +73,7 @@ def environment_metadata(device: DeviceInfo) -> dict[str, Any]:
     import importlib.metadata as md
 
     from . import __version__
+    from .kernels import source_digest
 
     try:
         triton_version = md.version("triton")
@@ -83,6 +86,7 @@ def environment_metadata(device: DeviceInfo) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "gpu": device.name or device.type,
         "sm": device.sm,
+        "kernels": source_digest(),
     }
 
 
@@ -234,8 +238,9 @@ class Autotuner:
                 record = cache.get(key)
                 if record is None:
                     continue
-                if self._known(backend, weight, key.m_bucket, record["tactic"]):
-                    choice = record["tactic"], src
+                tactic = self._known(backend, weight, key.m_bucket, record["tactic"])
+                if tactic is not None:
+                    choice = tactic, src
                     break
                 logger.warning("mxgemm: tuning file %s: tactic %s for %s is not one %s has now; ignored",
                                cache.path, record["tactic"], key, backend.name)  # fmt: skip
@@ -243,13 +248,13 @@ class Autotuner:
         return self._memo[memo_key]
 
     @staticmethod
-    def _known(backend: Backend, weight: PreparedWeight, m_bucket: int, tactic: Any) -> bool:
-        """Whether a cached tactic is one the backend offers for this bucket now (a file from an older mxgemm, or
-        edited by hand, may hold others)."""
+    def _known(backend: Backend, weight: PreparedWeight, m_bucket: int, recorded: Any) -> Any:
+        """The tactic the backend offers for this bucket now that a file records as ``recorded``, or None (a file
+        edited by hand, or from kernels whose tactics differ, may hold others)."""
         try:
-            return tactic in backend.tactics(m_bucket, weight)
+            return next((t for t in backend.tactics(m_bucket, weight) if tactic_json(t) == recorded), None)
         except Exception:  # a tactic list that cannot be made: follow nothing from the file
-            return False
+            return None
 
     def lookup(self, backend: Backend, weight: PreparedWeight, m: int, x_dtype: torch.dtype) -> Any:
         """The cached tactic for this problem, or None (the backend's default)."""
@@ -300,7 +305,12 @@ class Autotuner:
                 chosen = best if times[best] < times[0] * (1 - self.margin) else 0
         result = TuneResult(key, tactics[chosen], times[0], times[chosen], failed, len(tactics), chosen == 0)
         if write:
-            record = {"tactic": result.tactic, "us": result.best_us, "default_us": result.default_us, "failed": failed}
+            record = {
+                "tactic": tactic_json(result.tactic),
+                "us": result.best_us,
+                "default_us": result.default_us,
+                "failed": failed,
+            }
             self.cache.put({str(key): record})
             self._memo.clear()
             _GENERATION[0] += 1

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .autotune import tuner_for
 from .backends import get_backend
+from .backends.base import tactic_json
 from .device import DeviceInfo, describe_device
 from .format import MXTensor, dequantize, quantize
 from .resolve import available_backends
@@ -76,7 +77,7 @@ class BenchRow:
     name: str
     backend: str  # what `auto` chose for this weight
     floor_us: float | None
-    tactic: Any = None  # the tactic auto's calls ran with (None: the backend's default)
+    tactic: Any = None  # the tactic auto's calls ran with, as a tuning file records it (None: the backend's default)
     tactic_source: str = "default"  # where it came from: "cache" (the user's), "shipped" (the package's), "default"
     us: dict[str, float | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -244,7 +245,8 @@ def run_bench(
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             auto = [prepare_weight(q, s) for q, s in weights]
             row = BenchRow(m, n, k, name, auto[0].backend, floor_us(p, device))
-            row.tactic, row.tactic_source = tuner_for(dev).choice(get_backend(row.backend), auto[0], m, x.dtype)
+            tactic, row.tactic_source = tuner_for(dev).choice(get_backend(row.backend), auto[0], m, x.dtype)
+            row.tactic = tactic_json(tactic)
             row.us["mxgemm"] = _time([lambda w=w, x=x: linear(x, w) for w in auto], device)
             del auto
             for b in wanted:

@@ -26,6 +26,8 @@ __all__ = [
     "block128_to_mx",
     "dequantize_1x128",
     "dequantize_block128",
+    "padded_1x128_shape",
+    "prepare_block128",
     "quantize_1x128",
     "reencode_block128",
 ]
@@ -36,6 +38,7 @@ FP8_MAX = 448.0
 # 16-byte aligned) and K in multiples of 512 (K blocks in fours; other counts give wrong results or errors).
 CUBLASLT_M_ALIGN = 4
 CUBLASLT_K_ALIGN = 512
+N_ALIGN = 16  # rows of a prepared weight: cuBLASLt's and the hand-written kernels' tiles
 
 
 def padded_1x128_shape(m: int, k: int, rows_multiple: int = 1) -> tuple[int, int]:
@@ -140,6 +143,19 @@ def reencode_block128(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tenso
         rel_error=err_sq**0.5 / ref_norm if ref_norm > 0 else 0.0,
     )
     return Block128Weight(out[:n, :k], e8m0_to_float32(block_e.to(torch.uint8)), report)
+
+
+def prepare_block128(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:
+    """The stored form of a 128x128-block weight: fp8 ``qdata`` ``[Np, Kp]`` (zero padded: N to ``N_ALIGN``, K to
+    ``CUBLASLT_K_ALIGN``) and fp32 ``block_scale`` ``[Np/128, Kp/128]`` (padding scales 1), re-encoded straight into
+    the padded buffer; the info holds the exactness report (``"reencode"``)."""
+    n, k = qdata.shape
+    np_, kp = -(-n // N_ALIGN) * N_ALIGN, -(-k // CUBLASLT_K_ALIGN) * CUBLASLT_K_ALIGN
+    q = torch.zeros((np_, kp), dtype=torch.uint8, device=qdata.device).view(torch.float8_e4m3fn)
+    block = reencode_block128(qdata, scale, out=q)
+    nb = -(-np_ // GROUP)
+    s = F.pad(block.scale, (0, kp // GROUP - block.scale.shape[1], 0, nb - block.scale.shape[0]), value=1.0)
+    return {"qdata": q, "block_scale": s.contiguous()}, {"reencode": block.report}
 
 
 _CHUNK_ELEMENTS = 1 << 23  # 8Mi elements a chunk: about 200 MiB of fp32 temporaries

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .backends import AUTO_PRIORITY, get_backend
+from .backends.base import tactic_json
 from .bench import (
     BASELINES,
     CPU_M,
@@ -274,7 +275,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         for col in ("M", "N", "K", "backend", "default µs", "tuned µs", "speedup", "failed", "tactic"):
             table.add_column(col, justify="right")
         for m, n, k, name, r in rows:
-            tactic = "default" if r.is_default else json.dumps(r.tactic, separators=(",", ":"))
+            tactic = "default" if r.is_default else json.dumps(tactic_json(r.tactic), separators=(",", ":"))
             table.add_row(str(m), str(n), str(k), name, f"{r.default_us:.1f}", f"{r.best_us:.1f}",
                           f"{r.speedup:.2f}", str(r.failed), tactic)  # fmt: skip
         console.print(table)

@@ -1,4 +1,4 @@
-"""Swizzled layouts of E8M0 scale matrices, as block-scaled GEMM kernels consume them.
+"""Layouts the GEMM libraries read and write: swizzled E8M0 scale matrices, weights padded by rows, padded outputs.
 
 A scale matrix ``S`` is ``[rows, cols]`` uint8, row-major (rows = M or N, cols = K/32). Swizzled forms are returned
 flattened to 1-D uint8; padding bytes are zero.
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["from_8x4", "from_128x4", "pad_rows", "padded_size_8x4", "padded_size_128x4", "round_up", "to_8x4",
-           "to_128x4"]  # fmt: skip
+__all__ = ["finish_output", "from_8x4", "from_128x4", "pad_rows", "padded_size_8x4", "padded_size_128x4", "round_up",
+           "to_8x4", "to_128x4"]  # fmt: skip
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -34,6 +34,14 @@ def pad_rows(qdata: torch.Tensor, scale: torch.Tensor, multiple: int) -> tuple[t
     pad = round_up(qdata.shape[0], multiple) - qdata.shape[0]
     q = torch.nn.functional.pad(qdata.view(torch.uint8), (0, 0, 0, pad)).view(qdata.dtype)
     return q, torch.nn.functional.pad(scale.view(torch.uint8), (0, 0, 0, pad))
+
+
+def finish_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """A library GEMM's (possibly padded, bf16) output -> [M, n] in ``x.dtype``, bias added, contiguous."""
+    y = y[:, :n]
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype).contiguous()
 
 
 def _check_scale(scale: torch.Tensor) -> None:

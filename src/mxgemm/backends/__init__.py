@@ -1,19 +1,18 @@
 """The backend registry and the order ``auto`` tries them in.
 
-Adding a backend: one file here defining a :class:`Backend`, one entry in ``_REGISTRY``, one place in
-``AUTO_PRIORITY``. ``auto`` walks ``AUTO_PRIORITY`` and takes the first backend whose own checks pass on the device.
+Adding a backend: one file here defining a :class:`Backend` subclass with a ``name`` (found when this package is
+imported) and, for ``auto`` to try it, one place in ``AUTO_PRIORITY``. ``auto`` walks ``AUTO_PRIORITY`` and takes the
+first backend whose own checks pass on the device.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import pkgutil
+
 from ..errors import UnknownBackendError
 from .base import RECIPES, Availability, Backend, PreparedWeight, UnsupportedWeightError
-from .cublas_block import CublasBlockBackend
-from .cublas_mx import CublasMXBackend
-from .emulation import EmulationBackend
-from .flashinfer_mx import FlashInferCuteDSL, FlashInferCutlass, FlashInferTRTLLM
-from .hybrid_sm90 import HybridSM90Backend
-from .triton_w8a16 import TritonBackend
 
 __all__ = [
     "AUTO_PRIORITY",
@@ -25,20 +24,6 @@ __all__ = [
     "backend_names",
     "get_backend",
 ]
-
-_REGISTRY: dict[str, Backend] = {
-    b.name: b
-    for b in (
-        FlashInferCuteDSL(),
-        FlashInferCutlass(),
-        CublasMXBackend(),
-        HybridSM90Backend(),
-        FlashInferTRTLLM(),
-        CublasBlockBackend(),
-        TritonBackend(),
-        EmulationBackend(),
-    )
-}
 
 # The order `auto` tries backends in, fastest first; each joins only if its own checks pass (FlashInfer's answer,
 # a cuBLAS probe, ...), so one list serves every GPU. `flashinfer_trtllm` comes last before `triton`, as the engines
@@ -53,6 +38,22 @@ AUTO_PRIORITY: tuple[str, ...] = (
     "triton",
     "emulation",
 )
+
+
+def _discover() -> dict[str, Backend]:
+    """One instance of every concrete backend class defined in this package's modules, ``AUTO_PRIORITY``'s first."""
+    found: dict[str, Backend] = {}
+    for module_info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        for cls in vars(module).values():
+            defined_here = isinstance(cls, type) and cls.__module__ == module.__name__ and issubclass(cls, Backend)
+            if defined_here and "name" in vars(cls) and not inspect.isabstract(cls):
+                found[cls.name] = cls()
+    rank = {name: i for i, name in enumerate(AUTO_PRIORITY)}
+    return dict(sorted(found.items(), key=lambda item: (rank.get(item[0], len(rank)), item[0])))
+
+
+_REGISTRY: dict[str, Backend] = _discover()
 
 
 def backend_names() -> list[str]:

@@ -3,30 +3,43 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import importlib.util
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from ..availability import Availability
 from ..device import DeviceInfo
+from ..recipes import RECIPES, Recipe
 
-if TYPE_CHECKING:
-    from ..format import MXTensor
+__all__ = ["RECIPES", "Availability", "Backend", "PreparedWeight", "Recipe", "Tactic", "UnsupportedWeightError",
+           "tactic_json"]  # fmt: skip
 
-__all__ = ["RECIPES", "Availability", "Backend", "PreparedWeight", "UnsupportedWeightError"]
 
-RECIPES: dict[str, str] = {
-    "w8a16": "activations as given (bf16/fp16); MXFP8 weight dequantized exactly",
-    "w8a8-mx": "activations quantized to MXFP8 (1x32, E8M0); MXFP8 weight",
-    "w8a8-block": "activations quantized to FP8 with FP32 scales per 1x128; weight re-encoded to 128x128 blocks",
-    "hybrid-block128": "weight re-encoded to 128x128 blocks; M < crossover: activations as given, else as w8a8-block",
-}
+@dataclass(frozen=True)
+class Tactic:
+    """A tunable backend's choice for one problem: a kernel path (the backend's own enum) and, where the path takes
+    one, the kernel's launch config (a frozen dataclass of its binding, with its own ``valid``)."""
+
+    path: str
+    config: Any = None
+
+    def json(self) -> dict[str, Any]:
+        """How a tuning file records it."""
+        out: dict[str, Any] = {"path": str(self.path)}
+        if self.config is not None:
+            out["config"] = {"kind": type(self.config).__name__, **dataclasses.asdict(self.config)}
+        return out
+
+
+def tactic_json(tactic: Any) -> Any:
+    """A tactic as a tuning file records it: :meth:`Tactic.json`, or the tactic itself (already JSON)."""
+    return tactic.json() if isinstance(tactic, Tactic) else tactic
 
 
 class UnsupportedWeightError(Exception):
@@ -100,54 +113,11 @@ class PreparedWeight:
         return cls(backend, m["recipe"], m["out_features"], m["in_features"], named, m["info"], tensors, meta)
 
 
-def finish_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """A library GEMM's (possibly padded, bf16) output -> [M, n] in ``x.dtype``, bias added, contiguous."""
-    y = y[:, :n]
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.to(x.dtype).contiguous()
-
-
-def probe_operands(index: int, n: int, k: int, m: int) -> tuple[MXTensor, torch.Tensor]:
-    """A probe's operands on CUDA device ``index``, the same on every call: an MX-quantized random weight [n, k]
-    (an ``MXTensor``) and bf16 activations [m, k]."""
-    from .. import format as mxformat
-
-    dev = torch.device("cuda", index)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    w = (torch.randn(n, k, generator=g) * 0.02).to(dev)
-    x = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
-    return mxformat.quantize(w), x
-
-
-def probe_preconditions(device: DeviceInfo, library: str) -> Availability | None:
-    """What a cuBLAS probe behind our activation quantizer needs before it can run: Triton and a visible CUDA device.
-    The reason when one is missing, else None."""
-    if importlib.util.find_spec("triton") is None:
-        return Availability(False, "the activation quantizer needs 'triton' (pip install 'mxgemm[triton]')")
-    if device.index is None or not torch.cuda.is_available():
-        return Availability(False, f"cannot probe {library}: no CUDA device is visible to this process")
-    return None
-
-
-def probe_against_twin(what: str, run: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Availability:
-    """Availability of a library GEMM that has no capability query: ``run`` computes (output, emulated twin) on a
-    small problem; an exception's text or a wrong result is the reason."""
-    try:
-        y, ref = run()
-        err = ((y.float() - ref).norm() / ref.norm()).item()
-    except Exception as exc:  # the error text is the reason
-        return Availability(False, f"{what} failed a probe: {str(exc).splitlines()[0][:200]}")
-    if not err < 1e-2:
-        return Availability(False, f"{what} gave wrong results in a probe (relative error {err:.3g})")
-    return Availability(True, f"{what} (probed)")
-
-
 class Backend(ABC):
     """One way to run ``y = x @ W^T (+ bias)``. Subclasses live one to a file under ``mxgemm.backends``."""
 
     name: ClassVar[str]
-    recipes: ClassVar[tuple[str, ...]]  # the recipes it computes; the first is its default
+    recipes: ClassVar[tuple[Recipe, ...]]  # the recipes it computes; the first is its default
     tunable: ClassVar[bool] = False
     summary: ClassVar[str] = ""
 
@@ -194,6 +164,6 @@ class Backend(ABC):
         return contextlib.nullcontext()
 
     def tactics(self, m: int, weight: PreparedWeight) -> list[Any]:
-        """Tactics the autotuner may try for M rows (JSON-serializable); the first is the default and always valid.
-        Backends with more than one set ``tunable = True``."""
+        """Tactics the autotuner may try for M rows (:class:`Tactic` or JSON values); the first is the default and
+        always valid. Backends with more than one set ``tunable = True``."""
         return [None]

@@ -11,18 +11,12 @@ import functools
 
 import torch
 
+from ..availability import probe_against_twin, probe_operands, probe_preconditions
 from ..device import DeviceInfo
 from ..format import BLOCK_SIZE
-from ..layouts import from_128x4, pad_rows, to_128x4
-from .base import (
-    Availability,
-    Backend,
-    PreparedWeight,
-    finish_output,
-    probe_against_twin,
-    probe_operands,
-    probe_preconditions,
-)
+from ..layouts import finish_output, from_128x4, pad_rows, to_128x4
+from ..recipes import MX_ACT_SCALE_MODE, Recipe
+from .base import Availability, Backend, PreparedWeight
 
 __all__ = ["CublasMXBackend", "probe_cublas_mx"]
 
@@ -31,9 +25,8 @@ N_ALIGN = 16
 
 def cublas_mx_linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     from ..kernels.mx_quant import mx_quantize
-    from .flashinfer_mx import ACT_SCALE_MODE
 
-    xq, xs = mx_quantize(x, scale_mode=ACT_SCALE_MODE, layout="128x4")
+    xq, xs = mx_quantize(x, scale_mode=MX_ACT_SCALE_MODE, layout="128x4")
     t = weight.tensors
     e8m0 = torch.float8_e8m0fnu
     y = torch._scaled_mm(xq, t["qdata"].t(), xs.view(e8m0), t["scale"].view(e8m0), out_dtype=torch.bfloat16)
@@ -48,7 +41,7 @@ def probe_cublas_mx(index: int) -> Availability:
         from .. import format as mxformat
 
         t, x = probe_operands(index, 128, 256, 32)
-        pw = CublasMXBackend().prepare(t.qdata, t.scale, "w8a8-mx")
+        pw = CublasMXBackend().prepare(t.qdata, t.scale, Recipe.W8A8_MX)
         ref = mxformat.dequantize(mxformat.quantize(x)) @ mxformat.dequantize(t).T
         return cublas_mx_linear(x, pw, None), ref
 
@@ -57,7 +50,7 @@ def probe_cublas_mx(index: int) -> Availability:
 
 class CublasMXBackend(Backend):
     name = "cublas_mx"
-    recipes = ("w8a8-mx",)
+    recipes = (Recipe.W8A8_MX,)
     summary = "torch._scaled_mm with E8M0 128x4 scales (cuBLAS block-scaled MXFP8, Blackwell)"
 
     def check_device(self, device: DeviceInfo) -> Availability:

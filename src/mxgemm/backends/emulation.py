@@ -7,33 +7,31 @@ import torch
 from ..block128 import block128_to_mx, dequantize_1x128, dequantize_block128, quantize_1x128, reencode_block128
 from ..device import DeviceInfo
 from ..format import MXTensor, dequantize, quantize
-from .base import RECIPES, Availability, Backend, PreparedWeight
-from .hybrid_sm90 import crossover_for
+from ..recipes import MX_ACT_SCALE_MODE, RECIPES, Recipe, hybrid_crossover
+from .base import Availability, Backend, PreparedWeight
 
 __all__ = ["EmulationBackend", "emulate_linear"]
-
-# activations of the w8a8-mx recipe are quantized with this scale rule (the OCP rule)
-ACT_SCALE_MODE = "floor"
 
 
 def _effective_weight(weight: PreparedWeight) -> torch.Tensor:
     t = weight.tensors
-    if weight.recipe in ("w8a8-block", "hybrid-block128"):
+    if Recipe(weight.recipe).block128:
         return dequantize_block128(t["qdata"], t["block_scale"])
     return dequantize(MXTensor(t["qdata"], t["scale"]))
 
 
 def _effective_activation(x: torch.Tensor, weight: PreparedWeight) -> torch.Tensor:
     recipe = weight.recipe
-    if recipe == "w8a16" or (recipe == "hybrid-block128" and x.shape[0] < weight.info["crossover"]):
+    if recipe == Recipe.W8A16 or (recipe == Recipe.HYBRID_BLOCK128 and x.shape[0] < weight.info["crossover"]):
         return x.float()
-    if recipe == "w8a8-mx":
-        return dequantize(quantize(x, scale_mode=ACT_SCALE_MODE))
+    if recipe == Recipe.W8A8_MX:
+        return dequantize(quantize(x, scale_mode=MX_ACT_SCALE_MODE))
     return dequantize_1x128(*quantize_1x128(x))
 
 
 def emulate_linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The exact emulated twin of ``weight.recipe``: what a fast backend of that recipe computes, in fp32."""
+    """The exact emulated twin of ``weight.recipe``: what a fast backend of that recipe computes, in fp32. Any
+    backend's prepared weight of a block recipe will do (the hybrid recipe's crossover is read from it)."""
     y = _effective_activation(x, weight) @ _effective_weight(weight).T
     if bias is not None:
         y = y + bias.float()
@@ -51,13 +49,13 @@ class EmulationBackend(Backend):
     def prepare(
         self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str, crossover: int | None = None
     ) -> PreparedWeight:
-        """``crossover``: for ``hybrid-block128``, the M from which activations are quantized (default: as the
-        ``hybrid_sm90`` backend decides for this shape)."""
+        """``crossover``: for ``hybrid-block128``, the M from which activations are quantized (default: the recipe's
+        crossover for this shape, :func:`mxgemm.recipes.hybrid_crossover`)."""
         n, k = qdata.shape
-        if recipe in ("w8a8-block", "hybrid-block128"):
+        if Recipe(recipe).block128:
             block = reencode_block128(qdata, scale)
             tensors = {"qdata": block.qdata, "block_scale": block.scale}
-            info = {"reencode": block.report, "crossover": crossover or crossover_for(n, k)}
+            info = {"reencode": block.report, "crossover": crossover or hybrid_crossover(n, k)}
         else:
             tensors, info = {"qdata": qdata, "scale": scale}, {}
         return PreparedWeight(self.name, recipe, n, k, tensors, info)

@@ -28,12 +28,12 @@ import torch
 
 from ..device import DeviceInfo
 from ..format import BLOCK_SIZE
-from ..layouts import from_128x4, pad_rows, to_128x4
-from .base import Availability, Backend, PreparedWeight, finish_output
+from ..layouts import finish_output, from_128x4, pad_rows, to_128x4
+from ..recipes import MX_ACT_SCALE_MODE, Recipe
+from .base import Availability, Backend, PreparedWeight
 
 __all__ = ["FlashInferCuteDSL", "FlashInferCutlass", "FlashInferTRTLLM"]
 
-ACT_SCALE_MODE = "floor"  # as the w8a8-mx emulated twin quantizes activations
 TRTLLM_TILE = 128
 N_MULTIPLE = 32  # cutlass / cute-dsl weight rows: bf16 output rows 16-byte aligned, and SM12x's N % 32
 WARM_UP_ON = ("cuda",)  # device types whose first prepare runs one GEMM (FlashInfer's kernels need a GPU)
@@ -47,7 +47,7 @@ def _flashinfer():
 
 
 class _FlashInferMX(Backend):
-    recipes = ("w8a8-mx",)
+    recipes = (Recipe.W8A8_MX,)
     tunable = True  # by FlashInfer's own autotuner, switched on while mxgemm's tuner runs (tuning_context)
     fi_backend: ClassVar[str]
 
@@ -115,7 +115,7 @@ class _FlashInferMX(Backend):
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         from ..kernels.mx_quant import mx_quantize
 
-        xq, xs = mx_quantize(x, scale_mode=ACT_SCALE_MODE, layout=self.act_layout)
+        xq, xs = mx_quantize(x, scale_mode=MX_ACT_SCALE_MODE, layout=self.act_layout)
         return finish_output(self._mm(xq, xs, weight), x, bias, weight.out_features)
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,74 +1,138 @@
 """``hybrid_sm90``: one stored weight for both regimes on Hopper.
 
 The weight is stored once, re-encoded to FP8 with power-of-two 128x128 block scales (as ``cublas_block`` stores it).
-Below a crossover M (memory-bound decode) our kernels read that weight and multiply it with the bf16/fp16 activations as
-given: up to M = 16 a hand-written CUDA kernel (``kernels/csrc/small_m.cu``, built with nvcc on first use; without nvcc
-the Triton kernel takes its place), above that a Triton kernel; at and above the crossover activations are quantized per
-1x128 and a blockwise FP8 GEMM runs: up to M = 64 our TMA/wgmma kernel (``kernels/csrc/fp8_gemm.cu``, K split over a
-cluster; where it is built; up to M = 128 where its CTAs fit on the SMs in one wave), above that cuBLASLt (the tuner
-picks either per shape up to M = 256, same numerics). Where our FP8 kernel is built, the crossover of large weights is
-M = 1: it streams them faster than the exact kernels even at decode (``crossover_for``). Recipe ``hybrid-block128``:
-the first regime is exact with respect to the re-encoded weight (the CUDA kernel for ``|x| < 2^64``), which itself
-differs from the MX weight only as its exactness report says; a weight whose re-encoding error exceeds
-``MXGEMM_REENCODE_MAX_ERROR`` (relative, default 1e-5) is refused, and ``auto`` then gives that layer to the next
-backend (the exact ``triton`` one).
+Below a crossover M (memory-bound decode) our kernels read that weight and multiply it with the bf16/fp16
+activations as given: up to M = 16 a hand-written CUDA kernel (``kernels/csrc/small_m.cu``, built with nvcc on first
+use; without nvcc the Triton kernel takes its place), above that a Triton kernel; at and above the crossover
+activations are quantized per 1x128 and a blockwise FP8 GEMM runs: up to M = 64 our TMA/wgmma kernel
+(``kernels/csrc/fp8_gemm.cu``, K split over a cluster; where it is built; up to M = 128 where its CTAs fit on the
+SMs in one wave), above that cuBLASLt (the tuner picks either per shape up to M = 256, same numerics). Where our FP8
+kernel is built, the crossover of large weights is M = 1: it streams them faster than the exact kernels even at
+decode (``recipes.hybrid_crossover``). Recipe ``hybrid-block128``: the first regime is exact with respect to the
+re-encoded weight (the CUDA kernel for ``|x| < 2^64``), which itself differs from the MX weight only as its exactness
+report says; a weight whose re-encoding error exceeds ``MXGEMM_REENCODE_MAX_ERROR`` (relative, default 1e-5) is
+refused, and ``auto`` then gives that layer to the next backend (the exact ``triton`` one).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import settings
-from ..block128 import block128_to_mx
+from ..block128 import block128_to_mx, prepare_block128
 from ..device import DeviceInfo
 from ..kernels import fp8_gemm
-from ..kernels.small_m import MAX_M, accepts, small_m_status
-from ..kernels.small_m import default_config as small_m_default
+from ..kernels.cublaslt import blockwise_device_check, blockwise_linear
+from ..kernels.fp8_gemm import STAGES, TOKEN_TILES, Fp8Config, SwapAB, TokensAsM
+from ..kernels.small_m import MAX_M, SmallMConfig, accepts, small_m_status
 from ..kernels.small_m import linear_plan as small_m_plan
-from ..kernels.small_m import valid_config as valid_small_m
-from .base import Availability, Backend, PreparedWeight, UnsupportedWeightError, finish_output
-from .cublas_block import blockwise_device_check, cublas_block_linear, prepare_block128
+from ..layouts import finish_output
+from ..recipes import Recipe, StrEnum, hybrid_crossover
+from .base import Availability, Backend, PreparedWeight, Tactic, UnsupportedWeightError
 
-__all__ = ["HybridSM90Backend", "crossover_for", "fused_for", "reencode_max_error"]
+__all__ = ["HybridSM90Backend", "Path", "fp8_beats_cublas", "fp8_configs", "fp8_default", "fused_for",
+           "reencode_max_error", "small_m_configs", "small_m_default"]  # fmt: skip
+
+
+class Path(StrEnum):
+    """The kernels that run a call: the exact regime below the crossover M, the quantized one from it."""
+
+    SMALL_M = "small_m"  # the CUDA small-M kernel (kernels/csrc/small_m.cu), activations as given
+    TRITON = "triton"  # the Triton w8a16 kernel on the block weight, activations as given
+    FP8 = "fp8"  # the 1x128 quantizer + our FP8 wgmma GEMM, or the fused kernel (kernels/csrc/fp8_gemm.cu)
+    CUBLAS = "cublas"  # the 1x128 quantizer + cuBLASLt's blockwise GEMM
+
+    @property
+    def quantized(self) -> bool:
+        return self in (Path.FP8, Path.CUBLAS)
 
 
 def fused_for(m: int, n: int, k: int) -> bool | str:
     """How the FP8 plan launches for M rows of an [n, k] weight (``fp8_gemm.linear_plan``'s ``fused``): the fused
     kernel outside graph capture ("auto") up to M = 32 on weights of at most 16Mi elements, else quantizer + GEMM.
 
-    Measured on the H200 (bench/explore/results/fused-fp8-h200.json): the fused kernel saves 3-5 µs of an eager call's
-    host time, and there an eager call is bound by host time (about 16-20 µs) while the fused kernel's device time is
-    9-15 µs (4096 x 4096, 3584 x 3584 and 4608 x 3584 at M = 1-32). It quantizes on its consumers' path, so its
-    device time grows with the tokens: on larger weights (6144 x 4096: 22 µs at M = 17-32) an eager call would wait
-    for the GPU instead, and a fused tokens-as-M kernel for M = 33-64 took 2-5x the two kernels' device time."""
+    Measured on the H200: the fused kernel saves 3-5 µs of an eager call's host time, and there an eager call is bound
+    by host time (about 16-20 µs) while the fused kernel's device time is 9-15 µs (4096 x 4096, 3584 x 3584 and
+    4608 x 3584 at M = 1-32). It quantizes on its consumers' path, so its device time grows with the tokens: on
+    larger weights (6144 x 4096: 22 µs at M = 17-32) an eager call would wait for the GPU instead, and a fused
+    tokens-as-M kernel for M = 33-64 took 2-5x the two kernels' device time."""
     return "auto" if m <= 32 and n * k <= 16 * 2**20 else False
 
 
-def crossover_for(n: int, k: int, small_m: bool = True, fp8: bool = False) -> int:
-    """The M from which quantize + blockwise FP8 beats our exact kernels for an [n, k] weight (``small_m``: whether
-    the CUDA small-M kernel is built here; ``fp8``: whether our FP8 kernel is).
+def _fitting_tile(m: int) -> int:
+    """The smallest token tile that holds M tokens (64 above M = 64)."""
+    return next(t for t in TOKEN_TILES if t >= min(m, 64))
 
-    Measured on the H200. Our FP8 kernel, with 8 or 16 tokens per CTA, streams large weights faster than the exact
-    kernels from M = 1: it wins from M = 1 on every weight of 96Mi elements or more (117M-470M), from M = 16 on the
-    51M-84M ones (at M = 8 2-9% slower on four of five). On the 17M and 25M ones it takes over from M = 17, where the
-    CUDA kernel stops: at M = 16-32 the two are within 9% of each other under graph replay
-    (bench/results/crossover-fp8-h200.json), and an eager call of the Triton kernel between them would pay Triton's
-    Python launcher (40-80 µs on the H200). Without the FP8 kernel: against the Triton kernel cuBLASLt wins at M = 16
-    on weights of 117M and 470M elements, from M = 48 on 16.7M-67M-element weights, and from M = 96 on the K = 14336
-    down projection; the CUDA kernel beats cuBLASLt up to M = 8 on every measured weight and at M = 16 on all but the
-    8B gate_up (3% slower there), so with it no crossover falls below M = 17.
-    """
-    if fp8:
-        return 1 if n * k >= 96 * 2**20 else 16 if n * k >= 32 * 2**20 else MAX_M + 1
-    rule = 1 if n * k >= 96 * 2**20 else 96 if k >= 12288 else 48
-    return max(rule, MAX_M + 1) if small_m else rule
+
+def fp8_default(m: int, n_padded: int, k_padded: int, sms: int) -> Fp8Config:
+    """Above M = 32: tokens as wgmma M (64 weight rows per CTA, 64 tokens up to M = 64 and 128 above), 2 K splits
+    while twice the tiles fit on the SMs, 6 ring stages up to four tiles per SM (4 beyond). Up to M = 32, the smallest
+    token tile that holds M; where the tiles fit in one CTA per SM, two consumer warpgroups per row tile, 2 K splits
+    if the CTAs still fit, 6 stages; otherwise one warpgroup, 2 K splits while the tiles number fewer than two per SM,
+    and the deepest ring (6, 4, 2) with which every CTA is resident at once. The best or near-best config of each
+    8B / 70B / 7168-hidden projection at M = 16 and 64 on the H200; the tuner picks per shape."""
+    even = (k_padded // 128) % 2 == 0
+    if m > 32:
+        tn = 64 if m <= 64 else 128
+        tiles = -(-n_padded // 64) * -(-m // tn)
+        return TokensAsM(tn, 64, 2 if 2 * tiles <= sms and even else 1, 6 if tiles <= 4 * sms else 4)
+    tn = _fitting_tile(m)
+    tiles = -(-n_padded // 64) * -(-m // tn)
+    if tiles <= sms:
+        return SwapAB(tn, rw=1, kc=2, splits=2 if 2 * tiles <= sms and even else 1, stages=6)
+    splits = 2 if tiles < 2 * sms and even else 1
+    for st in (6, 4, 2):
+        cfg = SwapAB(tn, splits=splits, stages=st)
+        if tiles * splits <= sms * cfg.ctas_per_sm(k_padded):
+            break
+    return cfg
+
+
+def fp8_beats_cublas(m: int, n_padded: int, sms: int) -> bool:
+    """Whether :func:`fp8_default` is the better default than cuBLASLt's blockwise GEMM for M tokens and
+    ``n_padded`` weight rows: up to M = 64 always; up to M = 128 while its CTAs (one per 64 weight rows, 128 tokens)
+    fit on the SMs in one wave. Measured on the H200 (132 SMs): at M = 72, 96 and 128 faster on the 7 of 12
+    projections with N <= 8192 (up to 128 tiles; 11-44% less time), slower on the 5 with N >= 9216 (144+ tiles: a
+    second, near-empty wave; 10-45% more); at M = 256 cuBLASLt is faster on 10 of 12 (the tuner takes ours where it
+    wins)."""
+    return m <= 64 or (m <= 128 and -(-n_padded // 64) <= sms)
+
+
+def fp8_configs(m: int, k_padded: int) -> list[Fp8Config]:
+    """The FP8 configs the tuner tries: the token tile that fits M (and 128 above M = 64), one or two row tiles per
+    CTA, one or two consumer warpgroups per row tile (with one row tile), 1, 2 or 4 K splits, each ring depth; above
+    M = 32 also tokens as wgmma M with 64 or 128 weight rows per CTA."""
+    tiles = (_fitting_tile(m),) if m <= 64 else (64, 128)
+    configs: list[Fp8Config] = [SwapAB(tn, rw, kc, sp, st) for tn in tiles for rw, kc in ((1, 1), (2, 1), (1, 2))
+                                for sp in (1, 2, 4) for st in STAGES]  # fmt: skip
+    if m > 32:
+        configs += [TokensAsM(tn, wn, sp, st) for tn in tiles for wn in (64, 128) for sp in (1, 2, 4) for st in STAGES]
+    return [c for c in configs if c.valid(k_padded)]
+
+
+def small_m_default(n_padded: int, k_padded: int) -> SmallMConfig:
+    """One row tile per CTA, a two-stage ring, and one K split unless the grid has fewer than 384 CTAs and each warp
+    more than 8 slices of 512 (then 2 splits in a cluster): the best configs measured on the H200 for most of the 8B,
+    70B and 7168-hidden projections at M = 1-16; the tuner picks per shape."""
+    ctas, slices = n_padded // 16, k_padded // 512
+    return SmallMConfig(1, 2 if ctas < 384 and slices > 8 and slices % 2 == 0 else 1, 2)
+
+
+def small_m_configs(n_padded: int, k_padded: int) -> list[SmallMConfig]:
+    """The small-M configs the tuner tries, the default first: 1 or 2 row tiles, 1-8 K splits, rings of 2 or 3."""
+    configs = [small_m_default(n_padded, k_padded)]
+    for cfg in (SmallMConfig(r, sp, st) for r in (1, 2) for sp in (1, 2, 4, 8) for st in (2, 3)):
+        if cfg.valid(n_padded, k_padded) and cfg not in configs:
+            configs.append(cfg)
+    return configs
 
 
 # Above this M the Triton path is far from competitive (bench/results/crossover-h200.json): one config is enough.
 _TRITON_VARIANTS_MAX_M = 512
-# Our FP8 kernel is a tactic of the quantized regime up to this M, its default where fp8_gemm.default_beats_cublas.
+# Our FP8 kernel is a tactic of the quantized regime up to this M, its default where fp8_beats_cublas.
 _FP8_TACTICS_MAX_M = 256
-_QUANTIZED_PATHS = ("cublas", "fp8")
 
 
 reencode_max_error = settings.reencode_max_error
@@ -76,7 +140,7 @@ reencode_max_error = settings.reencode_max_error
 
 class HybridSM90Backend(Backend):
     name = "hybrid_sm90"
-    recipes = ("hybrid-block128",)
+    recipes = (Recipe.HYBRID_BLOCK128,)
     tunable = True
     summary = (
         "one 128x128-block FP8 weight: a CUDA mma kernel for small M and a Triton kernel below the crossover M "
@@ -111,94 +175,76 @@ class HybridSM90Backend(Backend):
         info["small_m"] = bool(small_m_status(capability))
         if fp8_gemm.fp8_gemm_status(capability):
             info["fp8_sms"] = torch.cuda.get_device_properties(qdata.device).multi_processor_count
-        info["crossover"] = crossover_for(*qdata.shape, small_m=info["small_m"], fp8="fp8_sms" in info)
+        info["crossover"] = hybrid_crossover(*qdata.shape, small_m=info["small_m"], fp8="fp8_sms" in info)
         return PreparedWeight(self.name, recipe, *qdata.shape, tensors, info)
 
     @staticmethod
-    def _default_path(m: int, weight: PreparedWeight) -> str:
-        if m >= weight.info["crossover"]:
-            sms, np_ = weight.info.get("fp8_sms"), weight.tensors["qdata"].shape[0]
-            return "fp8" if sms and fp8_gemm.default_beats_cublas(m, np_, sms) else "cublas"
-        return "cuda" if m <= MAX_M and weight.info.get("small_m") else "triton"
-
-    @staticmethod
-    def _fp8_default(m: int, weight: PreparedWeight) -> dict:
+    def _default(m: int, weight: PreparedWeight) -> Tactic:
         np_, kp = weight.tensors["qdata"].shape
-        return fp8_gemm.default_config(m, np_, kp, weight.info["fp8_sms"])
-
-    def tactics(self, m: int, weight: PreparedWeight) -> list[dict]:
-        """Paths and configs that compute this M's regime of the recipe, so that no tactic changes the numerics:
-        from the crossover M cuBLASLt and (up to M = 256, where built) our FP8 kernel's configs, the default first;
-        below it the default first (the CUDA kernel up to M = 16 where it is built, else Triton), then the CUDA
-        kernel's row tiles, K splits and ring depths and Triton configs around its measured default (tile N,
-        split-K, pipeline depth)."""
         if m >= weight.info["crossover"]:
-            if m > _FP8_TACTICS_MAX_M or "fp8_sms" not in weight.info:
-                return [{"path": "cublas"}]
-            default = self._fp8_default(m, weight)
-            kp = weight.tensors["qdata"].shape[1]
-            configs = [default] + [c for c in fp8_gemm.tactic_configs(m, kp) if c != default]
-            fp8 = [{"path": "fp8", "config": c} for c in configs]
-            return [*fp8, {"path": "cublas"}] if self._default_path(m, weight) == "fp8" else [{"path": "cublas"}, *fp8]
-        from ..kernels.w8a16 import default_config
-
-        n, k = weight.out_features, weight.in_features
-        base = default_config(m, n, k, block_scaled=True)
-        paths = {"triton": [{"path": "triton", "config": base}], "cuda": []}
-        if m <= _TRITON_VARIANTS_MAX_M:
-            split = base["SPLIT_K"]
-            variants = [{"BN": 32}, {"BN": 128}, {"SPLIT_K": split * 2}, {"SPLIT_K": max(split // 2, 1)}]
-            variants.append({"num_stages": 4})
-            for v in variants:
-                cfg = {**base, **v}
-                if k >= cfg["SPLIT_K"] * cfg["BK"] and all(t["config"] != cfg for t in paths["triton"]):
-                    paths["triton"].append({"path": "triton", "config": cfg})
+            sms = weight.info.get("fp8_sms")
+            if sms and fp8_beats_cublas(m, np_, sms):
+                return Tactic(Path.FP8, fp8_default(m, np_, kp, sms))
+            return Tactic(Path.CUBLAS)
         if m <= MAX_M and weight.info.get("small_m"):
-            np_, kp = weight.tensors["qdata"].shape
-            configs = [small_m_default(np_, kp)] + [
-                {"RT": r, "SPLITS": sp, "ST": st} for r in (1, 2) for sp in (1, 2, 4, 8) for st in (2, 3)
-            ]
-            for cfg in configs:
-                if valid_small_m(cfg, np_, kp) and {"path": "cuda", "config": cfg} not in paths["cuda"]:
-                    paths["cuda"].append({"path": "cuda", "config": cfg})
-        first = self._default_path(m, weight)
-        return paths[first] + [t for name, ts in paths.items() if name != first for t in ts]
+            return Tactic(Path.SMALL_M, small_m_default(np_, kp))
+        return Tactic(Path.TRITON, _triton_default(m, weight))
 
-    def _choose(self, m: int, weight: PreparedWeight, tactic) -> tuple[str, dict | None]:
-        """The kernel path and config for M rows: the tactic's where it computes this M's regime, else the
-        default's; configs an older tuning file holds that the current kernels reject give way to their defaults."""
-        default = self._default_path(m, weight)
-        if tactic and (tactic["path"] in _QUANTIZED_PATHS) != (default in _QUANTIZED_PATHS):
-            tactic = None  # a cached tactic of the other regime (its bucket spans the crossover) would change numerics
-        path = tactic["path"] if tactic else default
-        config = (tactic or {}).get("config")
-        if path == "fp8" and "fp8_sms" not in weight.info:
-            path = "cublas"  # a tuning file's FP8 tactic where the kernel is not built: the same numerics
-        qd = weight.tensors["qdata"]
-        if path == "fp8" and (config is None or not fp8_gemm.valid_config(config, qd.shape[1])):
-            config = self._fp8_default(m, weight)
-        if path == "cuda" and (not weight.info.get("small_m") or m > MAX_M):
-            path, config = "triton", None
-        if path == "cuda" and config is not None and not valid_small_m(config, *qd.shape):
-            config = None
-        return path, config
+    def tactics(self, m: int, weight: PreparedWeight) -> list[Tactic]:
+        """Paths and configs that compute this M's regime of the recipe, so that no tactic changes the numerics, the
+        default first: from the crossover M cuBLASLt and (up to M = 256, where built) our FP8 kernel's configs;
+        below it the CUDA kernel's configs (up to M = 16, where built) and Triton configs around its measured default
+        (tile N, split-K, pipeline depth)."""
+        default = self._default(m, weight)
+        np_, kp = weight.tensors["qdata"].shape
+        if default.path.quantized:
+            if m > _FP8_TACTICS_MAX_M or "fp8_sms" not in weight.info:
+                return [Tactic(Path.CUBLAS)]
+            first = fp8_default(m, np_, kp, weight.info["fp8_sms"])
+            fp8 = [Tactic(Path.FP8, c) for c in [first, *(c for c in fp8_configs(m, kp) if c != first)]]
+            return [*fp8, Tactic(Path.CUBLAS)] if default.path == Path.FP8 else [Tactic(Path.CUBLAS), *fp8]
+        triton = [Tactic(Path.TRITON, _triton_default(m, weight))]
+        base = triton[0].config
+        if m <= _TRITON_VARIANTS_MAX_M:
+            variants = [{"bn": 32}, {"bn": 128}, {"split_k": base.split_k * 2}, {"split_k": max(base.split_k // 2, 1)},
+                        {"stages": 4}]  # fmt: skip
+            for v in variants:
+                t = Tactic(Path.TRITON, dataclasses.replace(base, **v))
+                if weight.in_features >= t.config.split_k * t.config.bk and t not in triton:
+                    triton.append(t)
+        small = []
+        if m <= MAX_M and weight.info.get("small_m"):
+            small = [Tactic(Path.SMALL_M, c) for c in small_m_configs(np_, kp)]
+        return [default, *[t for t in [*small, *triton] if t != default]]
 
-    def plan(self, weight: PreparedWeight, m: int, x_dtype: torch.dtype, tactic=None):
-        path, config = self._choose(m, weight, tactic)
+    def _choose(self, m: int, weight: PreparedWeight, tactic: Tactic | None) -> Tactic:
+        """The tactic for M rows: the given one (one of :meth:`tactics` for M's tuning bucket) where it computes this
+        M's regime, else the default. A bucket may span the crossover: its tactic then belongs to the other regime,
+        and running it would change the numerics."""
+        default = self._default(m, weight)
+        if tactic is None or tactic.path.quantized != default.path.quantized:
+            return default
+        if tactic.path == Path.SMALL_M and m > MAX_M:
+            return default
+        return tactic
+
+    def plan(self, weight: PreparedWeight, m: int, x_dtype: torch.dtype, tactic: Tactic | None = None):
+        chosen = self._choose(m, weight, tactic)
+        path, config = chosen.path, chosen.config
         n, k = weight.out_features, weight.in_features
         qd, bs = weight.tensors["qdata"], weight.tensors["block_scale"]
-        if path == "cublas":
+        if path == Path.CUBLAS:
             quantize = fp8_gemm.quantize_1x128 if "fp8_sms" in weight.info else None  # CUDA where built, else Triton
-            return lambda x, bias: cublas_block_linear(x, weight, bias, quantize=quantize)
-        if path == "fp8":
+            return lambda x, bias: blockwise_linear(x, qd, bs, n, bias, quantize=quantize)
+        if path == Path.FP8:
             fp8 = fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused_for(m, n, k))
             return _bf16_epilogue(lambda x, bias: fp8(x if x.stride(1) == 1 else x.contiguous(), bias), n)
-        from ..kernels.w8a16 import default_config, w8a16_linear
+        from ..kernels.w8a16 import w8a16_linear
 
         q8 = qd[:n].view(torch.uint8)
-        cfg = config if path == "triton" and config else default_config(m, n, k, block_scaled=True)
+        cfg = config if path == Path.TRITON else _triton_default(m, weight)
         triton = lambda x, bias: w8a16_linear(x, q8, bs, bias, block_scaled=True, config=cfg)  # noqa: E731
-        if path == "triton" or x_dtype != torch.bfloat16:
+        if path == Path.TRITON or x_dtype != torch.bfloat16:
             return triton
         small = _bf16_epilogue(small_m_plan(qd, bs, n, k, m, config), n)
         # strided or misaligned activations: a copy into a fresh (aligned) buffer, so the same kernel runs
@@ -210,6 +256,12 @@ class HybridSM90Backend(Backend):
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         t = weight.tensors
         return block128_to_mx(t["qdata"], t["block_scale"], weight.out_features, weight.in_features)
+
+
+def _triton_default(m: int, weight: PreparedWeight):
+    from ..kernels.w8a16 import default_config
+
+    return default_config(m, weight.out_features, weight.in_features, block_scaled=True)
 
 
 def _bf16_epilogue(launch, n: int):

@@ -4,6 +4,7 @@ activations) the weight is dequantized chunk by chunk into a transient bf16 buff
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -11,7 +12,8 @@ import torch
 
 from ..device import DeviceInfo
 from ..format import BLOCK_SIZE, E8M0_NAN
-from .base import Availability, Backend, PreparedWeight
+from ..recipes import Recipe, StrEnum
+from .base import Availability, Backend, PreparedWeight, Tactic
 
 __all__ = ["TritonBackend", "kernel_scales"]
 
@@ -35,9 +37,22 @@ def kernel_scales(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.uint8).contiguous()
 
 
+class Path(StrEnum):
+    """The kernels that run a call."""
+
+    KERNEL = "kernel"  # the Triton w8a16 kernel
+    DEQUANT = "dequant"  # the weight dequantized in chunks (kernels/dequant.py), then cuBLAS bf16
+
+
+def _default(m: int, weight: PreparedWeight):
+    from ..kernels.w8a16 import default_config
+
+    return default_config(m, weight.out_features, weight.in_features, packed_decode=weight.info["packed_decode"])
+
+
 class TritonBackend(Backend):
     name = "triton"
-    recipes = ("w8a16",)
+    recipes = (Recipe.W8A16,)
     tunable = True
     summary = (
         "exact w8a16: a Triton kernel reading MX weights directly; from M = 256 the weight dequantized in chunks for "
@@ -65,39 +80,36 @@ class TritonBackend(Backend):
         info = {"plain_scales": plain, "packed_decode": packed}
         return PreparedWeight(self.name, recipe, n, k, {"qdata": qdata.contiguous(), "scale": s}, info)
 
-    def tactics(self, m: int, weight: PreparedWeight) -> list[dict]:
+    def tactics(self, m: int, weight: PreparedWeight) -> list[Tactic]:
         """Kernel configs around the measured default (tile N, tile K, split-K, pipeline depth, decoder) and, from
-        M = 64, dequantize + cuBLAS (``{"path": "dequant"}``, first from ``DEQUANT_MIN_M``). Same numerics."""
-        from ..kernels.w8a16 import default_config
-
-        n, k = weight.out_features, weight.in_features
-        base = default_config(m, n, k, packed_decode=weight.info["packed_decode"])
-        out = [base]
-        variants = [{"BN": bn} for bn in (32, 64, 128)] + [{"BK": bk} for bk in (64, 128, 256)]
-        variants += [{"SPLIT_K": s} for s in (1, 2, 4, 8)] + [{"num_stages": 4}]
+        M = 64, dequantize + cuBLAS (first from ``DEQUANT_MIN_M``). Same numerics."""
+        base = _default(m, weight)
+        out = [Tactic(Path.KERNEL, base)]
+        variants = [{"bn": bn} for bn in (32, 64, 128)] + [{"bk": bk} for bk in (64, 128, 256)]
+        variants += [{"split_k": s} for s in (1, 2, 4, 8)] + [{"stages": 4}]
         if weight.info["packed_decode"]:
-            variants.append({"PACKED": not base["PACKED"]})
+            variants.append({"packed": not base.packed})
         for v in variants:
-            cfg = {**base, **v}
-            if cfg not in out and k >= cfg["SPLIT_K"] * cfg["BK"]:
-                out.append(cfg)
+            t = Tactic(Path.KERNEL, dataclasses.replace(base, **v))
+            if t not in out and weight.in_features >= t.config.split_k * t.config.bk:
+                out.append(t)
         if m >= DEQUANT_MIN_M:
-            return [{"path": "dequant"}, *out]
-        return [*out, {"path": "dequant"}] if m >= _DEQUANT_TACTIC_MIN_M else out
+            return [Tactic(Path.DEQUANT), *out]
+        return [*out, Tactic(Path.DEQUANT)] if m >= _DEQUANT_TACTIC_MIN_M else out
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
-        from ..kernels.w8a16 import default_config, w8a16_linear
+        from ..kernels.w8a16 import w8a16_linear
 
         q = weight.tensors["qdata"]
-        m, (n, k) = x.shape[0], q.shape
-        dequant = tactic.get("path") == "dequant" if tactic else m >= DEQUANT_MIN_M
+        m = x.shape[0]
+        dequant = tactic.path == Path.DEQUANT if tactic else m >= DEQUANT_MIN_M
         if dequant and x.dtype == torch.bfloat16:
             from ..kernels.dequant import dequant_linear
 
             e5m2, plain = q.dtype == torch.float8_e5m2, weight.info["plain_scales"]
             return dequant_linear(x, q.view(torch.uint8), weight.tensors["scale"], bias, e5m2=e5m2, plain_scales=plain)
-        if tactic and "path" in tactic:
-            tactic = None  # fp16 activations: the kernel's default config (exact for them; same recipe)
+        # fp16 activations: the kernel (exact for them; same recipe), with its default config on a dequant tactic
+        config = tactic.config if tactic and tactic.path == Path.KERNEL else _default(m, weight)
         return w8a16_linear(
             x,
             q.view(torch.uint8),
@@ -105,5 +117,5 @@ class TritonBackend(Backend):
             bias,
             e5m2=q.dtype == torch.float8_e5m2,
             plain_scales=weight.info["plain_scales"],
-            config=tactic or default_config(m, n, k, packed_decode=weight.info["packed_decode"]),
+            config=config,
         )

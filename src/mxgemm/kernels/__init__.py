@@ -1,10 +1,26 @@
-"""Hand-written kernels. Each module imports its compiler (Triton) at import time, so import them lazily.
+"""Hand-written kernels and thin bindings of library GEMMs: each module launches kernels and checks their launch
+configs, nothing more (which kernel and config runs is a backend's choice). The Triton modules import Triton at
+import time, so import them lazily.
 
-The helpers here serve the bindings of the CUDA kernels (``small_m``, ``fp8_gemm``)."""
+The helpers here serve the bindings of the CUDA kernels (``small_m``, ``fp8_gemm``) and the tuning files."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from pathlib import Path
+
 import torch
+
+
+@functools.cache
+def source_digest(root: Path = Path(__file__).parent) -> str:
+    """A digest of the kernels' sources (the Python and CUDA files of this package, or of ``root``). Tuning files
+    record it: tactics timed on other kernels are not used."""
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("*.py"), *root.glob("csrc/*")]):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def raw_stream(device_index: int) -> int:

@@ -13,27 +13,28 @@ import ctypes
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..availability import Availability
+from ..recipes import SMALL_M_MAX
 from . import check_bf16_bias, nvcc, raw_stream
 
 logger = logging.getLogger("mxgemm")
 
 __all__ = [
     "MAX_M",
+    "SmallMConfig",
     "accepts",
-    "default_config",
     "library",
     "linear_plan",
     "small_m_linear",
     "small_m_status",
-    "valid_config",
 ]
 
-MAX_M = 16  # the kernel's limit (two 8-token MMA tiles); measured faster than the Triton kernel up to it
+MAX_M = SMALL_M_MAX  # the kernel's limit (two 8-token MMA tiles), which the hybrid recipe's crossover follows
 _SOURCE = Path(__file__).parent / "csrc" / "small_m.cu"
 _ROWS_PER_CTA_TILE = 16
 _K_PER_CTA = 512  # 4 warps x 128
@@ -74,26 +75,24 @@ def small_m_status(capability: tuple[int, int] | None) -> Availability:
     return Availability(True, f"small-M CUDA kernel built for sm_{capability[0]}{capability[1]}")
 
 
-def default_config(n_padded: int, k_padded: int) -> dict:
-    """One row tile per CTA, a two-stage ring, and one K split unless the grid has fewer than 384 CTAs and each warp
-    more than 8 slices (then 2 splits in a cluster): the best configs measured on the H200 for most of the 8B, 70B
-    and 7168-hidden projections at M = 1-16; the tuner picks per shape."""
-    ctas, slices = n_padded // _ROWS_PER_CTA_TILE, k_padded // _K_PER_CTA
-    splits = 2 if ctas < 384 and slices > 8 and slices % 2 == 0 else 1
-    return {"RT": 1, "SPLITS": splits, "ST": 2}
+@dataclass(frozen=True)
+class SmallMConfig:
+    """``rt`` 16-row tiles per CTA (1, 2), ``splits`` K splits summed in one thread-block cluster (1-8), ``stages``
+    depth of the shared-memory ring (2, 3)."""
 
+    rt: int = 1
+    splits: int = 1
+    stages: int = 2
 
-def valid_config(cfg: dict, n_padded: int, k_padded: int) -> bool:
-    """Whether a config tiles a ``[n_padded, k_padded]`` weight: ``RT`` row tiles per CTA (1, 2), ``SPLITS`` K splits
-    summed in one thread-block cluster (1-8), ``ST`` stages of the shared-memory ring (2, 3)."""
-    rt, splits, stages = cfg.get("RT"), cfg.get("SPLITS"), cfg.get("ST")
-    return (
-        rt in (1, 2)
-        and splits in range(1, 9)
-        and stages in (2, 3)
-        and n_padded % (_ROWS_PER_CTA_TILE * rt) == 0
-        and k_padded % (_K_PER_CTA * splits) == 0
-    )
+    def valid(self, n_padded: int, k_padded: int) -> bool:
+        """Whether it tiles a ``[n_padded, k_padded]`` weight: whole row tiles, whole 512-deep CTA slices a split."""
+        return (
+            self.rt in (1, 2)
+            and self.splits in range(1, 9)
+            and self.stages in (2, 3)
+            and n_padded % (_ROWS_PER_CTA_TILE * self.rt) == 0
+            and k_padded % (_K_PER_CTA * self.splits) == 0
+        )
 
 
 def accepts(x: torch.Tensor) -> bool:
@@ -102,19 +101,19 @@ def accepts(x: torch.Tensor) -> bool:
 
 
 def linear_plan(
-    qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, config: dict | None = None
+    qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, config: SmallMConfig
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
     """``(x, bias) -> y`` for M rows (M <= 16): ``x`` bf16 [M, k] that :func:`accepts`, ``bias`` contiguous bf16
     [n] or None, ``y`` bf16 [M, n]; ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128]. One
     ctypes call per launch, its arguments but the call's pointers computed here, once."""
     np_, kp = qdata.shape
-    cfg = config or default_config(np_, kp)
-    if not 1 <= m <= MAX_M or not valid_config(cfg, np_, kp):
+    cfg = config
+    if not 1 <= m <= MAX_M or not cfg.valid(np_, kp):
         raise ValueError(f"the small-M kernel cannot run M={m} with config {cfg} on a [{np_}, {kp}] weight")
     device = qdata.device
     fn = library(torch.cuda.get_device_capability(device)).mxgemm_small_m_run
-    plan = _Plan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), m, k, n, np_, kp, cfg["RT"],
-                 cfg["SPLITS"], cfg["ST"])  # fmt: skip
+    plan = _Plan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), m, k, n, np_, kp, cfg.rt,
+                 cfg.splits, cfg.stages)  # fmt: skip
     address = ctypes.addressof(plan)
     index = device.index
 
@@ -134,7 +133,7 @@ def small_m_linear(
     qdata: torch.Tensor,
     block_scale: torch.Tensor,
     n: int,
-    config: dict | None = None,
+    config: SmallMConfig,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` bf16 [M, K] (M <= 16, contiguous, K % 16 == 0), ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32

@@ -21,12 +21,13 @@ decoders measured, and why they lost, are in docs/performance.md.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["default_config", "w8a16_linear"]
+__all__ = ["W8A16Config", "default_config", "w8a16_linear"]
 
 _TWO_POW_M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127, an fp32 subnormal
 
@@ -192,12 +193,35 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
     return buf
 
 
+@dataclass(frozen=True)
+class W8A16Config:
+    """A launch of the kernel: ``bn`` x ``bm`` output tiles (weight rows x tokens), ``bk``-deep K steps, ``split_k``
+    programs along K, the ``packed`` decoder, ``warps`` and ``stages`` (Triton's ``num_warps``, ``num_stages``)."""
+
+    bn: int = 64
+    bm: int = 16
+    bk: int = 128
+    split_k: int = 1
+    packed: bool = False
+    warps: int = 4
+    stages: int = 3
+
+    def valid(self, k: int, block_scaled: bool = False) -> bool:
+        """Power-of-two tiles of 16-256 (``bk`` from 32), 4 or 8 warps, 1-5 stages, at least one split; a block-scaled
+        weight needs 128-deep steps and a ``bn`` dividing 128."""
+        pow2 = all(v & (v - 1) == 0 for v in (self.bn, self.bm, self.bk))
+        sizes = 16 <= self.bn <= 256 and 16 <= self.bm <= 256 and 32 <= self.bk <= 256 and self.warps in (4, 8)
+        steps = self.split_k >= 1 and self.stages in range(1, 6)
+        return pow2 and sizes and steps and (not block_scaled or (self.bk == 128 and 128 % self.bn == 0))
+
+
 def default_config(
     m: int, n: int, k: int, *, packed_decode: bool = False, block_scaled: bool = False, multiprocessors: int = 132
-) -> dict:
-    """The best configs measured on the H200; always valid. ``packed_decode``: the weight allows
-    the packed decoder (E4M3, scales <= 134), the fastest at large M. ``block_scaled``: a 128x128-block weight, whose
-    tiles must be 128 deep and at most 128 wide (small-M tiles at every M)."""
+) -> W8A16Config:
+    """The best configs measured on the H200 (the default of both backends that run this kernel); valid for every
+    shape with K >= 32. ``packed_decode``: the weight allows the packed decoder (E4M3, scales <= 134), the fastest at
+    large M. ``block_scaled``: a 128x128-block weight, whose tiles must be 128 deep and at most 128 wide (small-M
+    tiles at every M)."""
     if m <= 16:
         bn, bm, bk, warps, packed = 64, 16, 128, 4, False
     elif m <= 64 or block_scaled:
@@ -208,7 +232,7 @@ def default_config(
     split = 1
     while tiles * split < 2 * multiprocessors and k // (split * 2) >= 4 * bk:
         split *= 2
-    return dict(BN=bn, BM=bm, BK=bk, SPLIT_K=split, PACKED=packed, num_warps=warps, num_stages=3)
+    return W8A16Config(bn, bm, bk, split, packed, warps, 3)
 
 
 def w8a16_linear(
@@ -220,7 +244,7 @@ def w8a16_linear(
     e5m2: bool = False,
     plain_scales: bool = False,
     block_scaled: bool = False,
-    config: dict | None = None,
+    config: W8A16Config | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16, ``w_bytes`` uint8 [N, K], ``scale`` uint8 [N, K/32] -> [M, N] in ``x.dtype``.
@@ -228,31 +252,32 @@ def w8a16_linear(
     ``plain_scales``: the caller guarantees every scale is in 1..254 (no 2^-127, no NaN): cheaper decoding.
     ``block_scaled``: ``scale`` is instead fp32 ``[ceil(N/128), >= ceil(K/128)]``, one power of two per 128x128 block
     (the ``w8a8-block`` weight); tiles then use BK = 128 and a BN dividing 128.
-    ``config``: tile sizes, split-K and the packed decoder (see :func:`default_config`).
+    ``config``: tile sizes, split-K and the packed decoder (default: :func:`default_config`).
     ``out``: an [M, N] tensor of ``x.dtype`` with unit column stride to write into (else a new one).
     """
     m, k = x.shape
     n = w_bytes.shape[0]
-    cfg = dict(config or default_config(m, n, k))
+    c = config or default_config(m, n, k)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if y.shape != (m, n) or y.dtype != x.dtype or y.stride(1) != 1:
         raise ValueError(f"out must be a {x.dtype} [{m}, {n}] tensor with unit column stride")
-    if block_scaled and (cfg["BK"] != 128 or 128 % cfg["BN"]):
-        raise ValueError(f"block-scaled weights need BK=128 and a BN dividing 128, got {cfg}")
-    if block_scaled or e5m2 or _interpreting():  # the packed decoder: E4M3 MX scales, and inline PTX (no interpreter)
-        cfg["PACKED"] = False
-    if _interpreting():
-        cfg.pop("num_stages", None)
-    split = cfg["SPLIT_K"]
-    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BK"]) * cfg["BK"]
-    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
+    if not c.valid(k, block_scaled):
+        raise ValueError(f"the kernel cannot run {c} on K={k}{' (block-scaled weight)' if block_scaled else ''}")
+    # the packed decoder: E4M3 MX scales, and inline PTX (no interpreter)
+    packed = c.packed and not (block_scaled or e5m2 or _interpreting())
+    cfg = dict(BN=c.bn, BM=c.bm, BK=c.bk, SPLIT_K=c.split_k, PACKED=packed, num_warps=c.warps)
+    if not _interpreting():
+        cfg["num_stages"] = c.stages
+    split = c.split_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split), c.bk) * c.bk
+    grid = (triton.cdiv(n, c.bn), triton.cdiv(m, c.bm), split)
     tiles = grid[0] * grid[1]
-    ws = torch.empty(tiles * split * cfg["BN"] * cfg["BM"] if split > 1 else 1, dtype=torch.float32, device=x.device)
+    ws = torch.empty(tiles * split * c.bn * c.bm if split > 1 else 1, dtype=torch.float32, device=x.device)
     cnt = _counters(x.device, tiles) if split > 1 else ws
     _w8a16_kernel[grid](
         x, w_bytes, scale, bias if bias is not None else y, y, ws, cnt, m, n, k, k_per_split,
         x.stride(0), x.stride(1), w_bytes.stride(0), scale.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, E5M2=e5m2, X_FP16=x.dtype == torch.float16, DOT_FP32=_interpreting(),
-        PLAIN_SCALES=plain_scales, BLOCK_SCALED=block_scaled, EVEN_K=k % cfg["BK"] == 0, **cfg,
+        PLAIN_SCALES=plain_scales, BLOCK_SCALED=block_scaled, EVEN_K=k % c.bk == 0, **cfg,
     )  # fmt: skip
     return y

@@ -1,0 +1,68 @@
+"""The recipes: what a backend computes from an MXFP8 weight, named once. Backends declare the recipes they compute;
+the emulation backend computes each in plain torch (their exact twins). The numerics of the 128x128-block recipes
+live in :mod:`mxgemm.block128`."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = ["MX_ACT_SCALE_MODE", "RECIPES", "Recipe", "StrEnum", "hybrid_crossover"]
+
+
+class StrEnum(str, Enum):
+    """Members equal to, printed as and serialized as their strings (Python 3.11's ``enum.StrEnum``, for 3.10)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Recipe(StrEnum):
+    """A recipe's name; equal to its string (``Recipe.W8A16 == "w8a16"``), as it appears in files and messages."""
+
+    W8A16 = "w8a16"
+    W8A8_MX = "w8a8-mx"
+    W8A8_BLOCK = "w8a8-block"
+    HYBRID_BLOCK128 = "hybrid-block128"
+
+    @property
+    def description(self) -> str:
+        return RECIPES[self]
+
+    @property
+    def block128(self) -> bool:
+        """Whether the weight is re-encoded to 128x128 blocks."""
+        return self in (Recipe.W8A8_BLOCK, Recipe.HYBRID_BLOCK128)
+
+
+RECIPES: dict[Recipe, str] = {
+    Recipe.W8A16: "activations as given (bf16/fp16); MXFP8 weight dequantized exactly",
+    Recipe.W8A8_MX: "activations quantized to MXFP8 (1x32, E8M0); MXFP8 weight",
+    Recipe.W8A8_BLOCK: "activations quantized to FP8 with FP32 scales per 1x128; weight re-encoded to 128x128 blocks",
+    Recipe.HYBRID_BLOCK128: "weight re-encoded to 128x128 blocks; M < crossover: activations as given, else as "
+    "w8a8-block",
+}
+
+MX_ACT_SCALE_MODE = "floor"  # w8a8-mx quantizes activations with the OCP scale rule
+SMALL_M_MAX = 16  # the largest M the small-M CUDA kernel of the hybrid recipe runs (two 8-token MMA tiles)
+
+
+def hybrid_crossover(n: int, k: int, small_m: bool = True, fp8: bool = False) -> int:
+    """``hybrid-block128``'s crossover for an ``[n, k]`` weight: the M from which activations are quantized per 1x128
+    (below it they are taken as given). It depends on the kernels that run the weight (``small_m``: the small-M CUDA
+    kernel is built; ``fp8``: the hand-written FP8 GEMM is), so that each regime runs where it is faster; a prepared
+    weight records its crossover (``info["crossover"]``), and its emulated twin reads it from there.
+
+    Measured on the H200. The FP8 kernel, with 8 or 16 tokens per CTA, streams large weights faster than the exact
+    kernels from M = 1: it wins from M = 1 on every weight of 96Mi elements or more (117M-470M), from M = 16 on the
+    51M-84M ones (at M = 8 2-9% slower on four of five). On the 17M and 25M ones it takes over from M = 17, where the
+    CUDA kernel stops: at M = 16-32 the two are within 9% of each other under graph replay, and an eager call of the
+    Triton kernel between them would pay Triton's Python launcher (40-80 µs on the H200). Without the FP8 kernel:
+    against the Triton kernel cuBLASLt wins at M = 16 on weights of 117M and 470M elements, from M = 48 on
+    16.7M-67M-element weights, and from M = 96 on the K = 14336 down projection; the CUDA kernel beats cuBLASLt up to
+    M = 8 on every measured weight and at M = 16 on all but the 8B gate_up (3% slower there), so with it no crossover
+    falls below M = 17.
+    """
+    if fp8:
+        return 1 if n * k >= 96 * 2**20 else 16 if n * k >= 32 * 2**20 else SMALL_M_MAX + 1
+    rule = 1 if n * k >= 96 * 2**20 else 96 if k >= 12288 else 48
+    return max(rule, SMALL_M_MAX + 1) if small_m else rule
