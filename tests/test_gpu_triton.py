@@ -82,7 +82,7 @@ def test_decode_is_exact_for_every_code(packed, tile, plain):
 
     Scales start at 10 so that every value is a normal bf16: tensor cores need not keep subnormal operands.
     """
-    from mxgemm.kernels.w8a16 import w8a16_linear
+    from mxgemm.kernels.w8a16 import W8A16Config, w8a16_linear
 
     codes = torch.arange(256, dtype=torch.int32)
     codes = codes[(codes & 0x7F) != 0x7F]  # 254 finite codes (NaN handled at preparation)
@@ -96,8 +96,8 @@ def test_decode_is_exact_for_every_code(packed, tile, plain):
     s = s.roll(1, dims=1)  # blocks of one row differ by a little too
     x = torch.eye(k, device="cuda", dtype=torch.bfloat16)
     cfg = {
-        "small": dict(BN=64, BM=16, BK=256, SPLIT_K=2, PACKED=packed, num_warps=4, num_stages=3),
-        "large": dict(BN=128, BM=128, BK=64, SPLIT_K=1, PACKED=packed, num_warps=8, num_stages=3),
+        "small": W8A16Config(bn=64, bm=16, bk=256, split_k=2, packed=packed, warps=4, stages=3),
+        "large": W8A16Config(bn=128, bm=128, bk=64, split_k=1, packed=packed, warps=8, stages=3),
     }[tile]
     y = w8a16_linear(x, w, s, None, plain_scales=plain, config=cfg)
     ref = mxgemm.dequantize(mxgemm.MXTensor(w.view(torch.float8_e4m3fn), s), torch.bfloat16)

@@ -217,8 +217,8 @@ class HybridSM90Backend(Backend):
             small = [Tactic(Path.SMALL_M, c) for c in small_m_configs(np_, kp)]
         return [default, *[t for t in [*small, *triton] if t != default]]
 
-    def _choose(self, m: int, weight: PreparedWeight, tactic: Tactic | None) -> Tactic:
-        """The tactic for M rows: the given one (one of :meth:`tactics` for M's tuning bucket) where it computes this
+    def choose(self, m: int, weight: PreparedWeight, tactic: Tactic | None = None) -> Tactic:
+        """What runs M rows: the given tactic (one of :meth:`tactics` for M's tuning bucket) where it computes this
         M's regime, else the default. A bucket may span the crossover: its tactic then belongs to the other regime,
         and running it would change the numerics."""
         default = self._default(m, weight)
@@ -229,7 +229,7 @@ class HybridSM90Backend(Backend):
         return tactic
 
     def plan(self, weight: PreparedWeight, m: int, x_dtype: torch.dtype, tactic: Tactic | None = None):
-        chosen = self._choose(m, weight, tactic)
+        chosen = self.choose(m, weight, tactic)
         path, config = chosen.path, chosen.config
         n, k = weight.out_features, weight.in_features
         qd, bs = weight.tensors["qdata"], weight.tensors["block_scale"]

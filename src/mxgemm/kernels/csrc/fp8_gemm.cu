@@ -525,22 +525,42 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
   }
 }
 
-// The 1x128 activation quantizer (quant_values' rule): a warp per row and 128-wide K group, 4 elements a lane; scale
-// written K-group-major ([Kp/128, Mp]); rows past M and columns past K are zeros. It lets the GEMM launched after it
-// as a programmatic dependent start at once.
+// The 1x128 activation quantizer (quant_values' rule): a warp per row and 128-wide K group, 4 elements a lane, each
+// warp QUANT_GROUPS groups along K whose loads are all issued before the first is quantized (one 8-byte load a group
+// where rows are 8-byte aligned); scale written K-group-major ([Kp/128, Mp]); rows past M and columns past K are
+// zeros. It lets the GEMM launched after it as a programmatic dependent start at once.
+constexpr int QUANT_GROUPS = 4;  // divides Kp / 128: Kp is a multiple of 512
+
 template <typename T>
 __global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ X, int ldx, int M, int K,
                                                           uint32_t* __restrict__ Q, float* __restrict__ XS, int Mp,
                                                           int Kp) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32, col = blockIdx.y * BK + 4 * lane;
-  float v[4];
+  const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int col0 = blockIdx.y * QUANT_GROUPS * BK + 4 * lane;
+  const bool vector = reinterpret_cast<uintptr_t>(X) % 8 == 0 && ldx % 4 == 0;
+  float v[QUANT_GROUPS][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = row < M && col + i < K ? static_cast<float>(X[(size_t)row * ldx + col + i]) : 0.f;
-  uint32_t bits[1];
-  const float scale = quant_values<4, 32>(v, bits);
-  Q[((size_t)row * Kp + col) / 4] = bits[0];
-  if (lane == 0) XS[(size_t)blockIdx.y * Mp + row] = scale;
+  for (int g = 0; g < QUANT_GROUPS; ++g) {
+    const int col = col0 + g * BK;
+    if (vector && row < M && col < K) {  // K % 32 == 0: the lane's 4 elements are all inside
+      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(X + (size_t)row * ldx + col));
+      const T* t = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[g][i] = static_cast<float>(t[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        v[g][i] = row < M && col + i < K ? static_cast<float>(X[(size_t)row * ldx + col + i]) : 0.f;
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < QUANT_GROUPS; ++g) {
+    uint32_t bits[1];
+    const float scale = quant_values<4, 32>(v[g], bits);
+    Q[((size_t)row * Kp + col0 + g * BK) / 4] = bits[0];
+    if (lane == 0) XS[(size_t)(blockIdx.y * QUANT_GROUPS + g) * Mp + row] = scale;
+  }
 }
 
 // a 2-D tensor map over a row-major matrix [rows, cols] with row stride `ld` elements, boxes of [box_rows x 128]:
@@ -776,8 +796,8 @@ extern "C" int mxgemm_fp8_gemm_tokm(const void* W, const void* S, int s_stride, 
 // xs [Kp/128, Mp] fp32 (Mp % 4 == 0, K % 32 == 0, K <= Kp, Kp % 128 == 0).
 extern "C" int mxgemm_quant_1x128(const void* X, int ldx, int x_fp16, int M, int K, void* XQ, void* XS, int Mp, int Kp,
                                   void* stream) {
-  if (M < 1 || M > Mp || Mp % 4 || K % 32 || K > Kp || Kp % BK) return (int)cudaErrorInvalidValue;
-  const dim3 grid(Mp / 4, Kp / BK);
+  if (M < 1 || M > Mp || Mp % 4 || K % 32 || K > Kp || Kp % (QUANT_GROUPS * BK)) return (int)cudaErrorInvalidValue;
+  const dim3 grid(Mp / 4, Kp / (QUANT_GROUPS * BK));
   cudaStream_t st = (cudaStream_t)stream;
   if (x_fp16)
     quant_1x128_kernel<__half><<<grid, 128, 0, st>>>((const __half*)X, ldx, M, K, (uint32_t*)XQ, (float*)XS, Mp, Kp);
