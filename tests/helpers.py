@@ -67,9 +67,11 @@ def hybrid_twin(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, quantized:
     return emulate_linear(x, weight, None)
 
 
-# Per-element allowance for the order of a GEMM's sums, relative to sum(|x_i w_i|) (the products' magnitudes): fp32
-# accumulation (exact paths) errs by about 2^-25 of it (2^-20 allowed); Hopper's FP8 tensor cores accumulate each
-# 128-deep block in about 14 bits before the fp32 promotion (the quantized paths, both cuBLASLt's and ours: 2^-13).
+# Per-element allowance for the order of a GEMM's sums, past the output's rounding, relative to sum(|x_i w_i|) (the
+# products' magnitudes). Measured on the H200 (bench/explore/results/ulp-margins-h200.json): the exact paths' fp32
+# accumulation errs by at most 2^-21.1 of it (Triton) and 2^-28 (the small-M kernel), 2^-18 allowed; Hopper's FP8
+# tensor cores keep about 14 bits while they sum each 128-deep block, and the quantized paths err by at most 2^-12.9
+# (cuBLASLt) and 2^-13.7 (ours), 2^-11 allowed.
 FP32_SUMS = "fp32"
 FP8_TENSOR_CORE_SUMS = "fp8-tensor-core"
 
@@ -89,7 +91,7 @@ def assert_within_ulp(y, product, *, sums: str = FP32_SUMS, what: str = "") -> N
     computes (``product``: :func:`exact_product`), plus the allowance of its summation order (``sums``). An element
     off by more (a dropped block, bias or scale, an unwritten output) fails, naming the worst one."""
     ref, mag = product
-    order = 2.0**-20 if sums == FP32_SUMS else 2.0**-13
+    order = 2.0**-18 if sums == FP32_SUMS else 2.0**-11
     mantissa = {torch.bfloat16: 7, torch.float16: 10}[y.dtype]
     tiny = torch.finfo(y.dtype).smallest_normal
     top = torch.maximum(y.double().abs(), ref.abs()).clamp_min(tiny)

@@ -1,6 +1,6 @@
 """How far each hybrid_sm90 path is from the exact product of the operands it multiplies, element by element: the
 worst error in units of one output ulp, and in units of sum(|x_i w_i|) past half an ulp (the summation order's
-share). Backs the allowances of tests/helpers.py (fp32 sums: 2^-20; FP8 tensor cores: 2^-13).
+share). Backs the allowances of tests/helpers.py.
 
 Run on the device: PYTHONPATH=src python3 bench/explore/ulp_margins.py [--json ulp.json]
 """

@@ -526,22 +526,22 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
 }
 
 // The 1x128 activation quantizer (quant_values' rule): a warp per row and 128-wide K group, 4 elements a lane, each
-// warp QUANT_GROUPS groups along K whose loads are all issued before the first is quantized (one 8-byte load a group
-// where rows are 8-byte aligned); scale written K-group-major ([Kp/128, Mp]); rows past M and columns past K are
-// zeros. It lets the GEMM launched after it as a programmatic dependent start at once.
-constexpr int QUANT_GROUPS = 4;  // divides Kp / 128: Kp is a multiple of 512
-
-template <typename T>
+// warp G groups along K whose loads are all issued before the first is quantized (one 8-byte load a group where rows
+// are 8-byte aligned); scale written K-group-major ([Kp/128, Mp]); rows past M and columns past K are zeros. With one
+// group a warp (few blocks) it lets the GEMM launched after it as a programmatic dependent start at once, to load its
+// first weight tiles meanwhile; with several (a grid of several waves) only as its blocks finish, so that the GEMM's
+// waiting CTAs do not take the SMs its blocks need.
+template <typename T, int G>
 __global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ X, int ldx, int M, int K,
                                                           uint32_t* __restrict__ Q, float* __restrict__ XS, int Mp,
                                                           int Kp) {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (G == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int col0 = blockIdx.y * QUANT_GROUPS * BK + 4 * lane;
+  const int col0 = blockIdx.y * G * BK + 4 * lane;
   const bool vector = reinterpret_cast<uintptr_t>(X) % 8 == 0 && ldx % 4 == 0;
-  float v[QUANT_GROUPS][4];
+  float v[G][4];
 #pragma unroll
-  for (int g = 0; g < QUANT_GROUPS; ++g) {
+  for (int g = 0; g < G; ++g) {
     const int col = col0 + g * BK;
     if (vector && row < M && col < K) {  // K % 32 == 0: the lane's 4 elements are all inside
       const uint2 raw = __ldg(reinterpret_cast<const uint2*>(X + (size_t)row * ldx + col));
@@ -555,12 +555,27 @@ __global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ 
     }
   }
 #pragma unroll
-  for (int g = 0; g < QUANT_GROUPS; ++g) {
+  for (int g = 0; g < G; ++g) {
     uint32_t bits[1];
     const float scale = quant_values<4, 32>(v[g], bits);
     Q[((size_t)row * Kp + col0 + g * BK) / 4] = bits[0];
-    if (lane == 0) XS[(size_t)(blockIdx.y * QUANT_GROUPS + g) * Mp + row] = scale;
+    if (lane == 0) XS[(size_t)(blockIdx.y * G + g) * Mp + row] = scale;
   }
+  if (G > 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Four K groups a warp from this many one-group blocks (two waves of them at 16 blocks an SM): fewer blocks keep one
+constexpr int QUANT_GROUPED_FROM = 4096;
+
+template <typename T>
+void launch_quant(const void* X, int ldx, int M, int K, void* XQ, void* XS, int Mp, int Kp, cudaStream_t st) {
+  const int blocks = Mp / 4 * (Kp / BK);
+  if (blocks >= QUANT_GROUPED_FROM && Kp % (4 * BK) == 0)
+    quant_1x128_kernel<T, 4><<<dim3(Mp / 4, Kp / (4 * BK)), 128, 0, st>>>((const T*)X, ldx, M, K, (uint32_t*)XQ,
+                                                                           (float*)XS, Mp, Kp);
+  else
+    quant_1x128_kernel<T, 1><<<dim3(Mp / 4, Kp / BK), 128, 0, st>>>((const T*)X, ldx, M, K, (uint32_t*)XQ,
+                                                                     (float*)XS, Mp, Kp);
 }
 
 // a 2-D tensor map over a row-major matrix [rows, cols] with row stride `ld` elements, boxes of [box_rows x 128]:
@@ -796,14 +811,12 @@ extern "C" int mxgemm_fp8_gemm_tokm(const void* W, const void* S, int s_stride, 
 // xs [Kp/128, Mp] fp32 (Mp % 4 == 0, K % 32 == 0, K <= Kp, Kp % 128 == 0).
 extern "C" int mxgemm_quant_1x128(const void* X, int ldx, int x_fp16, int M, int K, void* XQ, void* XS, int Mp, int Kp,
                                   void* stream) {
-  if (M < 1 || M > Mp || Mp % 4 || K % 32 || K > Kp || Kp % (QUANT_GROUPS * BK)) return (int)cudaErrorInvalidValue;
-  const dim3 grid(Mp / 4, Kp / (QUANT_GROUPS * BK));
+  if (M < 1 || M > Mp || Mp % 4 || K % 32 || K > Kp || Kp % BK) return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   if (x_fp16)
-    quant_1x128_kernel<__half><<<grid, 128, 0, st>>>((const __half*)X, ldx, M, K, (uint32_t*)XQ, (float*)XS, Mp, Kp);
+    launch_quant<__half>(X, ldx, M, K, XQ, XS, Mp, Kp, st);
   else
-    quant_1x128_kernel<__nv_bfloat16>
-        <<<grid, 128, 0, st>>>((const __nv_bfloat16*)X, ldx, M, K, (uint32_t*)XQ, (float*)XS, Mp, Kp);
+    launch_quant<__nv_bfloat16>(X, ldx, M, K, XQ, XS, Mp, Kp, st);
   return (int)cudaGetLastError();
 }
 
