@@ -349,3 +349,28 @@ def test_tuning_files_record_the_kernels_they_were_timed_on(tmp_path):
     source.write_bytes(source.read_bytes() + b" ")
     kernels.source_digest.cache_clear()
     assert kernels.source_digest(copy) != kernels.source_digest()
+
+
+def test_each_environment_keeps_its_own_file_and_says_how_each_file_is_used(tmp_path, monkeypatch, caplog):
+    """The user's file is named by the environment's record, so an upgrade (other versions or kernels) writes a file of
+    its own instead of finding one it may neither use nor overwrite; each file says whether it is used, and why not."""
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
+    device = mxgemm.describe_device("cpu")
+    here = autotune.default_cache_path(device)
+    assert here.parent == tmp_path and here.name.startswith("tuning-cpu-")
+    assert here == autotune.default_cache_path(device)
+    meta = autotune.environment_metadata(device)
+    monkeypatch.setattr(autotune, "environment_metadata", lambda d: dict(meta, kernels="0" * 16))
+    assert autotune.default_cache_path(device) != here
+    cache = TuningCache(here, meta)
+    assert cache.describe() == f"{here}: absent (tuning writes it: `mxgemm tune`, or calls with MXGEMM_AUTOTUNE=1)"
+    cache.put({"k": {"tactic": None}})
+    assert TuningCache(here, meta).describe() == f"{here}: 1 entries"
+    with caplog.at_level(logging.WARNING, logger="mxgemm"):
+        other = TuningCache(here, dict(meta, torch="9.9", kernels="f" * 16))
+    assert other.describe() == f"{here}: not used: made for kernels {meta['kernels']} (here {'f' * 16}), torch " \
+        f"{meta['torch']} (here 9.9)"  # fmt: skip
+    here.write_text("[1]")
+    assert TuningCache(here, meta).describe().endswith("not used: not a tuning file")
+    here.write_text("{")
+    assert "not used: unreadable" in TuningCache(here, meta).describe()

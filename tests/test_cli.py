@@ -9,13 +9,16 @@ import torch
 from mxgemm.cli import main
 
 
-def test_info(capsys, monkeypatch):
+def test_info(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "emulation" in out and "triton" in out and "auto" in out
     assert "needs a CUDA GPU" in out or "Triton kernel on" in out
     assert "torch" in out
+    assert "tuning file (this GPU and environment): " in out and "tuning-cpu-" in out and "absent" in out
+    assert "shipped tuning file: none for this GPU" in out
 
 
 def test_bench_cpu_smoke(tmp_path, capsys):

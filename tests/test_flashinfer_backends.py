@@ -3,6 +3,7 @@ real FlashInfer and spies on what it is asked (the GEMMs themselves run in test_
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,7 +179,7 @@ def test_tuning_a_flashinfer_backend_runs_flashinfers_autotuner(fake_flashinfer,
     tuner = Autotuner(TuningCache(tmp_path / "t.json", {"test": 1}), timer=lambda fn: (fn(), 1.0)[1])
     result = tuner.tune(backend, w, 8, torch.bfloat16)
     assert result is not None and state["runs_while_tuning"] == 1 and not state["tuning"]
-    assert state["cache"].endswith("flashinfer-tuning-cpu.json")
+    assert Path(state["cache"]).name.startswith("flashinfer-tuning-cpu-")
 
 
 def test_cublas_mx_preparation(fake_flashinfer):

@@ -148,7 +148,7 @@ def test_flashinfers_tactics_persist_beside_mxgemms_tuning_file(monkeypatch, tmp
     q, s = random_mx_weight(256, 512)
     weight = backend.prepare(q, s, "w8a8-mx")
     path = flashinfer_mx.tactics_path(weight.device)
-    assert path.parent == tmp_path and path.name == "flashinfer-tuning-cpu.json" and not path.exists()
+    assert path.parent == tmp_path and path.name.startswith("flashinfer-tuning-cpu-") and not path.exists()
     asked = []
     real_autotune = fi_autotuner.autotune
     monkeypatch.setattr(fi_autotuner, "autotune", lambda *a, **k: asked.append(k) or real_autotune(*a, **k))

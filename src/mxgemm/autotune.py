@@ -6,9 +6,11 @@
   recipe. The file records mxgemm, torch, triton and CUDA versions, the GPU and a digest of the kernels' sources; a
   file whose record differs is not used and not overwritten (said once, on logger ``mxgemm``). A recorded tactic is
   used only where it equals one the backend offers for its bucket now (as :meth:`Tactic.json` writes it).
-* The cache is ``$MXGEMM_CACHE_DIR/tuning-<gpu>.json`` (default ``~/.cache/mxgemm``); writes merge under a file lock
-  and replace the file atomically, so several processes may tune at once. Files shipped in ``mxgemm/tuned/`` are
-  read when the user's cache has no entry.
+* The cache is ``$MXGEMM_CACHE_DIR/tuning-<gpu>-<environment>.json`` (default ``~/.cache/mxgemm``; ``<environment>``
+  a digest of the environment record, so that each environment keeps a file of its own, an upgrade included);
+  writes merge under a file lock and replace the file atomically, so several processes may tune at once. Files
+  shipped in ``mxgemm/tuned/`` are read when the user's cache has no entry. ``TuningCache.describe`` says whether a
+  file is used, and why not (``mxgemm info`` prints it).
 * Determinism: a tactic replaces the default only when it is faster by ``margin`` (above the timing noise) in two
   timings of both; ties keep the earlier tactic. For a given cache the same tactic runs every time.
 * Timing as DESIGN.md asks: CUDA-graph replay, the weight rotated through copies beyond 3x the L2, median.
@@ -17,6 +19,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -96,7 +99,9 @@ def _slug(device: DeviceInfo) -> str:
 
 
 def default_cache_path(device: DeviceInfo) -> Path:
-    return cache_root() / f"tuning-{_slug(device)}.json"
+    """The user's tuning file for this device in this environment (versions, GPU, kernels)."""
+    record = json.dumps(environment_metadata(device), sort_keys=True).encode()
+    return cache_root() / f"tuning-{_slug(device)}-{hashlib.sha256(record).hexdigest()[:12]}.json"
 
 
 def shipped_cache_path(device: DeviceInfo) -> Path:
@@ -111,7 +116,12 @@ class TuningCache:
         self.metadata = metadata
         self.entries: dict[str, dict[str, Any]] = {}
         self.usable = True
+        self.status = "absent (tuning writes it: `mxgemm tune`, or calls with MXGEMM_AUTOTUNE=1)"  # see describe()
         self._load()
+
+    def describe(self) -> str:
+        """One line for users: the file, and whether its entries are used (and if not, why)."""
+        return f"{self.path}: {self.status}"
 
     def _read(self) -> dict[str, Any] | None:
         try:
@@ -120,6 +130,7 @@ class TuningCache:
             return None
         except (OSError, json.JSONDecodeError) as exc:
             logger.warning("mxgemm: ignoring unreadable tuning file %s: %s", self.path, exc)
+            self.status = f"not used: unreadable ({exc})"
             return None
 
     def _load(self) -> None:
@@ -128,16 +139,19 @@ class TuningCache:
             return
         if not isinstance(data, dict) or not isinstance(data.get("entries", {}), dict):
             self.usable = False
+            self.status = "not used: not a tuning file"
             logger.warning("mxgemm: tuning file %s is not a tuning file: not used, not overwritten", self.path)
             return
         if data.get("metadata") != self.metadata:
             self.usable = False
+            self.status = f"not used: made for {_differences(data.get('metadata'), self.metadata)}"
             logger.warning(
                 "mxgemm: tuning file %s was made for %s, not %s: not used, not overwritten",
                 self.path, data.get("metadata"), self.metadata,
             )  # fmt: skip
             return
         self.entries = _valid_entries(data.get("entries", {}), self.path)
+        self.status = f"{len(self.entries)} entries"
 
     def get(self, key: TuneKey) -> dict[str, Any] | None:
         """The record of ``key``: from the file, or tuned in this process (kept in memory where the file cannot be
@@ -164,10 +178,20 @@ class TuningCache:
                     json.dump({"metadata": self.metadata, "entries": entries}, f, indent=1, sort_keys=True)
                 os.replace(tmp, self.path)
                 self.entries = entries
+                self.status = f"{len(entries)} entries"
         except OSError as exc:
             self.usable = False
+            self.status = f"not written ({exc}): tuned tactics kept for this process"
             logger.warning("mxgemm: cannot write tuning file %s (%s): tuned tactics kept for this process", self.path,
                            exc)  # fmt: skip
+
+
+def _differences(theirs: Any, ours: dict[str, Any]) -> str:
+    """What a file's environment record says where it differs from this environment's."""
+    if not isinstance(theirs, dict):
+        return f"no environment record ({theirs!r})"
+    keys = sorted(set(theirs) | set(ours), key=lambda k: (k not in ours, k))
+    return ", ".join(f"{k} {theirs.get(k)} (here {ours.get(k)})" for k in keys if theirs.get(k) != ours.get(k))
 
 
 def _valid_entries(entries: Any, path: Path) -> dict[str, dict[str, Any]]:

@@ -54,6 +54,12 @@ def _info(console: Console) -> int:
     for name, reason in res.skipped:
         console.print(f"  skipped {name}: {escape(reason)}")
     console.print(f"default request (MXGEMM_BACKEND): {default_request()}")
+    from .autotune import Autotuner
+
+    tuner = Autotuner.for_device(device)
+    console.print(f"tuning file (this GPU and environment): {escape(tuner.cache.describe())}")
+    shipped = tuner.shipped.describe() if tuner.shipped else "none for this GPU"
+    console.print(f"shipped tuning file: {escape(shipped)}")
     return 0
 
 
