@@ -37,7 +37,8 @@ for stage in "$@"; do
       rc=$?; tail -15 /tmp/gate.log > "$out/pytest_gate.txt"; cat "$out/pytest_gate.txt"
       [ "$rc" -eq 0 ] || { echo "gate failed (rc $rc)"; exit 1; } ;;
     ship)  # the tuning file just made replaces the package's copy here, for the benchmarks that follow
-      mkdir -p src/mxgemm/tuned && cp "$out"/cache/tuning-*.json src/mxgemm/tuned/ ;;
+      mkdir -p src/mxgemm/tuned
+      for f in "$out"/cache/tuning-*.json; do b=$(basename "$f"); cp "$f" "src/mxgemm/tuned/${b%-*}.json"; done ;;
     tests)
       python3 -m mxgemm info > "$out/info.txt" 2>&1
       timeout "${TESTS_S:-330}" python3 -m pytest tests -q -p no:warnings -m gpu --tb=short --durations=5 2>&1 \
