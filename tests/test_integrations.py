@@ -162,3 +162,60 @@ def test_registration_is_idempotent_and_the_config_checks_its_method():
     assert MXFP8Config.from_dict({"quant_method": "mxgemm", "scale_mode": "rceil"}).scale_mode == "rceil"
     with pytest.raises(ValueError, match="quant_method"):
         MXFP8Config(quant_method="fp8")
+
+
+@pytest.fixture(scope="module")
+def mx_checkpoints(bf16_llama, tmp_path_factory):
+    """The bf16 model as `mxgemm quantize` writes it (compressed-tensors), and the same tensors as a ModelOpt
+    checkpoint, and with the scales stored as float8_e8m0fnu."""
+    from safetensors.torch import load_file, save_file
+
+    from mxgemm.cli import main
+
+    root = tmp_path_factory.mktemp("mx")
+    ct = root / "compressed-tensors"
+    assert main(["quantize", str(bf16_llama), str(ct)]) == 0
+    cfg = json.loads((ct / "config.json").read_text())
+    tensors = load_file(str(ct / "model.safetensors"))
+    opt, e8m0 = root / "modelopt", root / "e8m0"
+    for folder in (opt, e8m0):
+        folder.mkdir()
+    (opt / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}))
+    quant = {"quant_algo": "MXFP8", "exclude_modules": ["lm_head"]}
+    (opt / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
+    save_file(tensors, str(opt / "model.safetensors"))
+    (e8m0 / "config.json").write_text(json.dumps(cfg))
+    typed = {k: v.view(torch.float8_e8m0fnu) if k.endswith(".weight_scale") else v for k, v in tensors.items()}
+    save_file(typed, str(e8m0 / "model.safetensors"))
+    return {"compressed-tensors": ct, "modelopt": opt, "e8m0": e8m0}
+
+
+@pytest.mark.parametrize("kind", ["compressed-tensors", "modelopt", "e8m0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_from_pretrained_loads_an_mxfp8_checkpoint_into_mxgemm_layers(mx_checkpoints, kind, dtype):
+    """`from_pretrained(path, config=checkpoint_config(path))`: the layers the checkpoint quantizes become
+    MXFP8Linear (one copy of the weight), and the model computes what `mxgemm.load_checkpoint` gives, bit for bit."""
+    from mxgemm.integrations import checkpoint_config
+
+    path = mx_checkpoints[kind]
+    auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(path, config=checkpoint_config(path), dtype=dtype)
+    kinds = _linear_kinds(model)
+    assert kinds["lm_head"] == "Linear" and sum(kind == "MXFP8Linear" for kind in kinds.values()) == 14
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.prepared.nbytes <= 1.07 * layer.in_features * layer.out_features
+    reference = auto.from_config(transformers.AutoConfig.from_pretrained(mx_checkpoints["compressed-tensors"]),
+                                 dtype=dtype)  # fmt: skip
+    mxgemm.load_checkpoint(reference, mx_checkpoints["compressed-tensors"])
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert logits.dtype == dtype and torch.isfinite(logits).all()
+        assert torch.equal(logits, reference(ids).logits)
+
+
+def test_checkpoint_config_refuses_a_folder_that_is_not_mxfp8(bf16_llama):
+    from mxgemm.integrations import checkpoint_config
+
+    with pytest.raises(mxgemm.CheckpointError, match="no MXFP8 quantization config"):
+        checkpoint_config(bf16_llama)

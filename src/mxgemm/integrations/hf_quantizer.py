@@ -10,17 +10,20 @@
   of that folder (this module imported) builds placeholders holding exactly those tensors, loads them, and turns each
   into an ``MXFP8Linear`` prepared once on its device.
 
-Checkpoints written by ``mxgemm quantize`` are compressed-tensors checkpoints: transformers hands them to its own
-compressed-tensors quantizer (which dequantizes them to bf16); :func:`mxgemm.load_checkpoint` loads them into
-mxgemm's layers.
+- MXFP8 checkpoints of other producers (compressed-tensors, as ``mxgemm quantize`` writes them, and NVIDIA ModelOpt):
+  their config names another method, which transformers would dequantize to bf16. ``from_pretrained(path,
+  config=checkpoint_config(path))`` loads them into ``MXFP8Linear`` layers instead: the config is the checkpoint's
+  own with mxgemm as its quantization method, naming the layers whose scales the checkpoint holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -29,7 +32,7 @@ from ..format import BLOCK_SIZE
 from ..linear import MXFP8Linear
 from ..models import quantizable_linears, quantize_model
 
-__all__ = ["METHOD", "MXFP8Config", "MXFP8HfQuantizer", "enable_transformers"]
+__all__ = ["METHOD", "MXFP8Config", "MXFP8HfQuantizer", "checkpoint_config", "enable_transformers"]
 
 METHOD = "mxgemm"
 
@@ -38,30 +41,39 @@ METHOD = "mxgemm"
 class MXFP8Config(QuantizationConfigMixin):
     """``backend`` / ``recipe`` as for :class:`mxgemm.MXFP8Linear` (None: resolved for the device), ``scale_mode``
     the MX scale rule of online quantization ("floor", "rceil", "compressed-tensors"), ``skip`` the layer names or
-    glob patterns left in full precision (as for :func:`mxgemm.quantize_model`)."""
+    glob patterns left in full precision (as for :func:`mxgemm.quantize_model`). For a saved checkpoint, ``modules``
+    names its quantized layers (None: every linear layer but ``skip``) and ``scale_dtype`` the dtype its scales are
+    stored in ("uint8" or "float8_e8m0fnu")."""
 
     backend: str | None = None
     recipe: str | None = None
     scale_mode: str = "floor"
     skip: list[str] = field(default_factory=lambda: ["lm_head"])
+    modules: list[str] | None = None
+    scale_dtype: str = "uint8"
     quant_method: str = METHOD
 
     def __post_init__(self):
         if self.quant_method != METHOD:
             raise ValueError(f"MXFP8Config is quant_method {METHOD!r}, got {self.quant_method!r}")
+        if self.scale_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {sorted(_SCALE_DTYPES)}, got {self.scale_dtype!r}")
         self.skip = list(self.skip)
+
+
+_SCALE_DTYPES = {"uint8": torch.uint8, "float8_e8m0fnu": torch.float8_e8m0fnu}
 
 
 class _MXWeights(nn.Module):
     """A quantized layer while transformers loads a saved mxgemm model: the checkpoint's tensors as parameters of the
     names, dtypes and shapes it holds, turned into an ``MXFP8Linear`` once they are loaded."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, scale_dtype: torch.dtype):
         super().__init__()
         n, k = linear.out_features, linear.in_features
         device = linear.weight.device
         self.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device), requires_grad=False)
-        scale = torch.empty(n, k // BLOCK_SIZE, dtype=torch.uint8, device=device)
+        scale = torch.empty(n, k // BLOCK_SIZE, dtype=scale_dtype, device=device)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.bias = linear.bias
 
@@ -79,9 +91,17 @@ class MXFP8HfQuantizer(HfQuantizer):
         return dtype  # fp32, bf16, fp16 models all work
 
     def _process_model_before_weight_loading(self, model, **kwargs):
+        config = self.quantization_config
         if self.pre_quantized:  # placeholders of the saved tensors' dtypes and shapes, for transformers to load
-            for name, module in quantizable_linears(model, self.quantization_config.skip):
-                model.set_submodule(name, _MXWeights(module))
+            if config.modules is None:
+                layers = quantizable_linears(model, config.skip)
+            else:
+                layers = [(name, model.get_submodule(name)) for name in config.modules]
+                wrong = [name for name, module in layers if type(module) is not nn.Linear]
+                if wrong:
+                    raise ValueError(f"the checkpoint quantizes {wrong[0]}, which is not an nn.Linear of this model")
+            for name, module in layers:
+                model.set_submodule(name, _MXWeights(module, _SCALE_DTYPES[config.scale_dtype]))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -104,6 +124,30 @@ class MXFP8HfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+def checkpoint_config(
+    path: str | Path, *, backend: str | None = None, recipe: str | None = None, **config_kwargs
+) -> PretrainedConfig:
+    """The config of the MXFP8 checkpoint folder ``path`` (compressed-tensors or ModelOpt) with mxgemm as its
+    quantization method: ``from_pretrained(path, config=checkpoint_config(path))`` loads every layer whose scales the
+    checkpoint holds into an ``MXFP8Linear`` (``backend`` / ``recipe`` as for it) and the rest as transformers does.
+    ``config_kwargs`` go to ``AutoConfig.from_pretrained``. :class:`mxgemm.CheckpointError` if the folder is not an
+    MXFP8 checkpoint."""
+    from transformers import AutoConfig
+
+    from ..checkpoints import CheckpointError, TensorSource, read_format
+
+    read_format(path)
+    source = TensorSource(path)
+    modules = sorted(key.removesuffix(".weight_scale") for key in source.where if key.endswith(".weight_scale"))
+    dtypes = {str(source.dtypes[f"{m}.weight_scale"]).removeprefix("torch.") for m in modules}
+    if len(dtypes) > 1 or not dtypes <= set(_SCALE_DTYPES):
+        raise CheckpointError(f"{path}: weight scales stored as {sorted(dtypes)}; one of {sorted(_SCALE_DTYPES)}")
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    mx = MXFP8Config(backend=backend, recipe=recipe, modules=modules, scale_dtype=dtypes.pop() if dtypes else "uint8")
+    config.quantization_config = mx.to_dict()
+    return config
 
 
 def enable_transformers() -> None:
