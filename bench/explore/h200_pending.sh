@@ -11,6 +11,8 @@
 #   e2e     bench/model_e2e.py: a 32-layer Llama at 8B dimensions through generate, bf16 vs mxgemm, eager and graphs
 #   load    bench/load_gpu.py: an 8B-dimension MXFP8 checkpoint loaded to the GPU (peak against final footprint)
 #   fused   bench/explore/fused_fp8.py: the fused FP8 kernel against quantizer + GEMM, eager and under graph replay
+#   quant   bench/explore/quantizers.py: the CUDA and Triton 1x128 quantizers under graph replay, alone and with cuBLASLt
+#   ulp     bench/explore/ulp_margins.py: each hybrid_sm90 path's worst error against its exact product
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -63,6 +65,10 @@ for stage in "$@"; do
       grep -E "Duration|DRAM Throughput|Compute \(SM\)|Warp Cycles Per Issued|Achieved Occupancy" "$out/ncu-fp8.txt"
       python3 bench/explore/top_stalls.py "$out/ncu-sass.csv" 30
       rm -f "$out/fp8.ncu-rep" ;;
+    quant)
+      timeout 240 python3 bench/explore/quantizers.py --json "$out/quantizers-h200.json" 2>&1 | tail -32 ;;
+    ulp)
+      timeout 120 python3 bench/explore/ulp_margins.py --json "$out/ulp-margins-h200.json" 2>&1 | tail -6 ;;
     eager)
       timeout "${EAGER_S:-300}" python3 bench/eager_calls.py --json "$out/eager-h200.json" \
         --markdown "$out/eager-h200.md" > /tmp/eager.log 2>&1
@@ -73,7 +79,7 @@ for stage in "$@"; do
     bench-8b) bench h200-llama3-8b 300 llama3-8b ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
-    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|eager|e2e|load|fused|bench-8b|bench-more|bench-all ..." >&2
+    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|quant|ulp|eager|e2e|load|fused|bench-8b|bench-more|bench-all ..." >&2
        exit 2 ;;
   esac
 done
