@@ -214,8 +214,13 @@ def test_from_pretrained_loads_an_mxfp8_checkpoint_into_mxgemm_layers(mx_checkpo
         assert torch.equal(logits, reference(ids).logits)
 
 
-def test_checkpoint_config_refuses_a_folder_that_is_not_mxfp8(bf16_llama):
+def test_checkpoint_config_refuses_a_folder_that_is_not_mxfp8_and_layers_the_model_lacks(bf16_llama, mx_checkpoints):
     from mxgemm.integrations import checkpoint_config
 
     with pytest.raises(mxgemm.CheckpointError, match="no MXFP8 quantization config"):
         checkpoint_config(bf16_llama)
+    path = mx_checkpoints["compressed-tensors"]
+    config = checkpoint_config(path)
+    config.quantization_config["modules"].append("model.layers.0.mlp.act_fn")
+    with pytest.raises(ValueError, match=r"quantizes model\.layers\.0\.mlp\.act_fn, which is not an nn\.Linear"):
+        transformers.AutoModelForCausalLM.from_pretrained(path, config=config)

@@ -96,10 +96,11 @@ class MXFP8HfQuantizer(HfQuantizer):
             if config.modules is None:
                 layers = quantizable_linears(model, config.skip)
             else:
-                layers = [(name, model.get_submodule(name)) for name in config.modules]
-                wrong = [name for name, module in layers if type(module) is not nn.Linear]
+                linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+                wrong = [name for name in config.modules if name not in linears]
                 if wrong:
                     raise ValueError(f"the checkpoint quantizes {wrong[0]}, which is not an nn.Linear of this model")
+                layers = [(name, linears[name]) for name in config.modules]
             for name, module in layers:
                 model.set_submodule(name, _MXWeights(module, _SCALE_DTYPES[config.scale_dtype]))
         return model
