@@ -104,6 +104,18 @@ def _linear_kinds(model) -> dict[str, str]:
     return {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, (nn.Linear, mxgemm.MXFP8Linear))}
 
 
+def _assert_mxgemm_layers_and_same_logits(model, reference, dtype, seed: int) -> None:
+    """The tiny Llama with its 14 projections on mxgemm and lm_head in full precision, answering in ``dtype`` exactly
+    what ``reference`` answers."""
+    kinds = _linear_kinds(model)
+    assert kinds["lm_head"] == "Linear" and sum(kind == "MXFP8Linear" for kind in kinds.values()) == 14
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert logits.dtype == dtype and torch.isfinite(logits).all()
+        assert torch.equal(logits, reference(ids).logits)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_from_pretrained_quantizes_online_through_the_registered_method(bf16_llama, dtype):
     from mxgemm.integrations import MXFP8Config
@@ -112,14 +124,8 @@ def test_from_pretrained_quantizes_online_through_the_registered_method(bf16_lla
     model = auto.from_pretrained(bf16_llama, quantization_config=MXFP8Config(), dtype=dtype)
     reference = auto.from_pretrained(bf16_llama, dtype=dtype)
     mxgemm.quantize_model(reference)
-    kinds = _linear_kinds(model)
-    assert kinds["lm_head"] == "Linear" and kinds["model.layers.0.self_attn.q_proj"] == "MXFP8Linear"
-    assert sum(kind == "MXFP8Linear" for kind in kinds.values()) == 14
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(ids).logits
-        assert logits.dtype == dtype and torch.isfinite(logits).all()
-        assert torch.equal(logits, reference(ids).logits)
+    assert _linear_kinds(model)["model.layers.0.self_attn.q_proj"] == "MXFP8Linear"
+    _assert_mxgemm_layers_and_same_logits(model, reference, dtype, seed=1)
 
 
 def test_a_saved_quantized_model_loads_back_into_mxgemm_layers(bf16_llama, tmp_path):
@@ -200,18 +206,12 @@ def test_from_pretrained_loads_an_mxfp8_checkpoint_into_mxgemm_layers(mx_checkpo
     path = mx_checkpoints[kind]
     auto = transformers.AutoModelForCausalLM
     model = auto.from_pretrained(path, config=checkpoint_config(path), dtype=dtype)
-    kinds = _linear_kinds(model)
-    assert kinds["lm_head"] == "Linear" and sum(kind == "MXFP8Linear" for kind in kinds.values()) == 14
     layer = model.model.layers[0].mlp.down_proj
     assert layer.prepared.nbytes <= 1.07 * layer.in_features * layer.out_features
     reference = auto.from_config(transformers.AutoConfig.from_pretrained(mx_checkpoints["compressed-tensors"]),
                                  dtype=dtype)  # fmt: skip
     mxgemm.load_checkpoint(reference, mx_checkpoints["compressed-tensors"])
-    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        logits = model(ids).logits
-        assert logits.dtype == dtype and torch.isfinite(logits).all()
-        assert torch.equal(logits, reference(ids).logits)
+    _assert_mxgemm_layers_and_same_logits(model, reference, dtype, seed=3)
 
 
 def test_checkpoint_config_refuses_a_folder_that_is_not_mxfp8_and_layers_the_model_lacks(bf16_llama, mx_checkpoints):

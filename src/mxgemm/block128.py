@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .format import BLOCK_SIZE, E8M0_NAN, check_mx_pair, e8m0_bytes, e8m0_to_float32
+from .layouts import round_up
 
 __all__ = [
     "GROUP",
@@ -150,7 +151,7 @@ def prepare_block128(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[dict[str
     ``CUBLASLT_K_ALIGN``) and fp32 ``block_scale`` ``[Np/128, Kp/128]`` (padding scales 1), re-encoded straight into
     the padded buffer; the info holds the exactness report (``"reencode"``)."""
     n, k = qdata.shape
-    np_, kp = -(-n // N_ALIGN) * N_ALIGN, -(-k // CUBLASLT_K_ALIGN) * CUBLASLT_K_ALIGN
+    np_, kp = round_up(n, N_ALIGN), round_up(k, CUBLASLT_K_ALIGN)
     q = torch.zeros((np_, kp), dtype=torch.uint8, device=qdata.device).view(torch.float8_e4m3fn)
     block = reencode_block128(qdata, scale, out=q)
     nb = -(-np_ // GROUP)

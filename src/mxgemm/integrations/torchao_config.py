@@ -11,8 +11,8 @@ from torch import nn
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
-from ..format import BLOCK_SIZE
 from ..linear import MXFP8Linear
+from ..models import skip_reason
 
 __all__ = ["MXFP8LinearConfig"]
 
@@ -33,7 +33,8 @@ class MXFP8LinearConfig(AOBaseConfig):
 def _to_mxfp8_linear(module: nn.Module, config: MXFP8LinearConfig) -> nn.Module:
     if type(module) is not nn.Linear:
         raise TypeError(f"MXFP8LinearConfig quantizes nn.Linear layers, got {type(module).__name__}")
-    if module.in_features % BLOCK_SIZE:
-        logger.info("mxgemm: in_features=%d is not a multiple of %d: layer left as is", module.in_features, BLOCK_SIZE)
+    reason = skip_reason("", module, ())
+    if reason:
+        logger.info("mxgemm: %s: layer left as is", reason)
         return module
     return MXFP8Linear.from_linear(module, backend=config.backend, scale_mode=config.scale_mode, recipe=config.recipe)
