@@ -4,7 +4,7 @@
 Each contender runs ``--calls`` times back to back over layers rotated so that their weights exceed 3x the L2 (as a
 model's layers do), synchronized once at the end: the time per call is what the host (Python, launches) or the GPU,
 whichever is slower, makes the caller wait. Contenders: bf16 ``F.linear`` (with the bias where the model has one),
-``mxgemm`` (the layer as users call it), and ``mxgemm-op`` (the same layer through the ``mxgemm::linear`` custom op,
+``mxgemm`` (the layer as users call it), and ``mxgemm-op`` (the same layer through the ``mxgemm::linear`` op,
 as a compiled graph calls it). Median of ``--repeats`` rounds.
 
 Run on the device: PYTHONPATH=src python3 bench/eager_calls.py --json eager.json --markdown eager.md

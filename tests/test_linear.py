@@ -143,3 +143,32 @@ def test_fp32_inputs_run_in_bf16():
     y = layer(x)
     assert y.dtype == torch.float32
     assert torch.equal(y, mxgemm.linear(x.bfloat16(), layer.prepared, layer.bias.bfloat16()).float())
+
+
+@pytest.mark.parametrize("recipe", ["w8a16", "w8a8-mx", "hybrid-block128"])
+def test_gradients_flow_to_the_input_and_bias_through_the_dequantized_weight(recipe):
+    """The weight is frozen; ``x`` and ``bias`` get the gradients of ``x @ W^T + bias`` for the dequantized ``W``,
+    eager and compiled alike, and an adapter before the layer trains."""
+    q, s = random_mx_weight(64, 256)
+    w = mxgemm.prepare_weight(q, s, backend="emulation", recipe=recipe)
+    deq = mxgemm.dequantize(mxgemm.MXTensor(q, s))
+    x = random_act(5, 256).reshape(1, 5, 256).requires_grad_()
+    bias = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
+    grad_y = random_act(5, 64, seed=3).reshape(1, 5, 64)
+    y = mxgemm.linear(x, w, bias)
+    with torch.no_grad():
+        assert torch.equal(y, mxgemm.linear(x, w, bias))  # the forward is the layer's, gradient or not
+    y.backward(grad_y)
+    g = grad_y.reshape(5, 64)
+    assert torch.equal(x.grad.reshape(5, 256), (g.float() @ deq.bfloat16().float()).bfloat16())
+    assert torch.equal(bias.grad, g.sum(0))
+
+    adapter = nn.Linear(256, 256, bias=False).to(torch.bfloat16)
+    layer = mxgemm.MXFP8Linear.from_quantized(q, s, backend="emulation", recipe=recipe)
+    model = nn.Sequential(adapter, layer)
+    x2 = random_act(5, 256, seed=5)
+    model(x2).float().square().sum().backward()
+    eager = adapter.weight.grad.clone()
+    adapter.weight.grad = None
+    torch.compile(model, backend="aot_eager", fullgraph=True)(x2).float().square().sum().backward()
+    assert eager.abs().sum() > 0 and torch.equal(adapter.weight.grad, eager)

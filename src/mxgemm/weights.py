@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from . import autotune
 from .backends import PreparedWeight, get_backend
-from .format import check_mx_pair, e8m0_bytes
-from .ops import linear_op
+from .format import MXTensor, check_mx_pair, dequantize, e8m0_bytes
+from .ops import linear_op, run_planned
 from .resolve import resolve_and_prepare
 
 __all__ = ["ACTIVATION_DTYPES", "PreparedWeight", "linear", "prepare_weight"]
@@ -46,43 +45,51 @@ def _check_inputs(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | 
 def linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` for ``x`` of shape ``[..., K]``, on the backend the weight was prepared for.
 
-    Traced (``torch.compile``, export, fake or subclass tensors, autograd) the call is one ``mxgemm::linear`` op;
-    eager it runs the same backend code directly, through the weight's launch plan for this M (the op's Python
-    wrapper alone costs several times a kernel launch)."""
+    Eager, it runs the weight's launch plan for this M directly; traced (``torch.compile``, export, fake or subclass
+    tensors) it is one ``mxgemm::linear`` op, whose implementation runs the same plan. Gradients flow to ``x`` (and
+    ``bias``) as through ``x @ W^T + bias`` with ``W`` the dequantized weight; the weight itself takes none."""
     _check_inputs(x, weight, bias)
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, weight.in_features)
     if x2.shape[0] == 0:
         y = x2.new_empty((0, weight.out_features))
-    elif _direct(x2, bias):
+    elif torch.is_grad_enabled() and (x2.requires_grad or (bias is not None and bias.requires_grad)):
+        y = _Linear.apply(x2, bias, weight)
+    elif _untraced(x2, bias):
         y = run_planned(x2, weight, bias)
     else:
-        y = linear_op(x2, weight.op_tensors, bias, weight.backend, weight.op_meta)
+        y = _op(x2, weight, bias)
     return y if flat else y.reshape(*x.shape[:-1], weight.out_features)
 
 
-_MAX_PLANS = 256  # per weight; a workload with more distinct M starts over
+def _untraced(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Plain tensors, and nothing tracing the call: it may run the plan without the op."""
+    plain = type(x) is torch.Tensor and (bias is None or type(bias) is torch.Tensor)
+    return plain and not torch.compiler.is_compiling()
 
 
-def _direct(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a call may skip the op: plain tensors, nothing tracing it, no gradient asked for."""
-    if type(x) is not torch.Tensor or (bias is not None and type(bias) is not torch.Tensor):
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return False
-    return not torch.compiler.is_compiling()
+def _op(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return linear_op(x, weight.op_tensors, bias, weight.backend, weight.op_meta)
 
 
-def run_planned(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Run ``x`` [M, K] through the weight's plan for (M, dtype), made on first use with the tactic the op would
-    take (:func:`mxgemm.autotune.tactic_for_call`, which reads ``MXGEMM_AUTOTUNE`` then); a plan is remade when
-    tuning changes the cache."""
-    key = (x.shape[0], x.dtype, autotune.generation())
-    plan = weight.plans.get(key)
-    if plan is None:
-        backend = get_backend(weight.backend)
-        plan = backend.plan(weight, x.shape[0], x.dtype, autotune.tactic_for_call(backend, weight, x))
-        if len(weight.plans) >= _MAX_PLANS:
-            weight.plans.clear()
-        weight.plans[key] = plan
-    return plan(x, bias)
+class _Linear(torch.autograd.Function):
+    """The op with the gradient of ``x @ W^T + bias`` for the dequantized ``W`` (a frozen weight): what training
+    through an MXFP8 layer needs, an adapter's or the input's."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, bias: torch.Tensor | None, weight: PreparedWeight) -> torch.Tensor:
+        return _op(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.weight = inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            w = dequantize(MXTensor(*get_backend(ctx.weight.backend).export_mx(ctx.weight)), grad_y.dtype)
+            grad_x = grad_y @ w
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad_y.sum(0)
+        return grad_x, grad_bias, None

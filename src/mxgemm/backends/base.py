@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import functools
 import json
+import operator
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +52,11 @@ class UnsupportedWeightError(Exception):
 _FP8 = {str(d): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
+# Prepared weights by the id of their first op tensor: the op's implementation finds the weight whose very tensors it
+# is given, and so its launch plans. Weak: a dropped weight leaves (and its tensors, and so the id, go with it).
+_LIVE: weakref.WeakValueDictionary[int, PreparedWeight] = weakref.WeakValueDictionary()
+
+
 @functools.lru_cache(maxsize=4096)
 def _parse_meta(meta: str) -> dict[str, Any]:
     return json.loads(meta)
@@ -71,7 +78,7 @@ class PreparedWeight:
     info: dict[str, Any] = field(default_factory=dict)
     op_tensors: list[torch.Tensor] | None = field(default=None, repr=False, compare=False)
     op_meta: str | None = field(default=None, repr=False, compare=False)
-    # eager calls' launch plans by (M, activation dtype, tuning generation): see ``Backend.plan``
+    # launch plans by (M, activation dtype, tuning generation): see ``Backend.plan``
     plans: dict[tuple, Callable] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,9 +97,14 @@ class PreparedWeight:
         views = [t.view(torch.uint8) if n in fp8 else t for n, t in self.tensors.items()]
         object.__setattr__(self, "op_tensors", views)
         object.__setattr__(self, "op_meta", json.dumps(meta, sort_keys=True))
+        _LIVE[id(views[0])] = self
 
     def __getstate__(self) -> dict[str, Any]:  # pickling and deep copies: plans hold raw pointers, make new ones
         return {**self.__dict__, "plans": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _LIVE[id(self.op_tensors[0])] = self
 
     @property
     def device(self) -> torch.device:
@@ -106,7 +118,17 @@ class PreparedWeight:
 
     @classmethod
     def from_op_args(cls, backend: str, tensors: list[torch.Tensor], meta: str) -> PreparedWeight:
-        """Inverse of (``op_tensors``, ``op_meta``); cheap, since it runs on every call of the op."""
+        """Inverse of (``op_tensors``, ``op_meta``), on every call of the op: the live weight that holds these very
+        tensors (with its launch plans), else one rebuilt from them (cheap, but its plans are made anew)."""
+        live = _LIVE.get(id(tensors[0])) if tensors else None
+        if (
+            live is not None
+            and live.backend == backend
+            and live.op_meta == meta
+            and len(live.op_tensors) == len(tensors)
+            and all(map(operator.is_, live.op_tensors, tensors))
+        ):
+            return live
         m = _parse_meta(meta)
         fp8 = m["fp8"]
         named = {n: t.view(_FP8[fp8[n]]) if n in fp8 else t for n, t in zip(m["names"], tensors, strict=True)}
@@ -148,8 +170,11 @@ class Backend(ABC):
         self, weight: PreparedWeight, m: int, x_dtype: torch.dtype, tactic: Any = None
     ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
         """What an eager call of M rows runs: ``(x, bias) -> y``, the same as :meth:`run` with ``tactic``, with
-        whatever can be worked out ahead worked out once. Backends with a launch path of their own override it."""
-        return lambda x, bias: self.run(x, weight, bias, tactic=tactic)
+        whatever can be worked out ahead worked out once. Backends with a launch path of their own override it. A
+        plan lives in ``weight.plans`` and must not hold the weight itself (that cycle would keep a dropped weight's
+        memory until a garbage collection)."""
+        ref = weakref.ref(weight)
+        return lambda x, bias: self.run(x, ref(), bias, tactic=tactic)
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         """The MX checkpoint tensors (float8 ``[N, K]``, uint8 E8M0 ``[N, K/32]``) that dequantize to exactly the
