@@ -1,11 +1,18 @@
+import importlib
+import importlib.util
 import os
 
 import pytest
 import torch
 
-# Without a GPU, Triton kernels run under its CPU interpreter. It must be set before the kernels are imported.
+# Without a GPU, Triton kernels run under its CPU interpreter. It must be set before the kernels are imported: Triton
+# decides when a kernel is decorated. So they are all imported now, and a test that unsets the variable (to see what a
+# machine without the interpreter sees) cannot leave compiled-mode kernels behind for the tests after it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if importlib.util.find_spec("triton") is not None:
+        for _module in ("act_quant", "dequant", "dot_scaled_ref", "mx_quant", "w8a16"):
+            importlib.import_module(f"mxgemm.kernels.{_module}")
 
 
 @pytest.fixture(autouse=True)
