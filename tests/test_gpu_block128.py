@@ -115,3 +115,18 @@ def test_layer_with_hybrid_on_gpu():
         for m in (1, 16, 300):
             x = random_act(m, 4096, device="cuda")
             assert sqnr_db(layer(x), lin(x)) >= 25
+
+
+def test_gradients_flow_through_a_hybrid_layer():
+    """The input's gradient through an MXFP8Linear on the GPU: the exact product with the dequantized weight, within
+    bf16 rounding and fp32 sums; the weight stays frozen."""
+    q, s = random_mx_weight(256, 512, device="cuda")
+    layer = mxgemm.MXFP8Linear.from_quantized(q, s)
+    assert layer.backend == "hybrid_sm90"
+    for m in (1, 300):
+        x = random_act(m, 512, seed=m, device="cuda").requires_grad_()
+        grad_y = random_act(m, 256, seed=m + 1, device="cuda")
+        layer(x).backward(grad_y)
+        deq = mxgemm.dequantize(mxgemm.MXTensor(*layer.mx_weight()))
+        assert_within_ulp(x.grad, exact_product(grad_y, deq.T), sums=FP32_SUMS, what=f"M={m}")
+    assert not any(t.requires_grad for t in layer.prepared.tensors.values())
