@@ -1,5 +1,6 @@
-"""Where a Llama (8B dimensions, a few layers) spends eager ``generate`` time, bf16 against mxgemm: torch.profiler
-tables of a 512-token prefill and of decode steps, and the GPU time of each linear at M = 512.
+"""Where a Llama (8B dimensions, a few layers) spends ``generate`` time, bf16 against mxgemm: torch.profiler tables of
+a 512-token prefill and of decode steps, eager and (``--graphs``) compiled with CUDA graphs as ``bench/model_e2e.py``
+runs them, and the GPU time of each linear at M = 1, 512 and 2048.
 
 Run on the device: PYTHONPATH=src python3 bench/explore/e2e_profile.py --layers 4
 """
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,6 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rows", type=int, default=18)
+    parser.add_argument("--graphs", action="store_true", help="also profile decode steps under CUDA graphs")
     args = parser.parse_args()
     for who in ("bf16", "mxgemm"):
         model, _ = build(args.layers, who, ())
@@ -63,6 +66,17 @@ def main() -> None:
                 print(f"== {who}: {what}", flush=True)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows), flush=True)
                 print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8), flush=True)
+            if args.graphs:  # static cache, the decode step compiled with CUDA graphs (as model_e2e.py's graphs mode)
+                kw = {"do_sample": False, "cache_implementation": "static",
+                      "compile_config": transformers.CompileConfig(dynamic=False)}  # fmt: skip
+                for _ in range(2):
+                    model.generate(ids, max_new_tokens=17, min_new_tokens=17, **kw)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    model.generate(ids, max_new_tokens=17, min_new_tokens=17, **kw)
+                    torch.cuda.synchronize()
+                print(f"== {who}: prefill + 16 decode steps, graphs", flush=True)
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows), flush=True)
         del model
         torch.cuda.empty_cache()
     print(mxgemm.__version__)
