@@ -1,15 +1,20 @@
 """A whole model as a user runs it: a Hugging Face Llama at Llama-3-8B dimensions (32 layers, random weights) through
 ``generate``, bf16 against mxgemm (``quantize_model``), eager and compiled with CUDA graphs, in one run.
 
-For each (who, mode, batch): a 512-token prompt, time to first token (``generate`` of one token), decode tokens/s
-(128 new tokens: batch x 127 tokens over the time past the first token), a 2048-token prefill (batch 1, one token),
-the bytes of the model's tensors on the GPU (each storage once) and the peak of the caching allocator. Greedy, EOS
-ignored. ``graphs``: ``generate`` with a static cache and Hugging Face's automatic compilation of the decode step
-(``torch.compile``, ``mode="reduce-overhead"``: CUDA graphs), its first call per batch size (compilation) untimed.
-Each of bf16 and mxgemm runs in a process of its own (caches one leaves warm, such as cuDNN's attention plans, would
-favour the other). Rows are written as they are measured.
+For each (mode, batch) and each of bf16 and mxgemm: a 512-token prompt, time to first token (``generate`` of one
+token), decode tokens/s (128 new tokens: batch x 127 tokens over the time past the first token), a 2048-token prefill
+(batch 1, one token), the bytes of the model's tensors on the GPU (each storage once) and its peak: those bytes, what
+its earlier calls keep allocated (a static cache, CUDA graph pools) and the most one of its calls allocates beyond.
+Greedy, EOS ignored. ``graphs``: ``generate`` with a static cache and Hugging Face's automatic compilation of the
+decode step (``torch.compile``, ``mode="reduce-overhead"``: CUDA graphs), its first calls per batch size
+(compilation) untimed.
+
+Both models live in one process and their calls alternate, the order swapped every round, each figure the median of
+``--repeats`` rounds: the host's drift between minutes (eager ``generate`` times have moved by 40% between runs) falls
+on both alike, and whatever one model's calls leave warm (cuDNN's attention plans) the other's find warm too.
 
 Run on the device: PYTHONPATH=src python3 bench/model_e2e.py --json e2e.json --markdown e2e.md
+(``--tiny --device cpu`` runs the same script on a few-MB model: a smoke test, not a measurement.)
 """
 
 from __future__ import annotations
@@ -18,11 +23,7 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import transformers
@@ -30,16 +31,20 @@ import transformers
 import mxgemm
 from mxgemm.bench import environment
 
-PROMPT, NEW, PREFILL = 512, 128, 2048
+WHO = ("bf16", "mxgemm")
 
 
-def build(layers: int, who: str, skip: tuple[str, ...]) -> tuple[torch.nn.Module, str]:
-    config = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-    )  # fmt: skip
+def build(layers: int, who: str, skip: tuple[str, ...], device: str = "cuda", tiny: bool = False):
+    """(model, quantize report) for ``who`` on ``device``: Llama-3-8B dimensions, or (``tiny``) a few-MB Llama."""
+    dims = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                vocab_size=128256)  # fmt: skip
+    if tiny:
+        dims = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=512)  # fmt: skip
+    config = transformers.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=8192, rope_theta=500000.0,
+                                      **dims)  # fmt: skip
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     model.requires_grad_(False)
     model.generation_config.eos_token_id = None
@@ -48,103 +53,129 @@ def build(layers: int, who: str, skip: tuple[str, ...]) -> tuple[torch.nn.Module
     if who == "mxgemm":
         report = str(mxgemm.quantize_model(model, skip=skip))
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return model, report
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every tensor the model keeps on the GPU (parameters, buffers, prepared MX weights), each storage
-    once."""
+    """Bytes of every tensor the model keeps (parameters, buffers, prepared MX weights), each storage once."""
     tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():
         if isinstance(module, mxgemm.MXFP8Linear):
             tensors += list(module.prepared.tensors.values())
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
 
-def timed_generate(model, ids, new: int, **kwargs) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
-    torch.cuda.synchronize()
-    assert out.shape[1] == ids.shape[1] + new
-    return time.perf_counter() - t0
+class Timer:
+    """Wall time of ``generate`` calls (synchronized on a GPU) and what they allocate."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def generate(self, model, ids, new: int, **kwargs) -> tuple[float, int, int]:
+        """(seconds, the most allocated above what was allocated before, what stays allocated after) of one
+        ``generate`` of ``new`` tokens (bytes: 0 without a GPU)."""
+        self.sync()
+        before = torch.cuda.memory_allocated() if self.cuda else 0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
+        self.sync()
+        seconds = time.perf_counter() - t0
+        assert out.shape[1] == ids.shape[1] + new
+        if not self.cuda:
+            return seconds, 0, 0
+        return seconds, torch.cuda.max_memory_allocated() - before, torch.cuda.memory_allocated() - before
 
 
-def measure(model, mode: str, batch: int, repeats: int) -> dict:
+def measure(models: dict, resident: dict, kept: dict, mode: str, batch: int, args, timer: Timer) -> list[dict]:
+    """One row per model for (mode, batch), its calls alternating with the other model's. ``kept``: the bytes each
+    model's calls so far keep allocated, updated."""
     eager = {"disable_compile": True}
     kwargs = eager
     if mode == "graphs":  # dynamic=False: one graph per batch size, never a dynamic-shape recompile
         kwargs = {"cache_implementation": "static", "compile_config": transformers.CompileConfig(dynamic=False)}
-    g = torch.Generator(device="cuda").manual_seed(batch)
-    ids = torch.randint(100, 120000, (batch, PROMPT), device="cuda", generator=g)
-    long_ids = torch.randint(100, 120000, (1, PREFILL), device="cuda", generator=g)
+    device = next(iter(models.values())).device
+    g = torch.Generator(device=device).manual_seed(batch)
+    ids = torch.randint(1, args.vocab, (batch, args.prompt), device=device, generator=g)
+    long_ids = torch.randint(1, args.vocab, (1, args.prefill), device=device, generator=g)
+    times = {who: {"ttft": [], "full": [], "prefill": [], "peak": 0} for who in models}
+
+    def run(who: str, key: str, ids, new: int, **kw) -> None:
+        """One call of ``who``'s: its time under ``key``; its peak is the model's weights, what its calls keep (the
+        static cache, graph pools: ``kept``) and the most this call allocates beyond them."""
+        seconds, above, stays = timer.generate(models[who], ids, new, **kw)
+        times[who]["peak"] = max(times[who]["peak"], resident[who] + kept[who] + above)
+        kept[who] += stays
+        if key:
+            times[who][key].append(seconds)
+
     with torch.inference_mode():
-        for _ in range(2):  # warm-up: kernels built; graphs compiled, recorded and captured at this cache length
-            timed_generate(model, ids, NEW, **kwargs)
-        ttft = statistics.median(timed_generate(model, ids, 1, **kwargs) for _ in range(repeats))
-        full = statistics.median(timed_generate(model, ids, NEW, **kwargs) for _ in range(max(repeats - 1, 1)))
-        # the prefill runs eagerly in both modes (Hugging Face compiles the decode step only)
-        timed_generate(model, long_ids, 1, **eager)
-        prefill = statistics.median(timed_generate(model, long_ids, 1, **eager) for _ in range(repeats))
-    return {
-        "decode_tok_s": batch * (NEW - 1) / (full - ttft),
-        "ttft_ms": ttft * 1e3,
-        "prefill_2048_ms": prefill * 1e3,
-        "generate_s": full,
-    }
+        for who in models:  # warm-up: kernels built; graphs compiled, recorded and captured at this cache length
+            for _ in range(2):
+                run(who, "", ids, args.new, **kwargs)
+            run(who, "", long_ids, 1, **eager)
+        for r in range(args.repeats):
+            order = list(models) if r % 2 == 0 else list(models)[::-1]
+            for who in order:
+                run(who, "ttft", ids, 1, **kwargs)
+                run(who, "full", ids, args.new, **kwargs)
+                # the prefill runs eagerly in both modes (Hugging Face compiles the decode step only)
+                run(who, "prefill", long_ids, 1, **eager)
+    rows = []
+    for who, t in times.items():
+        ttft, full, prefill = (statistics.median(t[k]) for k in ("ttft", "full", "prefill"))
+        rows.append({
+            "who": who, "mode": mode, "batch": batch, "weights_bytes": resident[who],
+            "decode_tok_s": batch * (args.new - 1) / (full - ttft), "ttft_ms": ttft * 1e3,
+            "prefill_2048_ms": prefill * 1e3, "generate_s": full, "peak_bytes": t["peak"],
+        })  # fmt: skip
+    return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--who", nargs="+", default=["bf16", "mxgemm"])
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--skip", nargs="*", default=[], help="layers quantize_model leaves in bf16 (e.g. lm_head)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=128, help="new tokens of the decode measurement")
+    parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill measurement")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a few-MB Llama: a smoke test of this script")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
-    args = parser.parse_args()
-    env = environment(mxgemm.describe_device())
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    env = environment(mxgemm.describe_device(device))
+    models, reports, resident = {}, {}, {}
+    for who in WHO:
+        models[who], reports[who] = build(args.layers, who, tuple(args.skip), args.device, args.tiny)
+        resident[who] = weights_bytes(models[who])
+        print(who, reports[who], f"weights {resident[who] / 2**30:.2f} GiB", flush=True)
+    args.vocab = models["bf16"].config.vocab_size
+    timer = Timer(device)
+    kept = dict.fromkeys(WHO, 0)
     rows: list[dict] = []
-    reports = {}
-
-    def save() -> None:
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": env, "layers": args.layers, "prompt": PROMPT, "new_tokens": NEW,
-                           "skip": args.skip, "quantize_report": reports, "rows": rows}, f, indent=1)  # fmt: skip
-
-    if len(args.who) > 1:  # one process each: no cache one leaves warm (cuDNN attention plans, ...) helps the other
-        for who in args.who:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "rows.json"
-                argv = _without(sys.argv[1:], ("--who", "--json", "--markdown"))
-                child = [sys.executable, __file__, *argv, "--who", who,
-                         "--json", str(out)]  # fmt: skip
-                subprocess.run(child, check=True)
-                part = json.loads(out.read_text())
-            rows += part["rows"]
-            reports |= part["quantize_report"]
-            save()
-    for who in args.who if len(args.who) == 1 else ():
-        model, reports[who] = build(args.layers, who, tuple(args.skip))
-        resident = weights_bytes(model)
-        print(who, reports[who], f"weights {resident / 2**30:.2f} GiB", flush=True)
-        for mode in args.modes:
-            for batch in args.batches:
-                torch.cuda.reset_peak_memory_stats()
-                row = {"who": who, "mode": mode, "batch": batch, "weights_bytes": resident}
-                row |= measure(model, mode, batch, args.repeats)
-                row["peak_bytes"] = torch.cuda.max_memory_allocated()
-                rows.append(row)
+    for mode in args.modes:
+        for batch in args.batches:
+            rows += measure(models, resident, kept, mode, batch, args, timer)
+            for row in rows[-len(WHO) :]:
                 print(json.dumps(row), flush=True)
-                save()
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"device": env, "layers": args.layers, "prompt": args.prompt, "new_tokens": args.new,
+                               "prefill_tokens": args.prefill, "skip": args.skip, "order": "interleaved",
+                               "quantize_report": reports, "rows": rows}, f, indent=1)  # fmt: skip
     table = markdown(rows, args, env)
     print(table)
     if args.markdown:
@@ -152,26 +183,17 @@ def main() -> None:
             f.write(table)
 
 
-def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """``argv`` without the given options and their values."""
-    kept, skipping = [], False
-    for a in argv:
-        if a.startswith("--"):
-            skipping = a in options
-        if not skipping:
-            kept.append(a)
-    return kept
-
-
 def markdown(rows: list[dict], args, env) -> str:
     by = {(r["who"], r["mode"], r["batch"]): r for r in rows}
     lines = [
-        f"Llama at Llama-3-8B dimensions, {args.layers} layers, random weights, Hugging Face `generate` (greedy, "
-        f"{PROMPT}-token prompt, {NEW} new tokens); mxgemm quantizes every linear layer"
+        f"Llama at {'tiny' if args.tiny else 'Llama-3-8B'} dimensions, {args.layers} layers, random weights, Hugging "
+        f"Face `generate` (greedy, {args.prompt}-token prompt, {args.new} new tokens; bf16 and mxgemm calls "
+        f"alternating, medians of {args.repeats} rounds); mxgemm quantizes every linear layer"
         f"{' but ' + ', '.join(args.skip) if args.skip else ''}. {env}",
         "",
-        "| mode | batch | bf16 tok/s | mxgemm tok/s | speedup | bf16 TTFT ms | mxgemm TTFT ms | bf16 prefill 2048 ms "
-        "| mxgemm prefill 2048 ms | prefill speedup | weights GiB bf16 / mxgemm | peak GiB bf16 / mxgemm |",
+        "| mode | batch | bf16 tok/s | mxgemm tok/s | speedup | bf16 TTFT ms | mxgemm TTFT ms | bf16 prefill "
+        f"{args.prefill} ms | mxgemm prefill {args.prefill} ms | prefill speedup | weights GiB bf16 / mxgemm "
+        "| peak GiB bf16 / mxgemm |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (who, mode, batch), m in by.items():

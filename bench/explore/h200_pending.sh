@@ -8,7 +8,7 @@
 #   crossover  bench/crossover.py: the exact regime against cuBLASLt and the FP8 kernel at M = 1-128
 #   fp8-ncu  Nsight Compute on the fused FP8 kernel (bench/explore/profile_fused.py): throughput, warp states, stalls
 #   eager   bench/eager_calls.py: one eager call against bf16's, Llama-3-8B and Qwen2.5-7B projections
-#   e2e     bench/model_e2e.py: a 32-layer Llama at 8B dimensions through generate, bf16 vs mxgemm, eager and graphs
+#   e2e     bench/model_e2e.py: a 32-layer Llama at 8B dimensions through generate, bf16 vs mxgemm (E2E_MODES)
 #   load    bench/load_gpu.py: an 8B-dimension MXFP8 checkpoint loaded to the GPU (peak against final footprint)
 #   fused   bench/explore/fused_fp8.py: the fused FP8 kernel against quantizer + GEMM, eager and under graph replay
 #   quant   bench/explore/quantizers.py: the CUDA and Triton 1x128 quantizers under graph replay, alone and with cuBLASLt
@@ -55,8 +55,9 @@ for stage in "$@"; do
     fused)
       timeout "${FUSED_S:-300}" python3 bench/explore/fused_fp8.py --json "$out/fused-fp8-h200.json" > /tmp/fused.log 2>&1
       tail -60 /tmp/fused.log ;;
-    e2e)
-      timeout 550 python3 bench/model_e2e.py --json "$out/e2e.json" --markdown "$out/e2e.md" > /tmp/e2e.log 2>&1
+    e2e)  # one mode a call (about 9 min each): E2E_MODES=eager (default) or graphs
+      timeout 570 python3 bench/model_e2e.py --modes ${E2E_MODES:-eager} --json "$out/e2e-${E2E_MODES:-eager}.json" \
+        --markdown "$out/e2e-${E2E_MODES:-eager}.md" > /tmp/e2e.log 2>&1
       tail -12 /tmp/e2e.log ;;
     fp8-ncu)  # Nsight Compute on the fused FP8 kernel (NCU_N/NCU_K/NCU_M pick the shape; default 8B o at M = 32)
       timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters --section Occupancy \

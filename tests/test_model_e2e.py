@@ -1,0 +1,26 @@
+"""bench/model_e2e.py runs end to end (a few-MB Llama on the CPU: a smoke test of the script, not a measurement) and
+writes the rows the e2e results are read from."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("model_e2e", Path(__file__).parents[1] / "bench" / "model_e2e.py")
+model_e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(model_e2e)
+
+
+def test_rows_for_both_models_each_mode_and_batch(tmp_path):
+    out = tmp_path / "e2e.json"
+    model_e2e.main(["--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "2", "--modes", "eager",
+                    "--repeats", "2", "--prompt", "8", "--new", "4", "--prefill", "16", "--json", str(out),
+                    "--markdown", str(tmp_path / "e2e.md")])  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["who"], r["batch"]) for r in rows] == [("bf16", 1), ("mxgemm", 1), ("bf16", 2), ("mxgemm", 2)]
+    keys = {"who", "mode", "batch", "decode_tok_s", "prefill_2048_ms", "ttft_ms", "weights_bytes"}
+    assert all(keys <= r.keys() and r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 for r in rows)
+    by = {r["who"]: r["weights_bytes"] for r in rows}
+    assert by["mxgemm"] < 0.7 * by["bf16"]  # every linear layer, lm_head included, at about a byte a parameter
+    assert "replaced 8 of 8 linear layers" in result["quantize_report"]["mxgemm"]
+    assert "| eager | 2 |" in (tmp_path / "e2e.md").read_text()
