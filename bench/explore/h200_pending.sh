@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs, in stages; several stages may run in one device call.
 # Usage on the device: bash bench/explore/h200_pending.sh STAGE [STAGE ...]   (outputs under $OUT, or ./out when OUT is unset)
-#   tune    `mxgemm tune` of the three shape sets (llama3-8b, llama3-70b, hidden-7168), timed; the tuning file
+#   tune    `mxgemm tune` of the shape sets (llama3-8b, llama3-70b, hidden-7168, llama3-8b-hf), timed; the tuning file
 #   gate    the GPU tests of the small-M kernel, hybrid, graphs, autotuning; stops the run when one fails
 #   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
@@ -16,6 +16,7 @@
 #   op      bench/explore/op_overhead.py: host time of an eager call against the same call through mxgemm::linear
 #   profile bench/explore/e2e_profile.py --graphs: where generate's time goes, bf16 vs mxgemm, eager and graphs
 #   launch  bench/explore/launch_cost.py: host time of one and two launches, and of a graph of them replayed
+#   bench-hf  the llama3-8b-hf set (Hugging Face's unfused projections, lm_head included)
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -34,7 +35,7 @@ for stage in "$@"; do
   case "$stage" in
     tune)
       ( time MXGEMM_CACHE_DIR="$out/cache" timeout "${TUNE_S:-400}" python3 -m mxgemm tune \
-          --model llama3-8b llama3-70b hidden-7168 ) > "$out/tune.txt" 2>&1
+          --model llama3-8b llama3-70b hidden-7168 llama3-8b-hf ) > "$out/tune.txt" 2>&1
       grep -A3 "^real" "$out/tune.txt" ;;
     gate)  # the GPU tests of what changed; stop here if any fails
       timeout 240 python3 -m pytest tests -q -p no:warnings -m gpu --tb=short -x \
@@ -88,6 +89,7 @@ for stage in "$@"; do
       ( OUT="$out" timeout 400 python3 bench/crossover.py ) > "$out/crossover.log" 2>&1
       tail -16 "$out/crossover.log" ;;
     bench-8b) bench h200-llama3-8b 300 llama3-8b ;;
+    bench-hf) bench h200-llama3-8b-hf 300 llama3-8b-hf ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
     *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|quant|ulp|eager|e2e|load|fused|bench-8b|bench-more|bench-all ..." >&2

@@ -42,6 +42,14 @@ MODELS: dict[str, list[tuple[int, int, str]]] = {
     "llama3-8b": [(6144, 4096, "qkv"), (4096, 4096, "o"), (28672, 4096, "gate_up"), (4096, 14336, "down")],
     "llama3-70b": [(10240, 8192, "qkv"), (8192, 8192, "o"), (57344, 8192, "gate_up"), (8192, 28672, "down")],
     "hidden-7168": [(9216, 7168, "qkv"), (7168, 7168, "o"), (36864, 7168, "gate_up"), (7168, 18432, "down")],
+    # Hugging Face's Llama keeps q/k/v and gate/up apart: the layers its generate runs
+    "llama3-8b-hf": [
+        (4096, 4096, "q,o"),
+        (1024, 4096, "k,v"),
+        (14336, 4096, "gate,up"),
+        (4096, 14336, "down"),
+        (128256, 4096, "lm_head"),
+    ],
 }
 DEFAULT_M = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 CPU_SHAPES = [(256, 512, "cpu-small"), (512, 1024, "cpu-medium")]
