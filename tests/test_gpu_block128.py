@@ -18,6 +18,8 @@ from helpers import (
 
 import mxgemm
 from mxgemm.block128 import quantize_1x128
+from mxgemm.kernels.cublaslt import blockwise_linear
+from mxgemm.layouts import finish_output
 
 pytestmark = pytest.mark.gpu
 
@@ -130,3 +132,37 @@ def test_gradients_flow_through_a_hybrid_layer():
         deq = mxgemm.dequantize(mxgemm.MXTensor(*layer.mx_weight()))
         assert_within_ulp(x.grad, exact_product(grad_y, deq.T), sums=FP32_SUMS, what=f"M={m}")
     assert not any(t.requires_grad for t in layer.prepared.tensors.values())
+
+
+def test_planned_cublaslt_calls_match_the_twin_and_scaled_mm():
+    """hybrid_sm90's cuBLASLt path is planned once per M (the CUDA quantizer and cublasLtMatmul in one call): within
+    the FP8 tensor-core bound of the exact product, as torch._scaled_mm is, bf16 and fp16, with a bias, strided rows;
+    eager and graph-replayed calls give the same bits."""
+    from mxgemm.kernels import cublaslt, fp8_gemm
+
+    status = cublaslt.plan_status(torch.cuda.current_device())
+    if not status:
+        pytest.skip(status.reason)
+    for m, n, k in [(300, 4096, 4096), (1000, 130, 416), (257, 28672, 4096), (4096, 4160, 14336)]:
+        q, s = random_mx_weight(n, k, seed=m, device="cuda")
+        w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+        assert w.info["blockwise_plan"]
+        qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        for dtype in (torch.bfloat16, torch.float16):
+            x = random_act(m, k + 64, seed=k, dtype=dtype, device="cuda")[:, :k]  # rows of stride k + 64
+            planned = cublaslt.linear_plan(qd, bs, n, k, m, dtype)
+            y = planned(x, None)
+            assert y.dtype == dtype and y.shape == (m, n) and y.is_contiguous()
+            product = exact_product(*hybrid_operands(x, q, s, quantized=True))
+            assert_within_ulp(y.bfloat16(), product, sums=FP8_TENSOR_CORE_SUMS, what=f"planned M={m} {dtype}")
+            torch_path = blockwise_linear(x, qd, bs, n, None, quantize=fp8_gemm.quantize_1x128)
+            assert_within_ulp(torch_path.bfloat16(), product, sums=FP8_TENSOR_CORE_SUMS, what=f"_scaled_mm M={m}")
+            assert torch.equal(planned(x, bias), finish_output(planned(x, None).bfloat16(), x, bias, n))
+        x = random_act(m, k, seed=1, device="cuda")
+        eager = mxgemm.linear(x, w)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = mxgemm.linear(x, w)
+        graph.replay()
+        assert torch.equal(replayed, eager)

@@ -108,3 +108,38 @@ def test_the_cache_key_covers_the_compiler_and_architecture(toolkit, monkeypatch
     source.write_text("// a changed kernel\n")
     d = Path(nvcc.build(source, (9, 0), symbols=[SYMBOL])._name).name
     assert len({a, b, c, d}) == 4 and _builds(log) == 4
+
+
+def test_include_dirs_are_flags_and_part_of_the_key(toolkit, tmp_path):
+    source, _ = toolkit
+    _, plain, name = nvcc._build_key(source, (9, 0), "")
+    _, flags, other = nvcc._build_key(source, (9, 0), "", [tmp_path / "include"])
+    assert f"-I{tmp_path / 'include'}" in flags and f"-I{tmp_path / 'include'}" not in plain and name != other
+    assert hasattr(nvcc.build(source, (9, 0), symbols=[SYMBOL], include_dirs=[tmp_path / "include"]), SYMBOL)
+
+
+def test_cublaslt_header_is_found_beside_nvcc_or_in_the_cublas_wheel(toolkit, tmp_path, monkeypatch):
+    """Planned cuBLASLt calls build against cublasLt.h: the toolkit's, or the nvidia-cublas wheel's; without one they
+    are unavailable with that reason (and hybrid_sm90 runs torch._scaled_mm)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from mxgemm.kernels import cublaslt
+
+    wheel = tmp_path / "site" / "nvidia"
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: SimpleNamespace(submodule_search_locations=[str(wheel)]))  # fmt: skip
+    assert cublaslt.header_dir() is None
+    for folder in (wheel / "cublas" / "include", wheel / "cu13" / "include", tmp_path / "cuda" / "include"):
+        folder.mkdir(parents=True)
+        (folder / "cublasLt.h").write_text("// header\n")
+        assert cublaslt.header_dir() == folder  # the toolkit's first, then a cu* folder, then cublas/
+    cublaslt._library.cache_clear()
+    try:
+        (tmp_path / "cuda" / "include" / "cublasLt.h").unlink()
+        (wheel / "cu13" / "include" / "cublasLt.h").unlink()
+        (wheel / "cublas" / "include" / "cublasLt.h").unlink()
+        with pytest.raises(RuntimeError, match=r"cublasLt\.h was not found"):
+            cublaslt._library()
+    finally:
+        cublaslt._library.cache_clear()

@@ -17,13 +17,14 @@ refused, and ``auto`` then gives that layer to the next backend (the exact ``tri
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from .. import settings
 from ..block128 import block128_to_mx, prepare_block128
 from ..device import DeviceInfo
-from ..kernels import fp8_gemm
+from ..kernels import cublaslt, fp8_gemm
 from ..kernels.cublaslt import blockwise_device_check, blockwise_linear
 from ..kernels.fp8_gemm import STAGES, TOKEN_TILES, Fp8Config, SwapAB, TokensAsM
 from ..kernels.small_m import MAX_M, SmallMConfig, accepts, small_m_status
@@ -31,6 +32,8 @@ from ..kernels.small_m import linear_plan as small_m_plan
 from ..layouts import finish_output
 from ..recipes import Recipe, StrEnum, hybrid_crossover
 from .base import Availability, Backend, PreparedWeight, Tactic, UnsupportedWeightError
+
+logger = logging.getLogger("mxgemm")
 
 __all__ = ["HybridSM90Backend", "Path", "fp8_beats_cublas", "fp8_configs", "fp8_default", "fused_for",
            "reencode_max_error", "small_m_configs", "small_m_default"]  # fmt: skip
@@ -152,12 +155,13 @@ class HybridSM90Backend(Backend):
         if not answer:
             return answer
         small, fp8 = small_m_status(device.capability), fp8_gemm.fp8_gemm_status(device.capability)
-        missing = "; ".join(status.reason for status in (small, fp8) if not status)
+        planned = cublaslt.plan_status(device.index)
+        missing = "; ".join(status.reason for status in (small, fp8, planned) if not status)
         return Availability(
             True,
             f"{'CUDA kernel up to M = 16, ' if small else ''}Triton below a measured crossover M, "
             f"{'our FP8 kernel up to M = 64 (128 while its CTAs fit one wave) and ' if fp8 else ''}cuBLASLt blockwise "
-            f"FP8 above; one weight"
+            f"FP8 above{' (planned calls)' if planned else ''}; one weight"
             f"{f' ({missing})' if missing else ''}",
         )
 
@@ -175,6 +179,7 @@ class HybridSM90Backend(Backend):
         info["small_m"] = bool(small_m_status(capability))
         if fp8_gemm.fp8_gemm_status(capability):
             info["fp8_sms"] = torch.cuda.get_device_properties(qdata.device).multi_processor_count
+        info["blockwise_plan"] = capability is not None and bool(cublaslt.plan_status(qdata.device.index))
         info["crossover"] = hybrid_crossover(*qdata.shape, small_m=info["small_m"], fp8="fp8_sms" in info)
         return PreparedWeight(self.name, recipe, *qdata.shape, tensors, info)
 
@@ -234,6 +239,12 @@ class HybridSM90Backend(Backend):
         n, k = weight.out_features, weight.in_features
         qd, bs = weight.tensors["qdata"], weight.tensors["block_scale"]
         if path == Path.CUBLAS:
+            if weight.info.get("blockwise_plan"):  # the CUDA quantizer and cuBLASLt in one call, planned once
+                try:
+                    planned = cublaslt.linear_plan(qd, bs, n, k, m, x_dtype)
+                    return lambda x, bias: planned(x if x.stride(1) == 1 else x.contiguous(), bias)
+                except RuntimeError as exc:  # the same numerics through torch._scaled_mm
+                    logger.warning("mxgemm: %s; M=%d runs through torch._scaled_mm", exc, m)
             quantize = fp8_gemm.quantize_1x128 if "fp8_sms" in weight.info else None  # CUDA where built, else Triton
             return lambda x, bias: blockwise_linear(x, qd, bs, n, bias, quantize=quantize)
         if path == Path.FP8:

@@ -1,20 +1,39 @@
-"""cuBLASLt's blockwise FP8 GEMM (``torch._scaled_mm`` with 1x128 activation and 128x128 weight scales, Hopper): the
-call, and the probe that answers whether it runs here. cuBLASLt's constraints are met by the operands' padding
-(:func:`mxgemm.block128.prepare_block128`, :func:`mxgemm.block128.padded_1x128_shape`), never by refusing an input.
+"""cuBLASLt's blockwise FP8 GEMM (1x128 activation and 128x128 weight scales, Hopper): through ``torch._scaled_mm``
+(:func:`blockwise_linear`), or planned once per weight and M (:func:`linear_plan`: ``csrc/blockwise.cu``, the CUDA
+1x128 quantizer and ``cublasLtMatmul`` in one ctypes call, descriptors and algorithm made once, where
+``_scaled_mm`` works them out on every call); and the probe that answers whether it runs here. cuBLASLt's
+constraints are met by the operands' padding (:func:`mxgemm.block128.prepare_block128`,
+:func:`mxgemm.block128.padded_1x128_shape`), never by refusing an input.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import importlib.util
+import logging
+import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from ..availability import Availability, probe_against_twin, probe_operands, probe_preconditions
+from ..block128 import padded_1x128_shape
 from ..device import DeviceInfo
-from ..layouts import finish_output
+from ..layouts import finish_output, round_up
+from . import nvcc, raw_stream
 
-__all__ = ["blockwise_device_check", "blockwise_linear", "probe_blockwise"]
+logger = logging.getLogger("mxgemm")
+
+__all__ = ["blockwise_device_check", "blockwise_linear", "header_dir", "linear_plan", "plan_status",
+           "probe_blockwise"]  # fmt: skip
+
+_SOURCE = Path(__file__).parent / "csrc" / "blockwise.cu"
+_WORKSPACE_MAX = 32 * 2**20  # cuBLASLt workspace the heuristic may ask for; a call allocates what its algorithm needs
+_P, _I, _LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+# errors of csrc/blockwise.cu besides CUDA's (> 0) and cuBLAS statuses (1000 + status)
+_ERRORS = {-2: "no cuBLASLt library is loaded in this process", -3: "cuBLASLt offers no algorithm for this problem"}
 
 
 def blockwise_linear(
@@ -64,3 +83,103 @@ def blockwise_device_check(device: DeviceInfo) -> Availability:
         return Availability(False, f"needs a torch built with CUDA >= 12.9 for blockwise scaling, this one has {cuda}")
     missing = probe_preconditions(device, "cuBLASLt")
     return missing if missing is not None else probe_blockwise(device.index)
+
+
+def header_dir() -> Path | None:
+    """The folder of ``cublasLt.h``: the CUDA toolkit's (beside nvcc), or that of the NVIDIA cuBLAS wheel torch
+    depends on (``nvidia/cu13/include``, ``nvidia/cublas/include``); None if neither has it."""
+    found = nvcc.find_nvcc()
+    candidates = [Path(found).resolve().parent.parent / "include"] if found else []
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations if spec and spec.submodule_search_locations else ():
+        candidates += [*sorted(Path(root).glob("cu*/include")), Path(root) / "cublas" / "include"]
+    return next((d for d in candidates if (d / "cublasLt.h").is_file()), None)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """Build (once, cached on disk) and load ``csrc/blockwise.cu`` (host code only). Raises RuntimeError when it
+    cannot be built."""
+    include = header_dir()
+    if include is None:
+        raise RuntimeError("cublasLt.h was not found (neither in the CUDA toolkit nor in an nvidia-cublas wheel)")
+    names = ("mxgemm_blockwise_plan_create", "mxgemm_blockwise_plan_destroy", "mxgemm_blockwise_plan_bytes",
+             "mxgemm_blockwise_run")  # fmt: skip
+    lib = nvcc.build(_SOURCE, (9, 0), symbols=names, include_dirs=(include,))
+    for name, args, res in (
+        ("mxgemm_blockwise_plan_create", [_P, _P, _P, *[_I] * 6, _LL, _LL, _LL, ctypes.POINTER(_P)], _I),
+        ("mxgemm_blockwise_plan_destroy", [_P], None),
+        ("mxgemm_blockwise_plan_bytes", [_P], _LL),
+        ("mxgemm_blockwise_run", [_P, _P, _I, _P, _P], _I),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    return lib
+
+
+@functools.cache
+def plan_status(index: int) -> Availability:
+    """Whether planned cuBLASLt calls (:func:`linear_plan`) run on CUDA device ``index``: the CUDA 1x128 quantizer
+    built, ``csrc/blockwise.cu`` built against ``cublasLt.h``, and a probe against the twin; the reason if not."""
+    from .fp8_gemm import fp8_gemm_status
+
+    quantizer = fp8_gemm_status(torch.cuda.get_device_capability(index))
+    if not quantizer:
+        return Availability(False, f"planned cuBLASLt calls need the CUDA quantizer ({quantizer.reason})")
+    try:
+        _library()
+    except (RuntimeError, OSError) as exc:
+        logger.info("mxgemm: planned cuBLASLt calls unavailable: %s", exc)
+        return Availability(False, f"planned cuBLASLt calls unavailable: {exc}")
+
+    def run():
+        from ..block128 import dequantize_1x128, prepare_block128, quantize_1x128, reencode_block128
+
+        t, x = probe_operands(index, 256, 512, 4)
+        tensors, _ = prepare_block128(t.qdata, t.scale)
+        ref = dequantize_1x128(*quantize_1x128(x)) @ reencode_block128(t.qdata, t.scale).dequantize().T
+        return linear_plan(tensors["qdata"], tensors["block_scale"], 256, 512, 4, x.dtype)(x, None), ref
+
+    return probe_against_twin("planned cuBLASLt calls", run)
+
+
+def linear_plan(
+    qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, x_dtype: torch.dtype
+) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """``(x, bias) -> y`` for M rows of ``x_dtype`` (bf16/fp16, unit stride along K) on a padded 128x128-block
+    weight (``qdata`` E4M3 [Np, Kp], ``block_scale`` fp32 [Np/128, Kp/128]) -> [M, n] in ``x.dtype`` (+ ``bias``):
+    the numerics of :func:`blockwise_linear` with the CUDA quantizer. One ctypes call quantizes and runs
+    ``cublasLtMatmul`` with the descriptors and algorithm made here, once (:func:`plan_status` says whether it runs
+    on a device). Raises RuntimeError when cuBLASLt refuses the problem."""
+    from .fp8_gemm import library as fp8_library
+
+    np_, kp = qdata.shape
+    mp, _ = padded_1x128_shape(m, k)
+    device = qdata.device
+    quantizer = ctypes.cast(fp8_library(torch.cuda.get_device_capability(device)).mxgemm_quant_1x128, _P).value
+    lib = _library()
+    handle = _P()
+    with torch.cuda.device(device):
+        err = lib.mxgemm_blockwise_plan_create(quantizer, qdata.data_ptr(), block_scale.data_ptr(), k, m, mp, np_, kp,
+                                               int(x_dtype == torch.float16), round_up(mp * np_ * 2, 256), mp * kp,
+                                               _WORKSPACE_MAX, ctypes.byref(handle))  # fmt: skip
+    if err:
+        raise RuntimeError(f"cuBLASLt blockwise plan for M={m} on [{np_}, {kp}]: {_why(err)}")
+    rows = -(-lib.mxgemm_blockwise_plan_bytes(handle) // (2 * np_))
+    run, index = lib.mxgemm_blockwise_run, device.index
+
+    def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        buf = torch.empty((rows, np_), dtype=torch.bfloat16, device=device)
+        err = run(handle, x.data_ptr(), x.stride(0), buf.data_ptr(), raw_stream(index))
+        if err:
+            raise RuntimeError(f"cuBLASLt blockwise GEMM failed for M={m}: {_why(err)}")
+        return finish_output(buf[:m], x, bias, n)
+
+    weakref.finalize(launch, lib.mxgemm_blockwise_plan_destroy, handle)
+    return launch
+
+
+def _why(err: int) -> str:
+    if err in _ERRORS:
+        return _ERRORS[err]
+    return f"cuBLAS status {err - 1000}" if err >= 1000 else f"cudaError {err}"

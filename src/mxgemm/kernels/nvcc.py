@@ -83,11 +83,17 @@ def _compile(nvcc: str, flags: list[str], source: Path, target: Path) -> None:
         os.replace(digest, target.with_name(target.name + ".sha256"))
 
 
-def build(source: Path, capability: tuple[int, int], suffix: str = "", symbols: Sequence[str] = ()) -> ctypes.CDLL:
+def build(
+    source: Path,
+    capability: tuple[int, int],
+    suffix: str = "",
+    symbols: Sequence[str] = (),
+    include_dirs: Sequence[Path] = (),
+) -> ctypes.CDLL:
     """Build (once, cached on disk) and load ``source`` for a GPU architecture; ``suffix`` "a" targets the
-    architecture-specific features (sm_90a: wgmma). ``symbols``: what the library must export. Raises RuntimeError
-    saying why when it cannot be built or loaded."""
-    nvcc, flags, name = _build_key(source, capability, suffix)
+    architecture-specific features (sm_90a: wgmma). ``symbols``: what the library must export; ``include_dirs``:
+    header folders beyond the toolkit's. Raises RuntimeError saying why when it cannot be built or loaded."""
+    nvcc, flags, name = _build_key(source, capability, suffix, include_dirs)
     folders = [cache_root() / "kernels", Path(tempfile.gettempdir()) / f"mxgemm-kernels-{os.getuid()}"]
     unwritable = []
     for folder in folders:
@@ -109,7 +115,9 @@ def build(source: Path, capability: tuple[int, int], suffix: str = "", symbols: 
     raise RuntimeError(f"no folder to build {source.name} in: {'; '.join(unwritable)}")
 
 
-def _build_key(source: Path, capability: tuple[int, int], suffix: str) -> tuple[str, list[str], str]:
+def _build_key(
+    source: Path, capability: tuple[int, int], suffix: str, include_dirs: Sequence[Path] = ()
+) -> tuple[str, list[str], str]:
     """(nvcc, its flags, the library's file name): the name covers the source, the compiler's path and version, the
     flags and the architecture."""
     nvcc = find_nvcc()
@@ -117,7 +125,8 @@ def _build_key(source: Path, capability: tuple[int, int], suffix: str) -> tuple[
         raise RuntimeError("nvcc was not found (set CUDA_HOME or put the CUDA toolkit's bin folder on PATH)")
     version = _run([nvcc, "--version"], "nvcc --version").stdout
     arch = f"{capability[0]}{capability[1]}{suffix}"
-    flags = ["-shared", "-Xcompiler", "-fPIC", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    flags = ["-shared", "-Xcompiler", "-fPIC", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+             *(f"-I{d}" for d in include_dirs)]  # fmt: skip
     compiler = str(Path(nvcc).resolve())
     key = b"\0".join([source.read_bytes(), version.encode(), compiler.encode(), " ".join(flags).encode()])
     return nvcc, flags, f"{source.stem}-sm{arch}-{hashlib.sha256(key).hexdigest()[:16]}.so"
