@@ -215,7 +215,7 @@ class HybridSM90Backend(Backend):
                         {"stages": 4}]  # fmt: skip
             for v in variants:
                 t = Tactic(Path.TRITON, dataclasses.replace(base, **v))
-                if weight.in_features >= t.config.split_k * t.config.bk and t not in triton:
+                if t.config.fills_splits(weight.in_features) and t not in triton:
                     triton.append(t)
         small = []
         if m <= MAX_M and weight.info.get("small_m"):

@@ -91,7 +91,7 @@ class TritonBackend(Backend):
             variants.append({"packed": not base.packed})
         for v in variants:
             t = Tactic(Path.KERNEL, dataclasses.replace(base, **v))
-            if t not in out and weight.in_features >= t.config.split_k * t.config.bk:
+            if t not in out and t.config.fills_splits(weight.in_features):
                 out.append(t)
         if m >= DEQUANT_MIN_M:
             return [Tactic(Path.DEQUANT), *out]

@@ -107,13 +107,12 @@ def linear_plan(
     [n] or None, ``y`` bf16 [M, n]; ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128]. One
     ctypes call per launch, its arguments but the call's pointers computed here, once."""
     np_, kp = qdata.shape
-    cfg = config
-    if not 1 <= m <= MAX_M or not cfg.valid(np_, kp):
-        raise ValueError(f"the small-M kernel cannot run M={m} with config {cfg} on a [{np_}, {kp}] weight")
+    if not 1 <= m <= MAX_M or not config.valid(np_, kp):
+        raise ValueError(f"the small-M kernel cannot run M={m} with config {config} on a [{np_}, {kp}] weight")
     device = qdata.device
     fn = library(torch.cuda.get_device_capability(device)).mxgemm_small_m_run
-    plan = _Plan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), m, k, n, np_, kp, cfg.rt,
-                 cfg.splits, cfg.stages)  # fmt: skip
+    plan = _Plan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), m, k, n, np_, kp, config.rt,
+                 config.splits, config.stages)  # fmt: skip
     address = ctypes.addressof(plan)
     index = device.index
 
@@ -121,7 +120,7 @@ def linear_plan(
         y = torch.empty((m, n), dtype=torch.bfloat16, device=device)
         err = fn(address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))
         if err:
-            raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {cfg}")
+            raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {config}")
         return y
 
     launch.plan = plan  # the structure the address points into lives as long as the launcher

@@ -214,6 +214,11 @@ class W8A16Config:
         steps = self.split_k >= 1 and self.stages in range(1, 6)
         return pow2 and sizes and steps and (not block_scaled or (self.bk == 128 and 128 % self.bn == 0))
 
+    def fills_splits(self, k: int) -> bool:
+        """Whether every K split gets at least one whole ``bk`` step of a K-deep weight (the variants worth timing;
+        a config that leaves splits idle is valid but slower)."""
+        return k >= self.split_k * self.bk
+
 
 def default_config(
     m: int, n: int, k: int, *, packed_decode: bool = False, block_scaled: bool = False, multiprocessors: int = 132
