@@ -140,7 +140,8 @@ def test_planned_cublaslt_calls_match_the_twin_and_scaled_mm():
     eager and graph-replayed calls give the same bits."""
     from mxgemm.kernels import cublaslt, fp8_gemm
 
-    status = cublaslt.plan_status(torch.cuda.current_device())
+    index = torch.cuda.current_device()
+    status = cublaslt.plan_status(index, torch.cuda.get_device_capability(index))
     if not status:
         pytest.skip(status.reason)
     for m, n, k in [(300, 4096, 4096), (1000, 130, 416), (257, 28672, 4096), (4096, 4160, 14336)]:

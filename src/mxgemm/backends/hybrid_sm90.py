@@ -155,7 +155,7 @@ class HybridSM90Backend(Backend):
         if not answer:
             return answer
         small, fp8 = small_m_status(device.capability), fp8_gemm.fp8_gemm_status(device.capability)
-        planned = cublaslt.plan_status(device.index)
+        planned = cublaslt.plan_status(device.index, device.capability)
         missing = "; ".join(status.reason for status in (small, fp8, planned) if not status)
         return Availability(
             True,
@@ -179,7 +179,7 @@ class HybridSM90Backend(Backend):
         info["small_m"] = bool(small_m_status(capability))
         if fp8_gemm.fp8_gemm_status(capability):
             info["fp8_sms"] = torch.cuda.get_device_properties(qdata.device).multi_processor_count
-        info["blockwise_plan"] = capability is not None and bool(cublaslt.plan_status(qdata.device.index))
+        info["blockwise_plan"] = capability is not None and bool(cublaslt.plan_status(qdata.device.index, capability))
         info["crossover"] = hybrid_crossover(*qdata.shape, small_m=info["small_m"], fp8="fp8_sms" in info)
         return PreparedWeight(self.name, recipe, *qdata.shape, tensors, info)
 

@@ -118,12 +118,13 @@ def _library() -> ctypes.CDLL:
 
 
 @functools.cache
-def plan_status(index: int) -> Availability:
-    """Whether planned cuBLASLt calls (:func:`linear_plan`) run on CUDA device ``index``: the CUDA 1x128 quantizer
-    built, ``csrc/blockwise.cu`` built against ``cublasLt.h``, and a probe against the twin; the reason if not."""
+def plan_status(index: int, capability: tuple[int, int] | None) -> Availability:
+    """Whether planned cuBLASLt calls (:func:`linear_plan`) run on CUDA device ``index`` (of ``capability``): the
+    CUDA 1x128 quantizer built, ``csrc/blockwise.cu`` built against ``cublasLt.h``, and a probe against the twin;
+    the reason if not."""
     from .fp8_gemm import fp8_gemm_status
 
-    quantizer = fp8_gemm_status(torch.cuda.get_device_capability(index))
+    quantizer = fp8_gemm_status(capability)
     if not quantizer:
         return Availability(False, f"planned cuBLASLt calls need the CUDA quantizer ({quantizer.reason})")
     try:
