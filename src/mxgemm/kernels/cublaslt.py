@@ -62,14 +62,21 @@ def probe_blockwise(index: int) -> Availability:
     """Run one small blockwise GEMM on CUDA device ``index`` and compare it with its emulated twin (cached)."""
 
     def run():
-        from ..block128 import dequantize_1x128, prepare_block128, quantize_1x128, reencode_block128
-
-        t, x = probe_operands(index, 256, 512, 4)
-        tensors, _ = prepare_block128(t.qdata, t.scale)
-        ref = dequantize_1x128(*quantize_1x128(x)) @ reencode_block128(t.qdata, t.scale).dequantize().T
+        tensors, x, ref = _probe_problem(index)
         return blockwise_linear(x, tensors["qdata"], tensors["block_scale"], 256, None), ref
 
     return probe_against_twin("cuBLASLt 1x128 x 128x128 blockwise FP8 GEMM", run)
+
+
+def _probe_problem(index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A probe's operands on CUDA device ``index``: a prepared 256 x 512 block weight, bf16 activations [4, 512] and
+    their emulated product."""
+    from ..block128 import dequantize_1x128, prepare_block128, quantize_1x128, reencode_block128
+
+    t, x = probe_operands(index, 256, 512, 4)
+    tensors, _ = prepare_block128(t.qdata, t.scale)
+    ref = dequantize_1x128(*quantize_1x128(x)) @ reencode_block128(t.qdata, t.scale).dequantize().T
+    return tensors, x, ref
 
 
 def blockwise_device_check(device: DeviceInfo) -> Availability:
@@ -134,11 +141,7 @@ def plan_status(index: int, capability: tuple[int, int] | None) -> Availability:
         return Availability(False, f"planned cuBLASLt calls unavailable: {exc}")
 
     def run():
-        from ..block128 import dequantize_1x128, prepare_block128, quantize_1x128, reencode_block128
-
-        t, x = probe_operands(index, 256, 512, 4)
-        tensors, _ = prepare_block128(t.qdata, t.scale)
-        ref = dequantize_1x128(*quantize_1x128(x)) @ reencode_block128(t.qdata, t.scale).dequantize().T
+        tensors, x, ref = _probe_problem(index)
         return linear_plan(tensors["qdata"], tensors["block_scale"], 256, 512, 4, x.dtype)(x, None), ref
 
     return probe_against_twin("planned cuBLASLt calls", run)
