@@ -37,10 +37,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rows", type=int, default=18)
     parser.add_argument("--graphs", action="store_true", help="also profile decode steps under CUDA graphs")
+    parser.add_argument("--batch", type=int, default=1, help="prompts of the generate calls profiled")
     args = parser.parse_args()
     for who in ("bf16", "mxgemm"):
         model, _ = build(args.layers, who, ())
-        ids = torch.randint(100, 120000, (1, 512), device="cuda")
+        ids = torch.randint(100, 120000, (args.batch, 512), device="cuda")
         with torch.inference_mode():
             for m in (1, 512, 2048):
                 x = torch.randn(1, m, 4096, device="cuda", dtype=torch.bfloat16)
