@@ -263,7 +263,9 @@ def test_shipped_h200_file_is_found_and_names_tactics_the_backends_offer():
     data = json.loads(autotune.shipped_cache_path(h200).read_text())
     assert data["metadata"]["gpu"] == "NVIDIA H200" and data["metadata"]["sm"] == 90
     assert data["metadata"]["kernels"] == source_digest(), "the shipped tuning file was made on other kernels"
-    assert len(data["entries"]) >= 180  # the llama3-8b, llama3-70b and hidden-7168 sets: 12 shapes x 15 buckets
+    assert len(data["entries"]) >= 225  # the llama3-8b, llama3-70b, hidden-7168 and llama3-8b-hf sets: 15 shapes x 15
+    shapes = {tuple(key.split("|")[3:5]) for key in data["entries"]}
+    assert {("n1024", "k4096"), ("n14336", "k4096"), ("n128256", "k4096")} <= shapes  # Hugging Face's own layers
     for key, record in data["entries"].items():
         op, backend, m, n, k, *_ = key.split("|")
         assert op == "linear" and backend == "hybrid_sm90", key
