@@ -14,29 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
+from op_overhead import per_call_us  # beside this script (its folder is on sys.path when run)
 
 import mxgemm
 from mxgemm.bench import environment
 from mxgemm.kernels import fp8_gemm
 from mxgemm.kernels.fp8_gemm import SwapAB
-
-
-def per_call_us(fn, calls: int, repeats: int) -> float:
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
 
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -82,7 +68,7 @@ def main() -> None:
         "bf16 F.linear 6144x4096 M=24": lambda: F.linear(xm, wb),
     }
     with torch.inference_mode():
-        result = {name: per_call_us(fn, args.calls, args.repeats) for name, fn in rows.items()}
+        result = {name: per_call_us(fn, args.calls, args.repeats, warmup=100) for name, fn in rows.items()}
     out = {"device": environment(mxgemm.describe_device()), "us_per_call": result}
     if args.json:
         with open(args.json, "w") as f:

@@ -20,9 +20,10 @@ from mxgemm.device import describe_device
 from mxgemm.ops import linear_op
 
 
-def per_call_us(fn, calls: int = 3000, repeats: int = 7) -> float:
-    """Best of ``repeats`` rounds of ``calls`` back-to-back calls (synchronized at the end on a GPU)."""
-    for _ in range(200):
+def per_call_us(fn, calls: int = 3000, repeats: int = 7, warmup: int = 200) -> float:
+    """Best of ``repeats`` rounds of ``calls`` back-to-back calls, after ``warmup`` calls (synchronized at the end on
+    a GPU)."""
+    for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(repeats):
