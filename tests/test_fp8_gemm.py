@@ -132,8 +132,15 @@ def test_launch_plans_mirror_the_c_structures():
     """The ctypes structures of the plan entry points have the sizes the CUDA sources assert for theirs (a field
     added on one side only fails here or at compile time)."""
     import ctypes
+    import re
+    from pathlib import Path
 
     from mxgemm.kernels import small_m
 
-    assert ctypes.sizeof(fp8_gemm._LinearPlan) == 96
-    assert ctypes.sizeof(small_m._Plan) == 56
+    csrc = Path(fp8_gemm.__file__).parent / "csrc"
+
+    def asserted(source: str, struct: str) -> int:
+        return int(re.search(rf"static_assert\(sizeof\({struct}\) == (\d+)", (csrc / source).read_text()).group(1))
+
+    assert ctypes.sizeof(fp8_gemm._LinearPlan) == asserted("fp8_gemm.cu", "LinearPlan") == 112
+    assert ctypes.sizeof(small_m._Plan) == asserted("small_m.cu", "SmallMPlan") == 56

@@ -155,7 +155,7 @@ def test_auto_runs_one_kernel_eagerly_and_two_under_capture():
     qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
     x = random_act(32, 4096, device="cuda")
     cfg = fp8_default(32, *qd.shape, torch.cuda.get_device_properties(0).multi_processor_count)
-    plan = fp8_gemm.linear_plan(qd, bs, 4096, 4096, 32, cfg)
+    plan = fp8_gemm.linear_plan(qd, bs, 4096, 4096, 32, cfg, graphed=False)
     eager = plan(x, None)
     names = kernels_launched(lambda: plan(x, None))
     assert len(names) == 1 and "fp8_gemm_kernel" in names[0] and "true" in names[0], names
@@ -167,3 +167,29 @@ def test_auto_runs_one_kernel_eagerly_and_two_under_capture():
     names = kernels_launched(graph.replay)
     assert any("quant_1x128" in n for n in names) and any("false" in n for n in names), names
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (24, 6144, 4096), (64, 4096, 14336), (100, 130, 416)])
+def test_graphed_plans_give_the_direct_launches_bits_call_after_call(m, n, k):
+    """A graphed plan launches the quantizer and the GEMM as one CUDA graph, each call's pointers, strides and bias
+    set into its nodes: the bits of direct launches, call after call on fresh tensors, bf16 and fp16; under capture
+    it launches directly."""
+    q, s = random_mx_weight(n, k, seed=m, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
+    cfg = fp8_default(m, *qd.shape, torch.cuda.get_device_properties(0).multi_processor_count)
+    graphed = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg)
+    direct = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, fused=False, graphed=False)
+    for i in range(4):  # rows 8 * i elements apart beyond k: each call's activations and row stride are new
+        x = random_act(m, k + 8 * i, seed=i, device="cuda")[:, :k]
+        bias = torch.randn(n, device="cuda").bfloat16() if i % 2 else None
+        assert torch.equal(graphed(x, bias), direct(x, bias)), i
+        x16 = x.half()
+        assert torch.equal(graphed(x16, None), direct(x16, None)), i
+    names = kernels_launched(lambda: graphed(x, None))
+    assert len(names) == 2 and any("quant_1x128" in n for n in names), names
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = graphed(x, None)
+    graph.replay()
+    assert torch.equal(captured, direct(x, None))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,13 +51,14 @@ class _LinearPlan(ctypes.Structure):
 
     _fields_ = [("W", _P), ("S", _P)] + [(name, _I) for name in ("s_stride", "x_fp16", "K", "M", "Mp", "N", "Np", "Kp",
                "tokm", "tn", "rows", "kc", "splits", "stages", "fused")] + [("ws_offset", ctypes.c_longlong),
-               ("q_bytes", ctypes.c_longlong)]  # fmt: skip
+               ("q_bytes", ctypes.c_longlong), ("graph", _P), ("graphed", _I), ("reserved", _I)]  # fmt: skip
 
 
 @functools.cache
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel for sm_90a. Raises RuntimeError when it cannot be built."""
-    names = ("mxgemm_fp8_gemm", "mxgemm_fp8_gemm_tokm", "mxgemm_quant_1x128", "mxgemm_fp8_linear_run")
+    names = ("mxgemm_fp8_gemm", "mxgemm_fp8_gemm_tokm", "mxgemm_quant_1x128", "mxgemm_fp8_linear_run",
+             "mxgemm_fp8_linear_plan_free")  # fmt: skip
     lib = nvcc.build(_SOURCE, capability, suffix="a", symbols=names)
     for name, args in (
         ("mxgemm_fp8_gemm", [*_GEMM_ARGS, *[_I] * 6, _P]),  # + tn, rw, kc, splits, stages, pdl, stream
@@ -66,6 +68,7 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL:
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, _I
+    lib.mxgemm_fp8_linear_plan_free.argtypes, lib.mxgemm_fp8_linear_plan_free.restype = [_P], None
     return lib
 
 
@@ -206,6 +209,7 @@ def linear_plan(
     m: int,
     config: Fp8Config,
     fused: bool | str = "auto",
+    graphed: bool = True,
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
     """``(x, bias) -> y`` for M rows on this weight and config: ``x`` [M, k] bf16/fp16 (unit stride along K),
     ``bias`` contiguous bf16 [n] or None, ``y`` bf16 [M, n]. One ctypes call, whose arguments but for the pointers of
@@ -214,7 +218,9 @@ def linear_plan(
     16-byte aligned rows, a swap-AB config of one row tile and up to 32 tokens, its stages, which grow by the bf16
     tile, within shared memory); both give the same bits. ``"auto"``: the fused kernel where it can run and the
     stream is not capturing a CUDA graph (eager calls are bound by host time, and it saves a launch), else the two
-    (under graph replay only device time counts)."""
+    (under graph replay only device time counts). ``graphed``: outside stream capture, the quantizer and the GEMM
+    launch as one CUDA graph of the plan's (made on the first such call), their arguments set per call: one launch's
+    host time for both, and the two kernels' device time (the fused kernel then never runs)."""
     np_, kp = qdata.shape
     if not config.valid(kp) or fused not in _FUSED:
         raise ValueError(f"the FP8 kernel cannot run config {config} (fused={fused!r}) on a [{np_}, {kp}] weight")
@@ -230,6 +236,7 @@ def linear_plan(
     plan = _LinearPlan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), 0, k, m, mp, n, np_, kp,
                        int(tokm), config.tn, config.wn if tokm else config.rw, 1 if tokm else config.kc,
                        config.splits, config.stages, _FUSED[fused], ws_offset, q_bytes)  # fmt: skip
+    plan.graphed = int(graphed)
     plans = {torch.bfloat16: plan, torch.float16: _LinearPlan.from_buffer_copy(plan)}
     plans[torch.float16].x_fp16 = 1
     addresses = {dtype: ctypes.addressof(p) for dtype, p in plans.items()}
@@ -245,7 +252,15 @@ def linear_plan(
         return buf[:m]
 
     launch.plans = plans  # the structures the addresses point into live as long as the launcher
+    free = library(torch.cuda.get_device_capability(device)).mxgemm_fp8_linear_plan_free
+    weakref.finalize(launch, _free_plans, free, list(plans.values()))
     return launch
+
+
+def _free_plans(free, plans: list[_LinearPlan]) -> None:
+    """Free the CUDA graphs the plans made (their structures are freed with the list)."""
+    for plan in plans:
+        free(ctypes.addressof(plan))
 
 
 def fp8_linear(
