@@ -218,9 +218,9 @@ def linear_plan(
     16-byte aligned rows, a swap-AB config of one row tile and up to 32 tokens, its stages, which grow by the bf16
     tile, within shared memory); both give the same bits. ``"auto"``: the fused kernel where it can run and the
     stream is not capturing a CUDA graph (eager calls are bound by host time, and it saves a launch), else the two
-    (under graph replay only device time counts). ``graphed``: outside stream capture, the quantizer and the GEMM
-    launch as one CUDA graph of the plan's (made on the first such call), their arguments set per call: one launch's
-    host time for both, and the two kernels' device time (the fused kernel then never runs)."""
+    (under graph replay only device time counts). ``graphed`` (with ``fused`` False or "auto"): outside stream
+    capture, the quantizer and the GEMM launch as one CUDA graph of the plan's (made on the first such call), their
+    arguments set per call: one launch's host time for both, and the two kernels' device time."""
     np_, kp = qdata.shape
     if not config.valid(kp) or fused not in _FUSED:
         raise ValueError(f"the FP8 kernel cannot run config {config} (fused={fused!r}) on a [{np_}, {kp}] weight")
