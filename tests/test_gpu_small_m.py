@@ -74,3 +74,27 @@ def test_bias_and_fp16_activations_fall_back_exactly():
     y16 = mxgemm.linear(x.half(), w)  # fp16: the Triton path runs it
     assert y16.dtype == torch.float16
     assert_within_ulp(y16, exact_product(*_exact(x.half(), q, s)), what="fp16 activations")
+
+
+@pytest.mark.parametrize("m", [1, 9, 16])
+def test_graphed_plans_give_the_direct_launches_bits_call_after_call(m):
+    """A graphed small-M plan launches its kernel as a CUDA graph, each call's activations, bias and output set into
+    its node: the bits of direct launches, call after call on fresh tensors; under capture it launches directly."""
+    from mxgemm.backends.hybrid_sm90 import small_m_default
+    from mxgemm.kernels.small_m import linear_plan
+
+    q, s = random_mx_weight(4096, 4096, seed=m, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
+    cfg = small_m_default(*qd.shape)
+    graphed = linear_plan(qd, bs, 4096, 4096, m, cfg)
+    direct = linear_plan(qd, bs, 4096, 4096, m, cfg, graphed=False)
+    for i in range(4):
+        x = random_act(m, 4096, seed=i, device="cuda")
+        bias = torch.randn(4096, device="cuda").bfloat16() if i % 2 else None
+        assert torch.equal(graphed(x, bias), direct(x, bias)), i
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = graphed(x, None)
+    graph.replay()
+    assert torch.equal(captured, direct(x, None))

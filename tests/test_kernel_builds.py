@@ -143,3 +143,14 @@ def test_cublaslt_header_is_found_beside_nvcc_or_in_the_cublas_wheel(toolkit, tm
             cublaslt._library()
     finally:
         cublaslt._library.cache_clear()
+
+
+def test_a_header_beside_the_source_is_part_of_the_key(toolkit):
+    """A change to a header the sources include (csrc/*.cuh) builds anew: the key covers the headers."""
+    source, _ = toolkit
+    _, _, before = nvcc._build_key(source, (9, 0), "")
+    (source.parent / "shared.cuh").write_text("// a header\n")
+    _, _, after = nvcc._build_key(source, (9, 0), "")
+    (source.parent / "shared.cuh").write_text("// a header, changed\n")
+    _, _, changed = nvcc._build_key(source, (9, 0), "")
+    assert len({before, after, changed}) == 3

@@ -53,8 +53,10 @@ class Path(StrEnum):
 
 
 def fused_for(m: int, n: int, k: int) -> bool | str:
-    """How the FP8 plan launches for M rows of an [n, k] weight (``fp8_gemm.linear_plan``'s ``fused``): the fused
-    kernel outside graph capture ("auto") up to M = 32 on weights of at most 16Mi elements, else quantizer + GEMM.
+    """How the FP8 plan launches for M rows of an [n, k] weight (``fp8_gemm.linear_plan``'s ``fused``) where its
+    eager calls cannot launch the quantizer and the GEMM as one CUDA graph (they do wherever the graph can be made):
+    the fused kernel outside graph capture ("auto") up to M = 32 on weights of at most 16Mi elements, else quantizer
+    + GEMM.
 
     Measured on the H200: the fused kernel saves 3-5 µs of an eager call's host time, and there an eager call is bound
     by host time (about 16-20 µs) while the fused kernel's device time is 9-15 µs (4096 x 4096, 3584 x 3584 and

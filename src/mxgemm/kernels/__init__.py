@@ -6,8 +6,11 @@ The helpers here serve the bindings of the CUDA kernels (``small_m``, ``fp8_gemm
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
+import weakref
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -32,3 +35,14 @@ def check_bf16_bias(bias: torch.Tensor | None, n: int) -> None:
     """The kernels add a bias in their epilogue only as a contiguous bf16 ``[n]`` tensor."""
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous bf16 [{n}] tensor, got {bias.dtype} {tuple(bias.shape)}")
+
+
+def free_with(launch: Callable, free: Callable, plans: Iterable[ctypes.Structure]) -> None:
+    """When ``launch`` is dropped, ``free`` (a C function taking a plan's address) releases what each of ``plans``
+    made (their CUDA graphs); the structures stay alive until then."""
+    weakref.finalize(launch, _free_each, free, list(plans))
+
+
+def _free_each(free: Callable, plans: list[ctypes.Structure]) -> None:
+    for plan in plans:
+        free(ctypes.addressof(plan))

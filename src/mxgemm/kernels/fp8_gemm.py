@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 from ..availability import Availability
 from ..block128 import padded_1x128_shape
-from . import check_bf16_bias, nvcc, raw_stream
+from . import check_bf16_bias, free_with, nvcc, raw_stream
 
 logger = logging.getLogger("mxgemm")
 
@@ -252,15 +251,8 @@ def linear_plan(
         return buf[:m]
 
     launch.plans = plans  # the structures the addresses point into live as long as the launcher
-    free = library(torch.cuda.get_device_capability(device)).mxgemm_fp8_linear_plan_free
-    weakref.finalize(launch, _free_plans, free, list(plans.values()))
+    free_with(launch, library(torch.cuda.get_device_capability(device)).mxgemm_fp8_linear_plan_free, plans.values())
     return launch
-
-
-def _free_plans(free, plans: list[_LinearPlan]) -> None:
-    """Free the CUDA graphs the plans made (their structures are freed with the list)."""
-    for plan in plans:
-        free(ctypes.addressof(plan))
 
 
 def fp8_linear(

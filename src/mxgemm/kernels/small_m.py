@@ -20,7 +20,7 @@ import torch
 
 from ..availability import Availability
 from ..recipes import SMALL_M_MAX
-from . import check_bf16_bias, nvcc, raw_stream
+from . import check_bf16_bias, free_with, nvcc, raw_stream
 
 logger = logging.getLogger("mxgemm")
 
@@ -44,21 +44,24 @@ _K_PER_CTA = 512  # 4 warps x 128
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel library for a GPU architecture. Raises RuntimeError with
     nvcc's message when it cannot be built."""
-    lib = nvcc.build(_SOURCE, capability, symbols=("mxgemm_small_m", "mxgemm_small_m_run"))
+    lib = nvcc.build(_SOURCE, capability, symbols=("mxgemm_small_m", "mxgemm_small_m_run", "mxgemm_small_m_plan_free"))
     p, i = ctypes.c_void_p, ctypes.c_int
     # W, S, s_stride, X, bias, Y, ldy, M, K, N, Np, Kp, rt, splits, stages, stream
     lib.mxgemm_small_m.argtypes = [p, p, i, p, p, p, *[i] * 9, p]
     lib.mxgemm_small_m_run.argtypes = [p, p, p, p, p]  # plan, X, bias, Y, stream
     lib.mxgemm_small_m.restype = lib.mxgemm_small_m_run.restype = i
+    lib.mxgemm_small_m_plan_free.argtypes, lib.mxgemm_small_m_plan_free.restype = [p], None
     return lib
 
 
 class _Plan(ctypes.Structure):
     """``SmallMPlan`` of csrc/small_m.cu: a call's fixed arguments."""
 
-    _fields_ = [("W", ctypes.c_void_p), ("S", ctypes.c_void_p)] + [
-        (name, ctypes.c_int) for name in ("s_stride", "M", "K", "N", "Np", "Kp", "rt", "splits", "stages")
-    ]
+    _fields_ = (
+        [("W", ctypes.c_void_p), ("S", ctypes.c_void_p)]
+        + [(name, ctypes.c_int) for name in ("s_stride", "M", "K", "N", "Np", "Kp", "rt", "splits", "stages")]
+        + [("graph", ctypes.c_void_p), ("graphed", ctypes.c_int), ("reserved", ctypes.c_int)]
+    )
 
 
 @functools.cache
@@ -101,18 +104,26 @@ def accepts(x: torch.Tensor) -> bool:
 
 
 def linear_plan(
-    qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, config: SmallMConfig
+    qdata: torch.Tensor,
+    block_scale: torch.Tensor,
+    n: int,
+    k: int,
+    m: int,
+    config: SmallMConfig,
+    graphed: bool = True,
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
     """``(x, bias) -> y`` for M rows (M <= 16): ``x`` bf16 [M, k] that :func:`accepts`, ``bias`` contiguous bf16
     [n] or None, ``y`` bf16 [M, n]; ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128]. One
-    ctypes call per launch, its arguments but the call's pointers computed here, once."""
+    ctypes call per launch, its arguments but the call's pointers computed here, once. ``graphed``: outside stream
+    capture, the kernel launches as a CUDA graph of the plan's (made on the first such call), its arguments set per
+    call, which costs less host time than a launch (``csrc/graph_launch.cuh``)."""
     np_, kp = qdata.shape
     if not 1 <= m <= MAX_M or not config.valid(np_, kp):
         raise ValueError(f"the small-M kernel cannot run M={m} with config {config} on a [{np_}, {kp}] weight")
     device = qdata.device
     fn = library(torch.cuda.get_device_capability(device)).mxgemm_small_m_run
     plan = _Plan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), m, k, n, np_, kp, config.rt,
-                 config.splits, config.stages)  # fmt: skip
+                 config.splits, config.stages, None, int(graphed))  # fmt: skip
     address = ctypes.addressof(plan)
     index = device.index
 
@@ -124,6 +135,7 @@ def linear_plan(
         return y
 
     launch.plan = plan  # the structure the address points into lives as long as the launcher
+    free_with(launch, library(torch.cuda.get_device_capability(device)).mxgemm_small_m_plan_free, [plan])
     return launch
 
 

@@ -31,8 +31,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include <cstring>
-#include <mutex>
+#include "graph_launch.cuh"
 
 #include <type_traits>
 
@@ -567,52 +566,6 @@ __global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ 
   if (G > 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// A launch recorded instead of made: the kernel, its configuration and a copy of its arguments. A call whose
-// launches go into a CUDA graph runs the same launch code with a Recorder set, then gives the graph's kernel nodes
-// what was recorded (mxgemm_fp8_linear_run).
-struct Recorded {
-  const void* func;
-  dim3 grid, block;
-  size_t smem;
-  alignas(64) unsigned char args[512];  // the arguments, each at its alignment (a CUtensorMap at 64 bytes)
-  void* params[12];
-  int count;
-};
-
-struct Recorder {
-  Recorded launches[2];
-  int count = 0;
-  bool overflow = false;
-};
-
-thread_local Recorder* recorder = nullptr;
-
-template <typename T>
-void record_arg(Recorded& r, size_t& offset, const T& value) {
-  offset = (offset + alignof(T) - 1) / alignof(T) * alignof(T);
-  memcpy(r.args + offset, &value, sizeof(T));
-  r.params[r.count++] = r.args + offset;
-  offset += sizeof(T);
-}
-
-// cudaLaunchKernelEx, or (a Recorder set) a record of the launch
-template <typename... Params, typename... Actual>
-cudaError_t launch_or_record(void (*kernel)(Params...), const cudaLaunchConfig_t& config, Actual&&... actual) {
-  if (!recorder) return cudaLaunchKernelEx(&config, kernel, std::forward<Actual>(actual)...);
-  static_assert(sizeof...(Params) <= 12, "more kernel parameters than a record holds");
-  if (recorder->count == 2) {
-    recorder->overflow = true;
-    return cudaSuccess;
-  }
-  Recorded& r = recorder->launches[recorder->count++];
-  r.func = reinterpret_cast<const void*>(kernel);
-  r.grid = config.gridDim, r.block = config.blockDim, r.smem = config.dynamicSmemBytes;
-  r.count = 0;
-  size_t offset = 0;
-  (record_arg(r, offset, static_cast<std::decay_t<Params>>(actual)), ...);
-  return offset <= sizeof(r.args) ? cudaSuccess : cudaErrorInvalidValue;
-}
-
 // Four K groups a warp from this many one-group blocks (two waves of them at 16 blocks an SM): fewer blocks keep one
 constexpr int QUANT_GROUPED_FROM = 4096;
 
@@ -624,6 +577,7 @@ cudaError_t launch_quant(const void* X, int ldx, int M, int K, void* XQ, void* X
   config.gridDim = dim3(Mp / 4, Kp / ((grouped ? 4 : 1) * BK));
   config.blockDim = dim3(128);
   config.stream = st;
+  using graph_launch::launch_or_record;
   return grouped ? launch_or_record(quant_1x128_kernel<T, 4>, config, (const T*)X, ldx, M, K, (uint32_t*)XQ,
                                     (float*)XS, Mp, Kp)
                  : launch_or_record(quant_1x128_kernel<T, 1>, config, (const T*)X, ldx, M, K, (uint32_t*)XQ,
@@ -724,7 +678,7 @@ int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const Activ
   attr[1].val.programmaticStreamSerializationAllowed = pdl;
   config.attrs = attr;
   config.numAttrs = 2;
-  cerr = launch_or_record(kernel, config, wmap, xmap, a);
+  cerr = graph_launch::launch_or_record(kernel, config, wmap, xmap, a);
   return (int)(cerr != cudaSuccess ? cerr : cudaGetLastError());
 }
 
@@ -924,135 +878,20 @@ int run_plan(const LinearPlan* p, const void* X, int ldx, const void* bias, void
                            p->fused, stream);
 }
 
-// A plan's kernels as one CUDA graph: captured once (on a stream of its own, never run there), then on every call
-// its kernel nodes get that call's arguments and the graph is launched: one launch's host time for the quantizer and
-// the GEMM (a replayed graph costs a fraction of two kernel launches on the hosts measured).
-struct PlanGraph {
-  std::mutex mutex;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  cudaGraphNode_t nodes[2] = {};  // in launch order
-  int count = 0;
-  bool broken = false;  // capture or instantiation failed: launch directly
-};
-
-constexpr int kNotGraphed = -10;
-
-cudaStream_t capture_stream(int device) {
-  static std::mutex mutex;
-  static cudaStream_t streams[64] = {};
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device >= 0 && device < 64 && !streams[device]) cudaStreamCreateWithFlags(&streams[device], cudaStreamNonBlocking);
-  return device >= 0 && device < 64 ? streams[device] : nullptr;
-}
-
-// Capture the plan's launches for this call into g (kernel nodes matched to the recorded launches by function)
-bool build(PlanGraph& g, const LinearPlan* p, const Recorder& rec, const void* X, int ldx, const void* bias, void* Y) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  cudaStream_t cs = capture_stream(device);
-  if (!cs || cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return false;
-  const int err = run_plan(p, X, ldx, bias, Y, cs);
-  cudaGraph_t graph = nullptr;
-  const cudaError_t end = cudaStreamEndCapture(cs, &graph);
-  if (err || end != cudaSuccess || !graph) {
-    if (graph) cudaGraphDestroy(graph);
-    cudaGetLastError();
-    return false;
-  }
-  cudaGraphNode_t found[4];
-  size_t n = 4;
-  if (cudaGraphGetNodes(graph, found, &n) != cudaSuccess || n != (size_t)rec.count) {
-    cudaGraphDestroy(graph);
-    return false;
-  }
-  for (int i = 0; i < rec.count; ++i) {
-    g.nodes[i] = nullptr;
-    for (size_t j = 0; j < n; ++j) {
-      cudaKernelNodeParams kp = {};
-      if (cudaGraphKernelNodeGetParams(found[j], &kp) == cudaSuccess && kp.func == rec.launches[i].func)
-        g.nodes[i] = found[j];
-    }
-    if (!g.nodes[i]) {
-      cudaGraphDestroy(graph);
-      return false;
-    }
-  }
-  if (cudaGraphInstantiate(&g.exec, graph, 0) != cudaSuccess) {
-    cudaGraphDestroy(graph);
-    cudaGetLastError();
-    return false;
-  }
-  g.graph = graph;
-  g.count = rec.count;
-  return true;
-}
-
-// The call as a launch of the plan's graph, or kNotGraphed (a capturing stream, a call whose launches differ from
-// the graph's, a graph that could not be made): then the caller launches directly
-int run_graphed(LinearPlan* p, const void* X, int ldx, const void* bias, void* Y, cudaStream_t st) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(st, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
-    cudaGetLastError();
-    return kNotGraphed;
-  }
-  static std::mutex create;
-  PlanGraph* g;
-  {
-    std::lock_guard<std::mutex> lock(create);
-    if (!p->graph) p->graph = new PlanGraph();
-    g = static_cast<PlanGraph*>(p->graph);
-  }
-  std::lock_guard<std::mutex> lock(g->mutex);
-  if (g->broken) return kNotGraphed;
-  // the quantizer and the GEMM, never the fused kernel: launched as one graph, two kernels cost no more host time,
-  // and they take less device time
-  LinearPlan two = *p;
-  two.fused = 0;
-  Recorder rec;
-  recorder = &rec;
-  const int err = run_plan(&two, X, ldx, bias, Y, st);
-  recorder = nullptr;
-  if (err) return err;
-  if (rec.overflow || rec.count == 0) return kNotGraphed;
-  if (!g->exec && !build(*g, &two, rec, X, ldx, bias, Y)) {
-    g->broken = true;
-    return kNotGraphed;
-  }
-  if (rec.count != g->count) return kNotGraphed;
-  for (int i = 0; i < rec.count; ++i) {
-    const Recorded& r = rec.launches[i];
-    cudaKernelNodeParams kp = {};
-    kp.func = const_cast<void*>(r.func);
-    kp.gridDim = r.grid;
-    kp.blockDim = r.block;
-    kp.sharedMemBytes = (unsigned)r.smem;
-    kp.kernelParams = const_cast<void**>(r.params);
-    const cudaError_t set = cudaGraphExecKernelNodeSetParams(g->exec, g->nodes[i], &kp);
-    if (set != cudaSuccess) {  // a launch the graph's node cannot take
-      cudaGetLastError();
-      return kNotGraphed;
-    }
-  }
-  return (int)cudaGraphLaunch(g->exec, st);
-}
-
 }  // namespace
 
 extern "C" int mxgemm_fp8_linear_run(LinearPlan* p, const void* X, int ldx, const void* bias, void* Y, void* stream) {
   if (p->graphed && p->fused != 1) {  // fused = 1 asks for the fused kernel itself
-    const int err = run_graphed(p, X, ldx, bias, Y, (cudaStream_t)stream);
-    if (err != kNotGraphed) return err;
+    // the quantizer and the GEMM, never the fused kernel: launched as one graph (graph_launch.cuh), two kernels cost
+    // no more host time, and they take less device time
+    LinearPlan two = *p;
+    two.fused = 0;
+    const int err = graph_launch::run_as_graph(
+        &p->graph, [&](cudaStream_t s) { return run_plan(&two, X, ldx, bias, Y, s); }, (cudaStream_t)stream);
+    if (err != graph_launch::kNotGraphed) return err;
   }
   return run_plan(p, X, ldx, bias, Y, stream);
 }
 
 // Frees what a plan made (its graph); the plan's memory is its owner's
-extern "C" void mxgemm_fp8_linear_plan_free(LinearPlan* p) {
-  PlanGraph* g = static_cast<PlanGraph*>(p->graph);
-  if (!g) return;
-  if (g->exec) cudaGraphExecDestroy(g->exec);
-  if (g->graph) cudaGraphDestroy(g->graph);
-  delete g;
-  p->graph = nullptr;
-}
+extern "C" void mxgemm_fp8_linear_plan_free(LinearPlan* p) { graph_launch::free_plan_graph(&p->graph); }

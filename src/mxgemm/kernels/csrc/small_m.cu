@@ -22,6 +22,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "graph_launch.cuh"
+
 namespace cg = cooperative_groups;
 
 namespace {
@@ -270,7 +272,7 @@ int launch_clustered(const Args& a, dim3 grid, int threads, int smem, cudaStream
   attr[0].val.clusterDim.z = 1;
   config.attrs = attr;
   config.numAttrs = 1;
-  err = cudaLaunchKernelEx(&config, Kernel, a);
+  err = graph_launch::launch_or_record(Kernel, config, a);
   return (int)(err != cudaSuccess ? err : cudaGetLastError());
 }
 
@@ -308,14 +310,28 @@ extern "C" int mxgemm_small_m(const void* W, const void* S, int s_stride, const 
 
 // What mxgemm_small_m_run takes besides the call's pointers: everything fixed for one weight, config and M (one
 // ctypes argument instead of a dozen: each costs host time on every call); the output's row stride is N.
+// `graphed`: outside stream capture, launch as a CUDA graph (`graph`: graph_launch.cuh; freed by
+// mxgemm_small_m_plan_free).
 struct SmallMPlan {
   const void* W;
   const void* S;
   int s_stride, M, K, N, Np, Kp, rt, splits, stages;
+  void* graph;
+  int graphed, reserved;
 };
-static_assert(sizeof(SmallMPlan) == 56, "small_m._Plan mirrors this layout");
+static_assert(sizeof(SmallMPlan) == 72, "small_m._Plan mirrors this layout");
 
-extern "C" int mxgemm_small_m_run(const SmallMPlan* p, const void* X, const void* bias, void* Y, void* stream) {
-  return mxgemm_small_m(p->W, p->S, p->s_stride, X, bias, Y, p->N, p->M, p->K, p->N, p->Np, p->Kp, p->rt, p->splits,
-                        p->stages, stream);
+extern "C" int mxgemm_small_m_run(SmallMPlan* p, const void* X, const void* bias, void* Y, void* stream) {
+  auto launch = [&](cudaStream_t s) {
+    return mxgemm_small_m(p->W, p->S, p->s_stride, X, bias, Y, p->N, p->M, p->K, p->N, p->Np, p->Kp, p->rt,
+                          p->splits, p->stages, s);
+  };
+  if (p->graphed) {
+    const int err = graph_launch::run_as_graph(&p->graph, launch, (cudaStream_t)stream);
+    if (err != graph_launch::kNotGraphed) return err;
+  }
+  return launch((cudaStream_t)stream);
 }
+
+// Frees what a plan made (its graph); the plan's memory is its owner's
+extern "C" void mxgemm_small_m_plan_free(SmallMPlan* p) { graph_launch::free_plan_graph(&p->graph); }
