@@ -1,11 +1,14 @@
-"""Host time of launching work on the device machine, to choose how an eager two-kernel call (the 1x128 quantizer
-and the FP8 GEMM) should launch: as two kernel launches, or as one launch of a small CUDA graph holding both.
+"""Host time of an eager call on the device machine, taken apart: each layer of the path of an ``MXFP8Linear``
+call, from the module down to its one ctypes call, against bf16's ``nn.Linear`` and ``F.linear``; and the launch
+primitives under it.
 
-Per call, ``--calls`` back to back, synchronized once at the end, best of ``--repeats`` rounds: one and two CUDA
-quantizer launches on 4 x 128 activations (one ctypes call each); a CUDA graph of one and of two such launches,
-replayed; ``torch.empty`` of the FP8 linear's buffer; the FP8 linear of a 6144 x 4096 weight at M = 24 as two
-kernels and as the fused one; bf16 ``F.linear`` on the same shape. Tiny kernels, so that host time is what is timed
-(the device finishes each before the host issues the next).
+Per call, ``--calls`` back to back, synchronized once at the end, best of ``--repeats`` rounds. The decomposed path
+runs a 1024 x 1024 weight (device time a few µs, under the host's), at M = 4 (the small-M kernel) and M = 24
+(the quantizer and the FP8 GEMM): the module call; ``mxgemm.linear``; ``run_planned``; the weight's plan (the
+backend's closures); the kernel binding's launcher, graphed (one launch of the plan's CUDA graph) and not (two
+launches, and the fused kernel); its ctypes call alone into a buffer allocated once; ``torch.empty`` of its buffer
+(a size tuple and as integers) and the slice of the output rows. Then the launch primitives: one and two CUDA
+quantizer launches on 4 x 128 activations, and a CUDA graph of each replayed.
 
 Run on the device: PYTHONPATH=src python3 bench/explore/launch_cost.py --json launch-cost.json
 """
@@ -13,6 +16,7 @@ Run on the device: PYTHONPATH=src python3 bench/explore/launch_cost.py --json la
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 
 import torch
@@ -21,8 +25,8 @@ from op_overhead import per_call_us  # beside this script (its folder is on sys.
 
 import mxgemm
 from mxgemm.bench import environment
-from mxgemm.kernels import fp8_gemm
-from mxgemm.kernels.fp8_gemm import SwapAB
+from mxgemm.kernels import fp8_gemm, raw_stream, small_m
+from mxgemm.ops import run_planned
 
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -37,6 +41,54 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def path_rows(m: int) -> dict:
+    """The layers of an eager call of a 1024 x 1024 ``MXFP8Linear`` at M rows, outermost first, and bf16's."""
+    n = k = 1024
+    linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = mxgemm.MXFP8Linear.from_linear(linear, backend="hybrid_sm90")
+    w = layer._prepared
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    layer(x)  # the plan for M
+    (plan,) = w.plans.values()
+    qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
+    backend = mxgemm.backends.get_backend("hybrid_sm90")
+    tactic = backend.choose(m, w)
+    capability = torch.cuda.get_device_capability()
+    if m <= small_m.MAX_M:
+        graphed = small_m.linear_plan(qd, bs, n, k, m, tactic.config)
+        launches = {"launcher, not graphed": small_m.linear_plan(qd, bs, n, k, m, tactic.config, graphed=False)}
+        address, fn = ctypes.addressof(graphed.plan), small_m.library(capability).mxgemm_small_m_run
+        call = lambda: fn(address, x.data_ptr(), None, out.data_ptr(), raw_stream(0))  # noqa: E731
+        rows = m
+    else:
+        graphed = fp8_gemm.linear_plan(qd, bs, n, k, m, tactic.config, fused=False)
+        launches = {
+            "launcher, 2 launches": fp8_gemm.linear_plan(qd, bs, n, k, m, tactic.config, False, graphed=False),
+            # the fused kernel where the config has one (else the two launches)
+            "launcher, fused (auto)": fp8_gemm.linear_plan(qd, bs, n, k, m, tactic.config, "auto", graphed=False),
+        }
+        address = ctypes.addressof(graphed.plans[torch.bfloat16])
+        fn = fp8_gemm.library(capability).mxgemm_fp8_linear_run
+        call = lambda: fn(address, x.data_ptr(), x.stride(0), None, out.data_ptr(), raw_stream(0))  # noqa: E731
+        rows = m + 256  # at least the launcher's buffer: the output, the quantized activations, their scales
+    bf16 = torch.bfloat16
+    out = torch.empty((rows, n), dtype=bf16, device="cuda")
+    return {
+        f"M={m} MXFP8Linear module call": lambda: layer(x),
+        f"M={m} mxgemm.linear": lambda: mxgemm.linear(x, w),
+        f"M={m} run_planned": lambda: run_planned(x, w, None),
+        f"M={m} the weight's plan": lambda: plan(x, None),
+        f"M={m} launcher, graphed": lambda: graphed(x, None),
+        **{f"M={m} {name}": (lambda f=f: f(x, None)) for name, f in launches.items()},
+        f"M={m} ctypes call alone, graphed": call,
+        f"M={m} torch.empty(tuple, dtype=, device=)": lambda: torch.empty((rows, n), dtype=bf16, device="cuda"),
+        f"M={m} torch.empty(ints, dtype=, device=)": lambda: torch.empty(rows, n, dtype=bf16, device="cuda"),
+        f"M={m} slice of the output rows": lambda: out[:m],
+        f"M={m} bf16 nn.Linear module call": lambda: linear(x),
+        f"M={m} bf16 F.linear": lambda: F.linear(x, linear.weight),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
@@ -48,24 +100,13 @@ def main() -> None:
     twice = lambda: (quant(), quant())  # noqa: E731
     one, two = graph_of(quant), graph_of(twice)
 
-    n, k, m = 6144, 4096, 24
-    t = mxgemm.quantize(torch.randn(n, k, device="cuda").mul_(0.02))
-    w = mxgemm.prepare_weight(t.qdata, t.scale, backend="hybrid_sm90")
-    qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
-    xm = torch.randn(m, k, device="cuda").bfloat16()
-    config = SwapAB(32, 1, 2, 1, 6)
-    split = fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused=False)
-    fused = fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused=True)
-    wb = torch.randn(n, k, device="cuda").bfloat16()
     rows = {
+        **path_rows(4),
+        **path_rows(24),
         "quantizer, 1 launch": quant,
         "quantizer, 2 launches": twice,
         "graph of 1 launch, replayed": one.replay,
         "graph of 2 launches, replayed": two.replay,
-        "torch.empty (the FP8 linear's buffer)": lambda: torch.empty((m + 64, n), dtype=torch.bfloat16, device="cuda"),
-        "FP8 linear 6144x4096 M=24, quantizer + GEMM": lambda: split(xm, None),
-        "FP8 linear 6144x4096 M=24, fused": lambda: fused(xm, None),
-        "bf16 F.linear 6144x4096 M=24": lambda: F.linear(xm, wb),
     }
     with torch.inference_mode():
         result = {name: per_call_us(fn, args.calls, args.repeats, warmup=100) for name, fn in rows.items()}
