@@ -14,7 +14,8 @@
 #   quant   bench/explore/quantizers.py: the CUDA and Triton 1x128 quantizers under graph replay, alone and with cuBLASLt
 #   ulp     bench/explore/ulp_margins.py: each hybrid_sm90 path's worst error against its exact product
 #   op      bench/explore/op_overhead.py: host time of an eager call against the same call through mxgemm::linear
-#   profile bench/explore/e2e_profile.py --graphs: where generate's time goes, bf16 vs mxgemm, eager and graphs
+#   profile bench/explore/e2e_profile.py (PROFILE_ARGS, default --layers 4 --graphs): where generate's time goes,
+#           bf16 vs mxgemm, eager and graphs
 #   launch  bench/explore/launch_cost.py: host time of one and two launches, and of a graph of them replayed
 #   bench-hf  the llama3-8b-hf set (Hugging Face's unfused projections, lm_head included)
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
@@ -77,7 +78,7 @@ for stage in "$@"; do
     op)
       timeout 120 python3 bench/explore/op_overhead.py --json "$out/op-overhead-h200.json" 2>&1 | tail -9 ;;
     profile)
-      timeout 400 python3 bench/explore/e2e_profile.py --layers 4 --graphs > "$out/e2e-profile.txt" 2>&1
+      timeout 400 python3 bench/explore/e2e_profile.py ${PROFILE_ARGS:---layers 4 --graphs} > "$out/e2e-profile.txt" 2>&1
       grep -E "^(bf16|mxgemm) M=|^==" "$out/e2e-profile.txt" ;;
     launch)
       timeout 120 python3 bench/explore/launch_cost.py --json "$out/launch-cost-h200.json" 2>&1 | tail -10 ;;
