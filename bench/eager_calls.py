@@ -5,7 +5,8 @@ Each contender runs ``--calls`` times back to back over layers rotated so that t
 model's layers do), synchronized once at the end: the time per call is what the host (Python, launches) or the GPU,
 whichever is slower, makes the caller wait. Contenders: bf16 ``F.linear`` (with the bias where the model has one),
 ``mxgemm`` (the layer as users call it), and ``mxgemm-op`` (the same layer through the ``mxgemm::linear`` op,
-as a compiled graph calls it). Median of ``--repeats`` rounds.
+as a compiled graph calls it, on the rows flattened beforehand). The activations are [M, 1, K], as a decode step of
+M sequences passes them. Median of ``--repeats`` rounds.
 
 Run on the device: PYTHONPATH=src python3 bench/eager_calls.py --json eager.json --markdown eager.md
 """
@@ -75,10 +76,11 @@ def projection_rows(model: str, proj: str, n: int, k: int, has_bias: bool, args,
     }
     rows = []
     for m in args.m:
-        xs = [torch.randn(m, k, device="cuda", generator=g).bfloat16() for _ in range(4)]
+        xs = [torch.randn(m, 1, k, device="cuda", generator=g).bfloat16() for _ in range(4)]
         row = {"model": model, "proj": proj, "n": n, "k": k, "bias": has_bias, "m": m, "backend": layers[0].backend}
         for name, fn in contenders.items():
-            row[f"{name}_us"] = per_call_us(fn, xs, args.calls, args.repeats)
+            inputs = [x.view(m, k) for x in xs] if name == "mxgemm-op" else xs  # the op takes rows [M, K]
+            row[f"{name}_us"] = per_call_us(fn, inputs, args.calls, args.repeats)
         row["ratio"] = row["mxgemm_us"] / row["bf16_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -104,7 +106,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": env, "calls": args.calls, "repeats": args.repeats, "rows": rows}, f, indent=1)
     lines = [
-        f"Eager per-call time (µs; {args.calls} calls back to back, weights L2-cold, median of {args.repeats}); {env}",
+        f"Eager per-call time (µs; activations [M, 1, K]; {args.calls} calls back to back, weights L2-cold, median of "
+        f"{args.repeats}); {env}",
         "",
         "| model | proj | N x K | M | bf16 F.linear | mxgemm | mxgemm via op | mxgemm / bf16 |",
         "|---|---|---|---|---|---|---|---|",

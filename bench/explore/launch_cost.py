@@ -3,12 +3,12 @@ call, from the module down to its one ctypes call, against bf16's ``nn.Linear`` 
 primitives under it.
 
 Per call, ``--calls`` back to back, synchronized once at the end, best of ``--repeats`` rounds. The decomposed path
-runs a 1024 x 1024 weight (device time a few µs, under the host's), at M = 4 (the small-M kernel) and M = 24
-(the quantizer and the FP8 GEMM): the module call; ``mxgemm.linear``; ``run_planned``; the weight's plan (the
-backend's closures); the kernel binding's launcher, graphed (one launch of the plan's CUDA graph) and not (two
-launches, and the fused kernel); its ctypes call alone into a buffer allocated once; ``torch.empty`` of its buffer
-(a size tuple and as integers) and the slice of the output rows. Then the launch primitives: one and two CUDA
-quantizer launches on 4 x 128 activations, and a CUDA graph of each replayed.
+runs a 1024 x 1024 weight (device time a few µs, under the host's), at M = 4 (the small-M kernel) and M = 24 (the
+quantizer and the FP8 GEMM): the module call on [M, 1, K] and on [M, K] activations; ``mxgemm.linear``;
+``run_planned``; the weight's plan (the backend's closures); the kernel binding's launcher, graphed (one launch of
+the plan's CUDA graph) and not (two launches, and the fused kernel); its ctypes call alone into a buffer allocated
+once; ``torch.empty`` of its buffer (a size tuple and as integers) and the slice of the output rows. Then the launch
+primitives: one and two CUDA quantizer launches on 4 x 128 activations, and a CUDA graph of each replayed.
 
 Run on the device: PYTHONPATH=src python3 bench/explore/launch_cost.py --json launch-cost.json
 """
@@ -73,7 +73,9 @@ def path_rows(m: int) -> dict:
         rows = m + 256  # at least the launcher's buffer: the output, the quantized activations, their scales
     bf16 = torch.bfloat16
     out = torch.empty((rows, n), dtype=bf16, device="cuda")
+    x3 = x.view(m, 1, k)  # as a decode step of M sequences passes them
     return {
+        f"M={m} MXFP8Linear module call, [M, 1, K]": lambda: layer(x3),
         f"M={m} MXFP8Linear module call": lambda: layer(x),
         f"M={m} mxgemm.linear": lambda: mxgemm.linear(x, w),
         f"M={m} run_planned": lambda: run_planned(x, w, None),
@@ -84,6 +86,7 @@ def path_rows(m: int) -> dict:
         f"M={m} torch.empty(tuple, dtype=, device=)": lambda: torch.empty((rows, n), dtype=bf16, device="cuda"),
         f"M={m} torch.empty(ints, dtype=, device=)": lambda: torch.empty(rows, n, dtype=bf16, device="cuda"),
         f"M={m} slice of the output rows": lambda: out[:m],
+        f"M={m} bf16 nn.Linear module call, [M, 1, K]": lambda: linear(x3),
         f"M={m} bf16 nn.Linear module call": lambda: linear(x),
         f"M={m} bf16 F.linear": lambda: F.linear(x, linear.weight),
     }
