@@ -136,6 +136,7 @@ def measure(models: dict, resident: dict, kept: dict, mode: str, batch: int, arg
             "who": who, "mode": mode, "batch": batch, "weights_bytes": resident[who],
             "decode_tok_s": batch * (args.new - 1) / (full - ttft), "ttft_ms": ttft * 1e3,
             "prefill_2048_ms": prefill * 1e3, "generate_s": full, "peak_bytes": t["peak"],
+            "rounds_s": {k: t[k] for k in ("ttft", "full", "prefill")},  # every round's time: the medians' spread
         })  # fmt: skip
     return rows
 
