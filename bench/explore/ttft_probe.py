@@ -1,4 +1,6 @@
-"""Every `generate` call of bench/model_e2e.py printed with its time: which calls of a run make its medians."""
+"""Every `generate` call of bench/model_e2e.py printed with its time: which calls of a run make its medians. The
+models are named in the order of their first call, which is model_e2e's warm-up order: model0 is bf16, model1 mxgemm.
+"""
 
 import sys
 from pathlib import Path
