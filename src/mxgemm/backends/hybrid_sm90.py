@@ -27,7 +27,7 @@ from ..device import DeviceInfo
 from ..kernels import cublaslt, fp8_gemm
 from ..kernels.cublaslt import blockwise_device_check, blockwise_linear
 from ..kernels.fp8_gemm import STAGES, TOKEN_TILES, Fp8Config, SwapAB, TokensAsM
-from ..kernels.small_m import MAX_M, SmallMConfig, accepts, small_m_status
+from ..kernels.small_m import MAX_M, SmallMConfig, small_m_status
 from ..kernels.small_m import linear_plan as small_m_plan
 from ..layouts import finish_output
 from ..recipes import Recipe, StrEnum, hybrid_crossover
@@ -250,8 +250,7 @@ class HybridSM90Backend(Backend):
             quantize = fp8_gemm.quantize_1x128 if "fp8_sms" in weight.info else None  # CUDA where built, else Triton
             return lambda x, bias: blockwise_linear(x, qd, bs, n, bias, quantize=quantize)
         if path == Path.FP8:
-            fp8 = fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused_for(m, n, k))
-            return _bf16_epilogue(lambda x, bias: fp8(x if x.stride(1) == 1 else x.contiguous(), bias), n)
+            return _bf16_epilogue(fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused_for(m, n, k)), n)
         from ..kernels.w8a16 import w8a16_linear
 
         q8 = qd[:n].view(torch.uint8)
@@ -259,9 +258,7 @@ class HybridSM90Backend(Backend):
         triton = lambda x, bias: w8a16_linear(x, q8, bs, bias, block_scaled=True, config=cfg)  # noqa: E731
         if path == Path.TRITON or x_dtype != torch.bfloat16:
             return triton
-        small = _bf16_epilogue(small_m_plan(qd, bs, n, k, m, config), n)
-        # strided or misaligned activations: a copy into a fresh (aligned) buffer, so the same kernel runs
-        return lambda x, bias: small(x if accepts(x) else x.clone(memory_format=torch.contiguous_format), bias)
+        return _bf16_epilogue(small_m_plan(qd, bs, n, k, m, config), n)  # strided x: the kernel runs on a copy
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return self.plan(weight, x.shape[0], x.dtype, tactic)(x, bias)

@@ -112,11 +112,11 @@ def linear_plan(
     config: SmallMConfig,
     graphed: bool = True,
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """``(x, bias) -> y`` for M rows (M <= 16): ``x`` bf16 [M, k] that :func:`accepts`, ``bias`` contiguous bf16
-    [n] or None, ``y`` bf16 [M, n]; ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128]. One
-    ctypes call per launch, its arguments but the call's pointers computed here, once. ``graphed``: outside stream
-    capture, the kernel launches as a CUDA graph of the plan's (made on the first such call), its arguments set per
-    call, which costs less host time than a launch (``csrc/graph_launch.cuh``)."""
+    """``(x, bias) -> y`` for M rows (M <= 16): ``x`` bf16 [M, k] (copied first where strided or misaligned), ``bias``
+    contiguous bf16 [n] or None, ``y`` bf16 [M, n]; ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128,
+    Kp/128]. One ctypes call per launch, its arguments but the call's pointers computed here, once. ``graphed``: outside
+    stream capture, the kernel launches as a CUDA graph of the plan's (made on the first such call), its arguments set
+    per call, which costs less host time than a launch (``csrc/graph_launch.cuh``)."""
     np_, kp = qdata.shape
     if not 1 <= m <= MAX_M or not config.valid(np_, kp):
         raise ValueError(f"the small-M kernel cannot run M={m} with config {config} on a [{np_}, {kp}] weight")
@@ -128,7 +128,9 @@ def linear_plan(
     index = device.index
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+        if not (x.is_contiguous() and x.data_ptr() % 16 == 0):  # strided or misaligned: a copy the kernel takes
+            x = x.clone(memory_format=torch.contiguous_format)
+        y = torch.empty(m, n, dtype=torch.bfloat16, device=device)  # integer sizes: less host time than a tuple
         err = fn(address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))
         if err:
             raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {config}")
