@@ -95,6 +95,24 @@ def test_fp16_and_strided_inputs_and_fp32_bias():
         assert torch.equal(mxgemm.linear(shifted, w), mxgemm.linear(shifted.clone(), w))
 
 
+def test_leading_dimensions_run_as_rows():
+    """3-D activations (as Hugging Face layers pass them) run the plan of their rows without reshapes: the same bits
+    as the 2-D call on every path (small-M, FP8, cuBLASLt), contiguous or with gapped rows, with a bf16 or fp32
+    bias, and one plan per number of rows."""
+    q, s = random_mx_weight(4096, 4096, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    bias = torch.randn(4096, device="cuda")
+    for m in (4, 24, 40, 300):
+        x = random_act(m, 4096, seed=m, device="cuda")
+        for b in (None, bias.bfloat16(), bias):
+            flat = mxgemm.linear(x, w, b)
+            assert torch.equal(mxgemm.linear(x.view(1, m, 4096), w, b), flat.view(1, m, 4096))
+            assert torch.equal(mxgemm.linear(x.view(m, 1, 4096), w, b), flat.view(m, 1, 4096))
+            gapped = torch.stack([x, x], dim=1)[:, :1]  # [m, 1, K], rows 2K apart
+            assert not gapped.is_contiguous() and torch.equal(mxgemm.linear(gapped, w, b), flat.view(m, 1, 4096))
+    assert sorted({key[0] for key in w.plans}) == [4, 24, 40, 300]
+
+
 @pytest.mark.parametrize("backend", ["hybrid_sm90", "cublas_block", "triton"])
 def test_one_copy_of_the_weight_on_the_gpu(backend):
     """A layer built from checkpoint tensors holds at most 1.07 bytes per parameter once the checkpoint's own

@@ -45,14 +45,16 @@ _MAX_PLANS = 256  # per weight; a workload with more distinct M starts over
 
 
 def run_planned(x: Tensor, weight: PreparedWeight, bias: Tensor | None) -> Tensor:
-    """Run ``x`` [M, K] through the weight's plan for (M, dtype), made on first use with the tactic the tuner gives
-    (:func:`mxgemm.autotune.tactic_for_call`, which reads ``MXGEMM_AUTOTUNE`` then); a plan is remade when tuning
-    changes the cache."""
-    key = (x.shape[0], x.dtype, autotune.generation())
+    """Run ``x`` [M, K] (or [..., K], its leading dimensions M rows; the output [..., N]) through the weight's plan
+    for (M, dtype), made on first use with the tactic the tuner gives (:func:`mxgemm.autotune.tactic_for_call`, which
+    reads ``MXGEMM_AUTOTUNE`` then); a plan is remade when tuning changes the cache."""
+    m = x.shape[0] if x.dim() == 2 else x.numel() // weight.in_features
+    key = (m, x.dtype, autotune.generation())
     plan = weight.plans.get(key)
     if plan is None:
         backend = get_backend(weight.backend)
-        plan = backend.plan(weight, x.shape[0], x.dtype, autotune.tactic_for_call(backend, weight, x))
+        rows = x.reshape(m, weight.in_features)
+        plan = backend.plan(weight, m, x.dtype, autotune.tactic_for_call(backend, weight, rows))
         if len(weight.plans) >= _MAX_PLANS:
             weight.plans.clear()
         weight.plans[key] = plan

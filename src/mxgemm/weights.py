@@ -49,14 +49,15 @@ def linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None = 
     tensors) it is one ``mxgemm::linear`` op, whose implementation runs the same plan. Gradients flow to ``x`` (and
     ``bias``) as through ``x @ W^T + bias`` with ``W`` the dequantized weight; the weight itself takes none."""
     _check_inputs(x, weight, bias)
+    grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    if not grad and x.numel() and _untraced(x, bias):
+        return run_planned(x, weight, bias)  # any leading dimensions: a plan takes them as they are
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, weight.in_features)
     if x2.shape[0] == 0:
         y = x2.new_empty((0, weight.out_features))
-    elif torch.is_grad_enabled() and (x2.requires_grad or (bias is not None and bias.requires_grad)):
+    elif grad:
         y = _Linear.apply(x2, bias, weight)
-    elif _untraced(x2, bias):
-        y = run_planned(x2, weight, bias)
     else:
         y = _op(x2, weight, bias)
     return y if flat else y.reshape(*x.shape[:-1], weight.out_features)

@@ -52,6 +52,18 @@ class UnsupportedWeightError(Exception):
 _FP8 = {str(d): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
+def any_rows(plan: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]):
+    """A plan of ``x`` [M, K] as one of [..., K] (:meth:`Backend.plan`): other leading dimensions flattened into M
+    rows, and restored on the output."""
+
+    def call(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2:
+            return plan(x, bias)
+        return plan(x.reshape(-1, x.shape[-1]), bias).reshape(*x.shape[:-1], -1)
+
+    return call
+
+
 # Prepared weights by the id of their first op tensor: the op's implementation finds the weight whose very tensors it
 # is given, and so its launch plans. Weak: a dropped weight leaves (and its tensors, and so the id, go with it).
 _LIVE: weakref.WeakValueDictionary[int, PreparedWeight] = weakref.WeakValueDictionary()
@@ -170,11 +182,12 @@ class Backend(ABC):
         self, weight: PreparedWeight, m: int, x_dtype: torch.dtype, tactic: Any = None
     ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
         """What an eager call of M rows runs: ``(x, bias) -> y``, the same as :meth:`run` with ``tactic``, with
-        whatever can be worked out ahead worked out once. Backends with a launch path of their own override it. A
-        plan lives in ``weight.plans`` and must not hold the weight itself (that cycle would keep a dropped weight's
-        memory until a garbage collection)."""
+        whatever can be worked out ahead worked out once, for ``x`` [M, K] or [..., K] whose leading dimensions hold
+        M rows (``y`` then [..., N]). Backends with a launch path of their own override it. A plan lives in
+        ``weight.plans`` and must not hold the weight itself (that cycle would keep a dropped weight's memory until a
+        garbage collection)."""
         ref = weakref.ref(weight)
-        return lambda x, bias: self.run(x, ref(), bias, tactic=tactic)
+        return any_rows(lambda x, bias: self.run(x, ref(), bias, tactic=tactic))
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         """The MX checkpoint tensors (float8 ``[N, K]``, uint8 E8M0 ``[N, K/32]``) that dequantize to exactly the

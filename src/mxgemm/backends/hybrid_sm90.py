@@ -29,9 +29,8 @@ from ..kernels.cublaslt import blockwise_device_check, blockwise_linear
 from ..kernels.fp8_gemm import STAGES, TOKEN_TILES, Fp8Config, SwapAB, TokensAsM
 from ..kernels.small_m import MAX_M, SmallMConfig, small_m_status
 from ..kernels.small_m import linear_plan as small_m_plan
-from ..layouts import finish_output
 from ..recipes import Recipe, StrEnum, hybrid_crossover
-from .base import Availability, Backend, PreparedWeight, Tactic, UnsupportedWeightError
+from .base import Availability, Backend, PreparedWeight, Tactic, UnsupportedWeightError, any_rows
 
 logger = logging.getLogger("mxgemm")
 
@@ -244,21 +243,20 @@ class HybridSM90Backend(Backend):
             if weight.info.get("blockwise_plan"):  # the CUDA quantizer and cuBLASLt in one call, planned once
                 try:
                     planned = cublaslt.linear_plan(qd, bs, n, k, m, x_dtype)
-                    return lambda x, bias: planned(x if x.stride(1) == 1 else x.contiguous(), bias)
+                    return any_rows(lambda x, bias: planned(x if x.stride(1) == 1 else x.contiguous(), bias))
                 except RuntimeError as exc:  # the same numerics through torch._scaled_mm
                     logger.warning("mxgemm: %s; M=%d runs through torch._scaled_mm", exc, m)
             quantize = fp8_gemm.quantize_1x128 if "fp8_sms" in weight.info else None  # CUDA where built, else Triton
-            return lambda x, bias: blockwise_linear(x, qd, bs, n, bias, quantize=quantize)
+            return any_rows(lambda x, bias: blockwise_linear(x, qd, bs, n, bias, quantize=quantize))
         if path == Path.FP8:
-            return _bf16_epilogue(fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused_for(m, n, k)), n)
+            return _bf16_epilogue(fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused_for(m, n, k)))
         from ..kernels.w8a16 import w8a16_linear
 
         q8 = qd[:n].view(torch.uint8)
         cfg = config if path == Path.TRITON else _triton_default(m, weight)
-        triton = lambda x, bias: w8a16_linear(x, q8, bs, bias, block_scaled=True, config=cfg)  # noqa: E731
         if path == Path.TRITON or x_dtype != torch.bfloat16:
-            return triton
-        return _bf16_epilogue(small_m_plan(qd, bs, n, k, m, config), n)  # strided x: the kernel runs on a copy
+            return any_rows(lambda x, bias: w8a16_linear(x, q8, bs, bias, block_scaled=True, config=cfg))
+        return _bf16_epilogue(small_m_plan(qd, bs, n, k, m, config))  # strided x: the kernel runs on a copy
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return self.plan(weight, x.shape[0], x.dtype, tactic)(x, bias)
@@ -274,13 +272,13 @@ def _triton_default(m: int, weight: PreparedWeight):
     return default_config(m, weight.out_features, weight.in_features, block_scaled=True)
 
 
-def _bf16_epilogue(launch, n: int):
-    """``(x, bias) -> y`` in ``x.dtype`` around a launch that writes bf16 and adds a contiguous bf16 bias in its
-    epilogue: any other bias is added after it, and fp16 callers get the output converted."""
+def _bf16_epilogue(launch):
+    """``(x, bias) -> y`` in ``x.dtype`` around a launch that writes bf16 [..., N] and adds a contiguous bf16 bias in
+    its epilogue: any other bias is added after it, and fp16 callers get the output converted."""
 
     def call(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-            return finish_output(launch(x, None), x, bias, n)
+            return (launch(x, None) + bias.to(torch.bfloat16)).to(x.dtype)
         y = launch(x, bias)
         return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 

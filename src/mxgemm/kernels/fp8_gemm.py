@@ -210,16 +210,17 @@ def linear_plan(
     fused: bool | str = "auto",
     graphed: bool = True,
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """``(x, bias) -> y`` for M rows on this weight and config: ``x`` [M, k] bf16/fp16 (copied first where its stride
-    along K is not 1), ``bias`` contiguous bf16 [n] or None, ``y`` bf16 [M, n]. One ctypes call, whose arguments but for
-    the pointers of ``x``, ``bias`` and the fresh buffer are computed here, once, launches either the quantizer and the
-    GEMM as its programmatic dependent (``fused=False``) or one kernel that quantizes in shared memory (``True``: bf16
-    ``x`` with 16-byte aligned rows, a swap-AB config of one row tile and up to 32 tokens, its stages, which grow by the
-    bf16 tile, within shared memory); both give the same bits. ``"auto"``: the fused kernel where it can run and the
-    stream is not capturing a CUDA graph (eager calls are bound by host time, and it saves a launch), else the two
-    (under graph replay only device time counts). ``graphed`` (with ``fused`` False or "auto"): outside stream capture,
-    the quantizer and the GEMM launch as one CUDA graph of the plan's (made on the first such call), their arguments set
-    per call: one launch's host time for both, and the two kernels' device time."""
+    """``(x, bias) -> y`` for M rows on this weight and config: ``x`` [M, k] bf16/fp16, or [..., k] whose leading
+    dimensions hold M rows (copied first where its rows are not evenly strided with unit stride along K), ``bias``
+    contiguous bf16 [n] or None, ``y`` bf16 [M, n] (or [..., n]). One ctypes call, whose arguments but for the pointers
+    of ``x``, ``bias`` and the fresh buffer are computed here, once, launches either the quantizer and the GEMM as its
+    programmatic dependent (``fused=False``) or one kernel that quantizes in shared memory (``True``: bf16 ``x`` with
+    16-byte aligned rows, a swap-AB config of one row tile and up to 32 tokens, its stages, which grow by the bf16 tile,
+    within shared memory); both give the same bits. ``"auto"``: the fused kernel where it can run and the stream is not
+    capturing a CUDA graph (eager calls are bound by host time, and it saves a launch), else the two (under graph replay
+    only device time counts). ``graphed`` (with ``fused`` False or "auto"): outside stream capture, the quantizer and
+    the GEMM launch as one CUDA graph of the plan's (made on the first such call), their arguments set per call: one
+    launch's host time for both, and the two kernels' device time."""
     np_, kp = qdata.shape
     if not config.valid(kp) or fused not in _FUSED:
         raise ValueError(f"the FP8 kernel cannot run config {config} (fused={fused!r}) on a [{np_}, {kp}] weight")
@@ -242,17 +243,19 @@ def linear_plan(
     index = device.index
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.stride(1) != 1:
+        flat = x.dim() == 2
+        if not (x.stride(1) == 1 if flat else x.is_contiguous()):
             x = x.contiguous()
-        # integer sizes, and the output's m rows kept by resize_ (the storage stays) rather than by a slice: about
-        # 1 µs of the 2.4 these two steps take on a CPU host
+        # integer sizes, and the output's shape set by resize_ (the storage stays) rather than by views of it: about
+        # 1 µs of the 2.4 a slice takes on a CPU host, and 2 µs of a 3-D call's reshapes
         y = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
-        err = fn(addresses[x.dtype], x.data_ptr(), x.stride(0), None if bias is None else bias.data_ptr(),
-                 y.data_ptr(), raw_stream(index))  # fmt: skip
+        ld = x.stride(0) if flat else k
+        err = fn(addresses[x.dtype], x.data_ptr(), ld, None if bias is None else bias.data_ptr(), y.data_ptr(),
+                 raw_stream(index))  # fmt: skip
         if err:
             why = f"cudaError {err}" if err > 0 else "no fused kernel for this config, or its stages exceed smem"
             raise RuntimeError(f"mxgemm FP8 linear failed to launch ({why}) for M={m} config {config} fused={fused}")
-        return y.resize_(m, n)
+        return y.resize_(m, n) if flat else y.resize_(*x.shape[:-1], n)
 
     launch.plans = plans  # the structures the addresses point into live as long as the launcher
     free_with(launch, library(torch.cuda.get_device_capability(device)).mxgemm_fp8_linear_plan_free, plans.values())

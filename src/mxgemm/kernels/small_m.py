@@ -112,11 +112,12 @@ def linear_plan(
     config: SmallMConfig,
     graphed: bool = True,
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """``(x, bias) -> y`` for M rows (M <= 16): ``x`` bf16 [M, k] (copied first where strided or misaligned), ``bias``
-    contiguous bf16 [n] or None, ``y`` bf16 [M, n]; ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128,
-    Kp/128]. One ctypes call per launch, its arguments but the call's pointers computed here, once. ``graphed``: outside
-    stream capture, the kernel launches as a CUDA graph of the plan's (made on the first such call), its arguments set
-    per call, which costs less host time than a launch (``csrc/graph_launch.cuh``)."""
+    """``(x, bias) -> y`` for M rows (M <= 16): ``x`` bf16 [M, k], or [..., k] whose leading dimensions hold M rows
+    (copied first where strided or misaligned), ``bias`` contiguous bf16 [n] or None, ``y`` bf16 [M, n] (or [..., n]);
+    ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128]. One ctypes call per launch, its arguments
+    but the call's pointers computed here, once. ``graphed``: outside stream capture, the kernel launches as a CUDA
+    graph of the plan's (made on the first such call), its arguments set per call, which costs less host time than a
+    launch (``csrc/graph_launch.cuh``)."""
     np_, kp = qdata.shape
     if not 1 <= m <= MAX_M or not config.valid(np_, kp):
         raise ValueError(f"the small-M kernel cannot run M={m} with config {config} on a [{np_}, {kp}] weight")
@@ -134,7 +135,7 @@ def linear_plan(
         err = fn(address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))
         if err:
             raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {config}")
-        return y
+        return y if x.dim() == 2 else y.resize_(*x.shape[:-1], n)  # resize_: less host time than a view
 
     launch.plan = plan  # the structure the address points into lives as long as the launcher
     free_with(launch, library(torch.cuda.get_device_capability(device)).mxgemm_small_m_plan_free, [plan])
