@@ -246,8 +246,8 @@ def linear_plan(
         flat = x.dim() == 2
         if not (x.stride(1) == 1 if flat else x.is_contiguous()):
             x = x.contiguous()
-        # integer sizes, and the output's shape set by resize_ (the storage stays) rather than by views of it: about
-        # 1 µs of the 2.4 a slice takes on a CPU host, and 2 µs of a 3-D call's reshapes
+        # integer sizes, and the output's shape set by resize_ (its storage stays) rather than by a slice or a view:
+        # on a CPU host 1.3 µs, against 2.4 for the empty of a size tuple and a slice, and 1.3 more for a view
         y = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
         ld = x.stride(0) if flat else k
         err = fn(addresses[x.dtype], x.data_ptr(), ld, None if bias is None else bias.data_ptr(), y.data_ptr(),
