@@ -34,12 +34,15 @@ def _hybrid_runs_here():
 
 
 @pytest.mark.parametrize("m,k,rows", [(1, 96, 1), (3, 4160, 1), (5, 128, 64), (64, 14336, 64), (72, 4096, 128),
-                                      (2048, 4096, 1)])  # fmt: skip
+                                      (2048, 4096, 1), (2048, 4160, 1)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_quantizer_bit_exact(m, k, rows, dtype):
+@pytest.mark.parametrize("rows_apart", [0, 34])  # dense rows; rows 34 elements further apart (not 8-byte aligned)
+def test_cuda_quantizer_bit_exact(m, k, rows, dtype, rows_apart):
+    """Both quantizer shapes (one K group a warp; four a warp from two waves of blocks, as at M = 2048) give the
+    reference's bits, on aligned rows and on rows their vector loads cannot take."""
     from mxgemm.kernels.fp8_gemm import quantize_1x128 as cuda_quantize
 
-    x = random_act(m, k, dtype=dtype, device="cuda") * 5
+    x = (random_act(m, k + rows_apart, dtype=dtype, device="cuda") * 5)[:, :k]
     x[0, :7] = 0.0
     if m > 2:
         x[2] = 0.0  # an all-zero row

@@ -527,61 +527,79 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
   }
 }
 
-// The 1x128 activation quantizer (quant_values' rule): a warp per row and 128-wide K group, 4 elements a lane, each
-// warp G groups along K whose loads are all issued before the first is quantized (one 8-byte load a group where rows
-// are 8-byte aligned); scale written K-group-major ([Kp/128, Mp]); rows past M and columns past K are zeros. With one
-// group a warp (few blocks) it lets the GEMM launched after it as a programmatic dependent start at once, to load its
-// first weight tiles meanwhile; with several (a grid of several waves) only as its blocks finish, so that the GEMM's
-// waiting CTAs do not take the SMs its blocks need.
-template <typename T, int G>
+// The 1x128 activation quantizer (quant_values' rule), in two shapes with the same bits. Both write the scales
+// K-group-major ([Kp/128, Mp]) and zeros in rows past M and columns past K (K % 32 == 0).
+//
+// quant_1x128_kernel: a warp per row and 128-wide K group, 4 elements a lane (one 8-byte load where rows are 8-byte
+// aligned). It lets the GEMM launched after it as a programmatic dependent start at once, to load its first weight
+// tiles meanwhile: for grids of less than two waves, where the GEMM's waiting CTAs take no SMs its blocks need.
+template <typename T>
 __global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ X, int ldx, int M, int K,
                                                           uint32_t* __restrict__ Q, float* __restrict__ XS, int Mp,
                                                           int Kp) {
-  if (G == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int col0 = blockIdx.y * G * BK + 4 * lane;
-  const bool vector = reinterpret_cast<uintptr_t>(X) % 8 == 0 && ldx % 4 == 0;
-  float v[G][4];
+  const int col = blockIdx.y * BK + 4 * lane;
+  float v[4];
+  if (reinterpret_cast<uintptr_t>(X) % 8 == 0 && ldx % 4 == 0 && row < M && col < K) {  // all 4 inside K
+    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(X + (size_t)row * ldx + col));
+    const T* t = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const int col = col0 + g * BK;
-    if (vector && row < M && col < K) {  // K % 32 == 0: the lane's 4 elements are all inside
-      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(X + (size_t)row * ldx + col));
-      const T* t = reinterpret_cast<const T*>(&raw);
+    for (int i = 0; i < 4; ++i) v[i] = static_cast<float>(t[i]);
+  } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[g][i] = static_cast<float>(t[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        v[g][i] = row < M && col + i < K ? static_cast<float>(X[(size_t)row * ldx + col + i]) : 0.f;
-    }
+    for (int i = 0; i < 4; ++i) v[i] = row < M && col + i < K ? static_cast<float>(X[(size_t)row * ldx + col + i]) : 0.f;
   }
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    uint32_t bits[1];
-    const float scale = quant_values<4, 32>(v[g], bits);
-    Q[((size_t)row * Kp + col0 + g * BK) / 4] = bits[0];
-    if (lane == 0) XS[(size_t)(blockIdx.y * G + g) * Mp + row] = scale;
-  }
-  if (G > 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  uint32_t bits[1];
+  const float scale = quant_values<4, 32>(v, bits);
+  Q[((size_t)row * Kp + col) / 4] = bits[0];
+  if (lane == 0) XS[(size_t)blockIdx.y * Mp + row] = scale;
 }
 
-// Four K groups a warp from this many one-group blocks (two waves of them at 16 blocks an SM): fewer blocks keep one
-constexpr int QUANT_GROUPED_FROM = 4096;
+// quant_1x128_wide_kernel, for grids of several waves (prefill), where the rule's arithmetic and not the bytes set
+// the pace of the one-group warp: a warp per row and four consecutive K groups, 8 lanes a group and 16 elements a
+// lane (two 16-byte loads where rows are 16-byte aligned), so that a group costs 3 shuffle steps and two divisions
+// per 16 elements instead of 5 and two per 4. The GEMM after it starts as its blocks finish.
+template <typename T>
+__global__ void __launch_bounds__(128) quant_1x128_wide_kernel(const T* __restrict__ X, int ldx, int M, int K,
+                                                               uint4* __restrict__ Q, float* __restrict__ XS, int Mp,
+                                                               int Kp) {
+  const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = blockIdx.y * 4 + lane / 8;
+  const int col = group * BK + 16 * (lane % 8);
+  float v[16];
+  if (reinterpret_cast<uintptr_t>(X) % 16 == 0 && ldx % 8 == 0 && row < M && col < K) {  // all 16 inside K
+    const uint4* p = reinterpret_cast<const uint4*>(X + (size_t)row * ldx + col);
+    const uint4 raw[2] = {__ldg(p), __ldg(p + 1)};
+    const T* t = reinterpret_cast<const T*>(raw);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(t[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = row < M && col + i < K ? static_cast<float>(X[(size_t)row * ldx + col + i]) : 0.f;
+  }
+  uint32_t bits[4];
+  const float scale = quant_values<16, 8>(v, bits);
+  Q[((size_t)row * Kp + col) / 16] = make_uint4(bits[0], bits[1], bits[2], bits[3]);
+  if (lane % 8 == 0) XS[(size_t)group * Mp + row] = scale;
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// The wide quantizer from this many one-group blocks (two waves of them at 16 blocks an SM)
+constexpr int QUANT_WIDE_FROM = 4096;
 
 template <typename T>
 cudaError_t launch_quant(const void* X, int ldx, int M, int K, void* XQ, void* XS, int Mp, int Kp, cudaStream_t st) {
-  const int blocks = Mp / 4 * (Kp / BK);
-  const bool grouped = blocks >= QUANT_GROUPED_FROM && Kp % (4 * BK) == 0;
+  const bool wide = Mp / 4 * (Kp / BK) >= QUANT_WIDE_FROM && Kp % (4 * BK) == 0;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(Mp / 4, Kp / ((grouped ? 4 : 1) * BK));
+  config.gridDim = dim3(Mp / 4, Kp / ((wide ? 4 : 1) * BK));
   config.blockDim = dim3(128);
   config.stream = st;
   using graph_launch::launch_or_record;
-  return grouped ? launch_or_record(quant_1x128_kernel<T, 4>, config, (const T*)X, ldx, M, K, (uint32_t*)XQ,
-                                    (float*)XS, Mp, Kp)
-                 : launch_or_record(quant_1x128_kernel<T, 1>, config, (const T*)X, ldx, M, K, (uint32_t*)XQ,
-                                    (float*)XS, Mp, Kp);
+  return wide ? launch_or_record(quant_1x128_wide_kernel<T>, config, (const T*)X, ldx, M, K, (uint4*)XQ, (float*)XS,
+                                 Mp, Kp)
+              : launch_or_record(quant_1x128_kernel<T>, config, (const T*)X, ldx, M, K, (uint32_t*)XQ, (float*)XS,
+                                 Mp, Kp);
 }
 
 // a 2-D tensor map over a row-major matrix [rows, cols] with row stride `ld` elements, boxes of [box_rows x 128]:
