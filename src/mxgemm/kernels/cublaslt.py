@@ -150,11 +150,11 @@ def plan_status(index: int, capability: tuple[int, int] | None) -> Availability:
 def linear_plan(
     qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, x_dtype: torch.dtype
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """``(x, bias) -> y`` for M rows of ``x_dtype`` (bf16/fp16, unit stride along K) on a padded 128x128-block
-    weight (``qdata`` E4M3 [Np, Kp], ``block_scale`` fp32 [Np/128, Kp/128]) -> [M, n] in ``x.dtype`` (+ ``bias``):
-    the numerics of :func:`blockwise_linear` with the CUDA quantizer. One ctypes call quantizes and runs
-    ``cublasLtMatmul`` with the descriptors and algorithm made here, once (:func:`plan_status` says whether it runs
-    on a device). Raises RuntimeError when cuBLASLt refuses the problem."""
+    """``(x, bias) -> y`` for M rows of ``x_dtype`` (bf16/fp16 [M, k], copied first where its stride along K is not 1)
+    on a padded 128x128-block weight (``qdata`` E4M3 [Np, Kp], ``block_scale`` fp32 [Np/128, Kp/128]) -> [M, n] in
+    ``x.dtype`` (+ ``bias``): the numerics of :func:`blockwise_linear` with the CUDA quantizer. One ctypes call
+    quantizes and runs ``cublasLtMatmul`` with the descriptors and algorithm made here, once (:func:`plan_status` says
+    whether it runs on a device). Raises RuntimeError when cuBLASLt refuses the problem."""
     from .fp8_gemm import library as fp8_library
 
     np_, kp = qdata.shape
@@ -173,6 +173,8 @@ def linear_plan(
     run, index = lib.mxgemm_blockwise_run, device.index
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.stride(1) != 1:
+            x = x.contiguous()
         buf = torch.empty((rows, np_), dtype=torch.bfloat16, device=device)
         err = run(handle, x.data_ptr(), x.stride(0), buf.data_ptr(), raw_stream(index))
         if err:

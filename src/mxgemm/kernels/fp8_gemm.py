@@ -232,7 +232,8 @@ def linear_plan(
     ws_offset = -(-m * n * 2 // 256) * 256
     rows = -(-(ws_offset + q_bytes + 4 * mp * (kp // 128)) // (2 * n))
     device = qdata.device
-    fn = library(torch.cuda.get_device_capability(device)).mxgemm_fp8_linear_run
+    lib = library(torch.cuda.get_device_capability(device))
+    fn = lib.mxgemm_fp8_linear_run
     plan = _LinearPlan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), 0, k, m, mp, n, np_, kp,
                        int(tokm), config.tn, config.wn if tokm else config.rw, 1 if tokm else config.kc,
                        config.splits, config.stages, _FUSED[fused], ws_offset, q_bytes)  # fmt: skip
@@ -258,7 +259,7 @@ def linear_plan(
         return y.resize_(m, n) if flat else y.resize_(*x.shape[:-1], n)
 
     launch.plans = plans  # the structures the addresses point into live as long as the launcher
-    free_with(launch, library(torch.cuda.get_device_capability(device)).mxgemm_fp8_linear_plan_free, plans.values())
+    free_with(launch, lib.mxgemm_fp8_linear_plan_free, plans.values())
     return launch
 
 

@@ -122,7 +122,8 @@ def linear_plan(
     if not 1 <= m <= MAX_M or not config.valid(np_, kp):
         raise ValueError(f"the small-M kernel cannot run M={m} with config {config} on a [{np_}, {kp}] weight")
     device = qdata.device
-    fn = library(torch.cuda.get_device_capability(device)).mxgemm_small_m_run
+    lib = library(torch.cuda.get_device_capability(device))
+    fn = lib.mxgemm_small_m_run
     plan = _Plan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), m, k, n, np_, kp, config.rt,
                  config.splits, config.stages, None, int(graphed))  # fmt: skip
     address = ctypes.addressof(plan)
@@ -138,7 +139,7 @@ def linear_plan(
         return y if x.dim() == 2 else y.resize_(*x.shape[:-1], n)  # resize_: less host time than a view
 
     launch.plan = plan  # the structure the address points into lives as long as the launcher
-    free_with(launch, library(torch.cuda.get_device_capability(device)).mxgemm_small_m_plan_free, [plan])
+    free_with(launch, lib.mxgemm_small_m_plan_free, [plan])
     return launch
 
 
