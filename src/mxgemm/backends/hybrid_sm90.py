@@ -242,7 +242,7 @@ class HybridSM90Backend(Backend):
         if path == Path.CUBLAS:
             if weight.info.get("blockwise_plan"):  # the CUDA quantizer and cuBLASLt in one call, planned once
                 try:
-                    return any_rows(cublaslt.linear_plan(qd, bs, n, k, m, x_dtype))
+                    return cublaslt.linear_plan(qd, bs, n, k, m, x_dtype)
                 except RuntimeError as exc:  # the same numerics through torch._scaled_mm
                     logger.warning("mxgemm: %s; M=%d runs through torch._scaled_mm", exc, m)
             quantize = fp8_gemm.quantize_1x128 if "fp8_sms" in weight.info else None  # CUDA where built, else Triton

@@ -150,9 +150,10 @@ def plan_status(index: int, capability: tuple[int, int] | None) -> Availability:
 def linear_plan(
     qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, x_dtype: torch.dtype
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """``(x, bias) -> y`` for M rows of ``x_dtype`` (bf16/fp16 [M, k], copied first where its stride along K is not 1)
-    on a padded 128x128-block weight (``qdata`` E4M3 [Np, Kp], ``block_scale`` fp32 [Np/128, Kp/128]) -> [M, n] in
-    ``x.dtype`` (+ ``bias``): the numerics of :func:`blockwise_linear` with the CUDA quantizer. One ctypes call
+    """``(x, bias) -> y`` for M rows of ``x_dtype`` (bf16/fp16 [M, k], or [..., k] whose leading dimensions hold M
+    rows; copied first where its rows are not evenly strided with unit stride along K) on a padded 128x128-block
+    weight (``qdata`` E4M3 [Np, Kp], ``block_scale`` fp32 [Np/128, Kp/128]) -> [M, n] (or [..., n]) in ``x.dtype``
+    (+ ``bias``): the numerics of :func:`blockwise_linear` with the CUDA quantizer. One ctypes call
     quantizes and runs ``cublasLtMatmul`` with the descriptors and algorithm made here, once (:func:`plan_status` says
     whether it runs on a device). Raises RuntimeError when cuBLASLt refuses the problem."""
     from .fp8_gemm import library as fp8_library
@@ -171,15 +172,20 @@ def linear_plan(
         raise RuntimeError(f"cuBLASLt blockwise plan for M={m} on [{np_}, {kp}]: {_why(err)}")
     rows = -(-lib.mxgemm_blockwise_plan_bytes(handle) // (2 * np_))
     run, index = lib.mxgemm_blockwise_run, device.index
+    as_is = n == np_ and x_dtype == torch.bfloat16  # without a bias, the output is the buffer's first M rows
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.stride(1) != 1:
+        flat = x.dim() == 2
+        if not (x.stride(1) == 1 if flat else x.is_contiguous()):
             x = x.contiguous()
-        buf = torch.empty((rows, np_), dtype=torch.bfloat16, device=device)
-        err = run(handle, x.data_ptr(), x.stride(0), buf.data_ptr(), raw_stream(index))
+        buf = torch.empty(rows, np_, dtype=torch.bfloat16, device=device)  # as fp8_gemm's launcher: no size tuple
+        err = run(handle, x.data_ptr(), x.stride(0) if flat else k, buf.data_ptr(), raw_stream(index))
         if err:
             raise RuntimeError(f"cuBLASLt blockwise GEMM failed for M={m}: {_why(err)}")
-        return finish_output(buf[:m], x, bias, n)
+        if as_is and bias is None:
+            return buf.resize_(m, n) if flat else buf.resize_(*x.shape[:-1], n)
+        y = finish_output(buf[:m], x, bias, n)
+        return y if flat else y.view(*x.shape[:-1], n)
 
     weakref.finalize(launch, lib.mxgemm_blockwise_plan_destroy, handle)
     return launch
