@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from launch_cost import graph_of  # beside this script
 from torch.profiler import ProfilerActivity, profile
 
 import mxgemm
@@ -53,15 +54,8 @@ def throughput_us(fn, calls: int = 50) -> float:
 
 
 def replay_us(fn, calls: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    """Device time per call: ``calls`` calls captured in one CUDA graph, replayed."""
+    graph = graph_of(lambda: [fn() for _ in range(calls)])
     return throughput_us(graph.replay, calls=3) / calls
 
 
