@@ -57,10 +57,11 @@ for stage in "$@"; do
     fused)
       timeout "${FUSED_S:-300}" python3 bench/explore/fused_fp8.py --json "$out/fused-fp8-h200.json" > /tmp/fused.log 2>&1
       tail -60 /tmp/fused.log ;;
-    e2e)  # E2E_MODES: eager (default, about 3.7 min), graphs (about 4.5 min), or "eager graphs" (about 7.5 min)
+    e2e)  # E2E_MODES: eager (default, about 3.7 min), graphs (about 4.5 min), or "eager graphs" (about 7.5 min);
+          # E2E_ARGS: more arguments of model_e2e.py (e.g. --no-fuse, --batches 1)
       modes="${E2E_MODES:-eager}"; name="e2e-${modes// /-}"
-      timeout 570 python3 bench/model_e2e.py --modes $modes --json "$out/$name.json" --markdown "$out/$name.md" \
-        > /tmp/e2e.log 2>&1
+      timeout 570 python3 bench/model_e2e.py --modes $modes ${E2E_ARGS:-} --json "$out/$name.json" \
+        --markdown "$out/$name.md" > /tmp/e2e.log 2>&1
       tail -12 /tmp/e2e.log ;;
     fp8-ncu)  # Nsight Compute on the fused FP8 kernel (NCU_N/NCU_K/NCU_M pick the shape; default 8B o at M = 32)
       timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters --section Occupancy \
