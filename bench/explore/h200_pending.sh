@@ -45,7 +45,9 @@ for stage in "$@"; do
       [ "$rc" -eq 0 ] || { echo "gate failed (rc $rc)"; exit 1; } ;;
     ship)  # the tuning file just made replaces the package's copy here, for the benchmarks that follow
       mkdir -p src/mxgemm/tuned
-      for f in "$out"/cache/tuning-*.json; do b=$(basename "$f"); cp "$f" "src/mxgemm/tuned/${b%-*}.json"; done ;;
+      for f in "$out"/cache/tuning-*.json "$out"/tuning-*.json; do
+        [ -e "$f" ] || continue; b=$(basename "$f"); cp "$f" "src/mxgemm/tuned/${b%-*}.json"; echo "shipped $b"
+      done ;;
     tests)
       python3 -m mxgemm info > "$out/info.txt" 2>&1
       timeout "${TESTS_S:-330}" python3 -m pytest tests -q -p no:warnings -m gpu --tb=short --durations=5 2>&1 \
