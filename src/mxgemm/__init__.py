@@ -7,6 +7,7 @@ from .checkpoints import CheckpointError, load_checkpoint, save_checkpoint
 from .device import DeviceInfo, describe_device
 from .errors import BackendUnavailableError, MXGemmError, UnknownBackendError
 from .format import BLOCK_SIZE, MXTensor, dequantize, quantize
+from .fusion import fuse_shared_inputs
 from .linear import MXFP8Linear
 from .models import QuantizeReport, quantize_model
 from .resolve import BackendStatus, available_backends, explain_auto, resolve_backend
@@ -35,6 +36,7 @@ __all__ = [
     "dequantize",
     "describe_device",
     "explain_auto",
+    "fuse_shared_inputs",
     "linear",
     "load_checkpoint",
     "prepare_weight",

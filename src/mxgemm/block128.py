@@ -21,6 +21,7 @@ from .format import BLOCK_SIZE, E8M0_NAN, check_mx_pair, e8m0_bytes, e8m0_to_flo
 from .layouts import round_up
 
 __all__ = [
+    "BLOCK128_ROWS",
     "GROUP",
     "Block128Weight",
     "ReencodeReport",
@@ -40,6 +41,8 @@ FP8_MAX = 448.0
 CUBLASLT_M_ALIGN = 4
 CUBLASLT_K_ALIGN = 512
 N_ALIGN = 16  # rows of a prepared weight: cuBLASLt's and the hand-written kernels' tiles
+# Output rows per row of each prepared tensor (Backend.row_layout): one per element row, 128 per block-scale row.
+BLOCK128_ROWS = {"qdata": 1, "block_scale": GROUP}
 
 
 def padded_1x128_shape(m: int, k: int, rows_multiple: int = 1) -> tuple[int, int]:

@@ -210,6 +210,7 @@ class LoadReport:
     format: CheckpointFormat
     quantized: tuple[str, ...]  # layers now MXFP8Linear
     tied: tuple[str, ...]  # parameters not in the checkpoint because they share storage with one that is
+    fusion: tuple[str, ...] = ()  # :func:`mxgemm.fusion.fuse_shared_inputs`'s account, one line a group
 
     def __str__(self) -> str:
         return f"{self.format.kind} {self.format.scheme}: {len(self.quantized)} MXFP8 layers loaded"
@@ -222,6 +223,7 @@ def load_checkpoint(
     backend: str | None = None,
     recipe: str | None = None,
     device: str | torch.device | None = None,
+    fuse: bool = True,
 ) -> LoadReport:
     """Load an MXFP8 checkpoint into ``model`` (built from the checkpoint's config, e.g. ``from_config``).
 
@@ -234,7 +236,8 @@ def load_checkpoint(
     The whole checkpoint is checked, and every quantized layer built, before the model changes, so a load either
     completes or leaves the model as it was: tensors that do not fit raise :class:`CheckpointError` naming the tensor
     (or the file, for unreadable ones); so do tensors the model lacks, tensors in two files, NaN scales and
-    parameters the checkpoint lacks (unless tied to one it has).
+    parameters the checkpoint lacks (unless tied to one it has). ``fuse``: then make each layer's q, k and v
+    projections, and its gate and up projections, run as one (:func:`mxgemm.fusion.fuse_shared_inputs`).
     """
     fmt = read_format(path)
     source = TensorSource(path)
@@ -294,7 +297,11 @@ def load_checkpoint(
     if retie:
         model.tie_weights()
     model.to(target)
-    return LoadReport(fmt, tuple(layers), tuple(tied))
+    if not fuse:
+        return LoadReport(fmt, tuple(layers), tuple(tied))
+    from .fusion import fuse_shared_inputs
+
+    return LoadReport(fmt, tuple(layers), tuple(tied), tuple(fuse_shared_inputs(model)))
 
 
 def _declared_ties(model: nn.Module) -> dict[str, str]:

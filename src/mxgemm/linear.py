@@ -24,7 +24,10 @@ class MXFP8Linear(nn.Module):
     another device; a named backend that cannot run there raises. Dtype casts of the module (``.half()``,
     ``.to(torch.bfloat16)``) leave the quantized weight as it is and cast only the bias. bf16/fp16 inputs run as they
     are; fp32/fp64 inputs (models kept in fp32) are cast to bf16 for the GEMM and the result back to their dtype.
+    Layers that read the same input may run as one (:mod:`mxgemm.fusion`): ``shared`` is then (group, index).
     """
+
+    shared: tuple | None = None
 
     def __init__(
         self,
@@ -100,6 +103,7 @@ class MXFP8Linear(nn.Module):
         return self.mx_weight()[1]
 
     def _prepare(self, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
+        self._leave_group("re-prepared")
         self._prepared = prepare_weight(
             weight, weight_scale, backend=self.requested_backend, recipe=self.requested_recipe
         )
@@ -148,6 +152,18 @@ class MXFP8Linear(nn.Module):
         device = self._prepared.device
         self._prepare(weight.to(device), scale.to(device))
 
+    def share(self, prepared: PreparedWeight, bias: torch.Tensor | None, shared: tuple) -> None:
+        """Join a group of layers that read the same input (:func:`mxgemm.fusion.fuse_shared_inputs`): ``prepared``
+        and ``bias`` are this layer's row views of the group's weight and bias."""
+        self._prepared, self.shared = prepared, shared
+        if bias is not None:
+            self.bias = bias
+
+    def _leave_group(self, why: str) -> None:
+        if self.shared is not None:
+            self.shared[0].disable(f"a member was {why}")
+            self.shared = None
+
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # the bias
         device = self._prepared.device
@@ -161,6 +177,11 @@ class MXFP8Linear(nn.Module):
         if x.dtype in (torch.float32, torch.float64):  # the kernels take bf16/fp16: run in bf16, answer in x.dtype
             bias = None if self.bias is None else self.bias.to(torch.bfloat16)
             return linear(x.to(torch.bfloat16), self._prepared, bias).to(x.dtype)
+        shared = self.shared
+        if shared is not None and not torch.compiler.is_compiling() and shared[0].enabled:
+            y = shared[0].output(shared[1], x, self.bias)
+            if y is not None:
+                return y
         return linear(x, self._prepared, self.bias)
 
     def extra_repr(self) -> str:

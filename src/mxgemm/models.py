@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ class LayerReport:
 @dataclass(frozen=True)
 class QuantizeReport:
     layers: tuple[LayerReport, ...]
+    fusion: tuple[str, ...] = ()  # :func:`mxgemm.fusion.fuse_shared_inputs`'s account, one line a group
 
     @property
     def replaced(self) -> list[LayerReport]:
@@ -43,6 +45,11 @@ class QuantizeReport:
         lines = [f"replaced {len(self.replaced)} of {len(self.layers)} linear layers"]
         lines += [f"  {n} on {b}" for b, n in by_backend.items()]
         lines += [f"  skipped {r.name}: {r.reason}" for r in self.skipped]
+        kept = Counter(line.rsplit(": not fused (", 1)[1][:-1] for line in self.fusion if ": not fused (" in line)
+        fused = len(self.fusion) - sum(kept.values())
+        if fused:
+            lines.append(f"  {fused} groups of layers sharing an input (q/k/v, gate/up) run as one")
+        lines += [f"  {n} groups not fused: {why}" for why, n in kept.items()]
         return "\n".join(lines)
 
 
@@ -58,12 +65,14 @@ def quantize_model(
     scale_mode: ScaleMode = "floor",
     recipe: str | None = None,
     skip: Sequence[str] = ("lm_head",),
+    fuse: bool = True,
 ) -> QuantizeReport:
     """Replace every ``nn.Linear`` of ``model`` by an ``MXFP8Linear`` quantized online, in place.
 
     ``skip``: names or glob patterns, matched against the full module name and its last component. Layers whose
     ``in_features`` is not a multiple of 32 stay as they are; the report says so. A named ``backend`` that cannot
-    run raises for the first layer it cannot take, as everywhere in mxgemm.
+    run raises for the first layer it cannot take, as everywhere in mxgemm. ``fuse``: then make each layer's q, k
+    and v projections, and its gate and up projections, run as one (:func:`mxgemm.fusion.fuse_shared_inputs`).
     """
     reports = []
     # names, not modules: each nn.Linear (and its bf16 weight) is freed as soon as its replacement is in place
@@ -78,7 +87,11 @@ def quantize_model(
         del module
         model.set_submodule(name, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
-    return QuantizeReport(tuple(reports))
+    if not fuse:
+        return QuantizeReport(tuple(reports))
+    from .fusion import fuse_shared_inputs
+
+    return QuantizeReport(tuple(reports), tuple(fuse_shared_inputs(model)))
 
 
 def skip_reason(name: str, module: nn.Linear, skip: Sequence[str]) -> str:

@@ -196,6 +196,12 @@ class Backend(ABC):
         given."""
         return weight.tensors["qdata"], weight.tensors["scale"]
 
+    def row_layout(self, weight: PreparedWeight) -> dict[str, int] | None:
+        """How the prepared tensors hold the output rows, for weights that share an input and run as one
+        (:mod:`mxgemm.fusion`): for each tensor, the output rows one of its rows covers, its rows in output order; None
+        where the layout does not split by rows so. Row padding makes a weight unfit (checked there)."""
+        return None
+
     def tuning_context(self, weight: PreparedWeight) -> contextlib.AbstractContextManager:
         """Entered while the autotuner times this backend on ``weight``: a backend whose library tunes itself
         (FlashInfer) switches that library's tuning on here, and saves what it learns where a restart finds it."""

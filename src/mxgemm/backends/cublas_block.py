@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..block128 import block128_to_mx, prepare_block128
+from ..block128 import BLOCK128_ROWS, block128_to_mx, prepare_block128
 from ..device import DeviceInfo
 from ..kernels.cublaslt import blockwise_device_check, blockwise_linear
 from ..recipes import Recipe
@@ -36,6 +36,9 @@ class CublasBlockBackend(Backend):
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         t = weight.tensors
         return blockwise_linear(x, t["qdata"], t["block_scale"], weight.out_features, bias)
+
+    def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
+        return BLOCK128_ROWS
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         t = weight.tensors

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..block128 import block128_to_mx, dequantize_1x128, dequantize_block128, quantize_1x128, reencode_block128
+from ..block128 import (
+    BLOCK128_ROWS,
+    block128_to_mx,
+    dequantize_1x128,
+    dequantize_block128,
+    quantize_1x128,
+    reencode_block128,
+)
 from ..device import DeviceInfo
 from ..format import MXTensor, dequantize, quantize
 from ..recipes import MX_ACT_SCALE_MODE, RECIPES, Recipe, hybrid_crossover
@@ -62,6 +69,9 @@ class EmulationBackend(Backend):
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return emulate_linear(x, weight, bias)
+
+    def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
+        return BLOCK128_ROWS if "block_scale" in weight.tensors else {"qdata": 1, "scale": 1}
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         t = weight.tensors

@@ -22,7 +22,7 @@ import logging
 import torch
 
 from .. import settings
-from ..block128 import block128_to_mx, prepare_block128
+from ..block128 import BLOCK128_ROWS, block128_to_mx, prepare_block128
 from ..device import DeviceInfo
 from ..kernels import cublaslt, fp8_gemm
 from ..kernels.cublaslt import blockwise_device_check, blockwise_linear
@@ -259,6 +259,9 @@ class HybridSM90Backend(Backend):
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return self.plan(weight, x.shape[0], x.dtype, tactic)(x, bias)
+
+    def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
+        return BLOCK128_ROWS
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         t = weight.tensors

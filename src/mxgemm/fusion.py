@@ -1,0 +1,151 @@
+"""Linear layers that read the same input, run as one: a transformer layer's q, k and v projections, its gate and up
+projections (Hugging Face's names, which Llama, Mistral, Qwen and most decoder models share).
+
+The members' prepared weights become row views of one prepared weight (one copy on the device, as before). An eager
+call of a member on an input runs the whole weight once and keeps the other members' outputs (views of its output)
+until each takes its own, called on the same, unchanged tensor. Everything else runs the member alone on its view:
+traced calls (``torch.compile``, export), fp32 inputs, a member called on another input (the group then stops
+running as one: the layers do not share their input), or a member whose bias was replaced or that was re-prepared.
+
+Each member's output is the same recipe on the same weight bits as its own call: below ``hybrid-block128``'s
+crossover exactly the same, from it the quantized GEMM's accumulation order may differ, as between any two tactics.
+One call launches one GEMM (and one activation quantizer) where it launched two or three: less host time in eager
+calls, and the small k and v projections run inside a GEMM that fills the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .backends import PreparedWeight, get_backend
+from .linear import MXFP8Linear
+from .weights import linear
+
+__all__ = ["GROUPS", "SharedInput", "fuse_shared_inputs", "unfit_reason"]
+
+logger = logging.getLogger("mxgemm")
+
+GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class SharedInput:
+    """The one prepared weight of a group of :class:`MXFP8Linear` layers and the outputs its last call left for the
+    members that have not taken theirs. Members reach it through ``layer.shared`` ((group, index)); it holds no
+    reference to them."""
+
+    def __init__(self, weight: PreparedWeight, sizes: Sequence[int], bias: torch.Tensor | None,
+                 bias_views: Sequence[torch.Tensor | None]):  # fmt: skip
+        self.weight = weight
+        self.sizes = list(sizes)
+        self.bias = bias
+        self.bias_views = tuple(bias_views)
+        self.enabled = True
+        self._x: torch.Tensor | None = None
+        self._version = -1
+        self._pending: dict[int, torch.Tensor] = {}
+
+    def output(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Member ``index``'s output for ``x`` (its ``bias`` as it holds it now), or None where it runs alone."""
+        if bias is not self.bias_views[index]:
+            self.disable("a member's bias was replaced")
+            return None
+        version = -1 if x.is_inference() else x._version  # inference tensors keep no version counter
+        if x is self._x and version == self._version:
+            y = self._pending.pop(index, None)
+            if y is None:  # it took its output for this input already
+                return None
+            if not self._pending:
+                self._x = None
+            return y
+        if self._pending:  # a member asked for another input while others had not taken theirs
+            self.disable("its members were called on different inputs")
+            return None
+        ys = linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        self._x, self._version = x, version
+        self._pending = {i: y for i, y in enumerate(ys) if i != index}
+        return ys[index]
+
+    def disable(self, why: str) -> None:
+        """From now on each member runs alone on its view (the weight stays one copy)."""
+        if self.enabled:
+            logger.info("mxgemm: layers sharing an input run one by one from now on: %s", why)
+        self.enabled = False
+        self._x, self._pending = None, {}
+
+
+def unfit_reason(members: Sequence[MXFP8Linear]) -> str:
+    """Why these layers cannot run as one, or "" when they can: the same input size, backend, recipe, device and
+    activation regime (``info["crossover"]``), a backend layout that splits by rows without padding, biases on all
+    or none, none of them in a group already."""
+    first = members[0].prepared
+    backend = get_backend(first.backend)
+    layout = backend.row_layout(first)
+    if layout is None:
+        return f"{first.backend}'s prepared weights do not split by rows"
+    for m in members:
+        w = m.prepared
+        if m.shared is not None:
+            return "already in a group"
+        if (w.backend, w.recipe, w.in_features, w.device) != (first.backend, first.recipe, first.in_features,
+                                                             first.device):  # fmt: skip
+            return "backend, recipe, input size or device differ"
+        if w.info.get("crossover") != first.info.get("crossover"):
+            return "their crossovers differ"
+        if set(w.tensors) != set(layout):
+            return "prepared tensors differ from the backend's row layout"
+        for name, rows in layout.items():
+            t, t0 = w.tensors[name], first.tensors[name]
+            if w.out_features % rows or t.shape[0] * rows != w.out_features:
+                return f"out_features={w.out_features} is not a whole number of {name}'s {rows}-row groups"
+            if t.shape[1:] != t0.shape[1:] or t.dtype != t0.dtype:
+                return f"{name} differs in columns or dtype"
+        b0 = members[0].bias
+        if (m.bias is None) != (b0 is None) or (b0 is not None and m.bias.dtype != b0.dtype):
+            return "biases on some layers only, or of different dtypes"
+    return ""
+
+
+def _group(members: Sequence[MXFP8Linear]) -> SharedInput:
+    first = members[0].prepared
+    layout = get_backend(first.backend).row_layout(first)
+    tensors = {name: torch.cat([m.prepared.tensors[name] for m in members]) for name in layout}
+    info = {k: v for k, v in first.info.items() if k != "reencode"}  # each member keeps its own exactness report
+    sizes = [m.out_features for m in members]
+    weight = PreparedWeight(first.backend, first.recipe, sum(sizes), first.in_features, tensors, info)
+    bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+    group = SharedInput(weight, sizes, bias, [None if bias is None else b for b in _row_views(bias, sizes)])
+    start = 0
+    for index, (m, n) in enumerate(zip(members, sizes, strict=True)):
+        views = {name: tensors[name][start // rows : (start + n) // rows] for name, rows in layout.items()}
+        m.share(PreparedWeight(first.backend, first.recipe, n, first.in_features, views, dict(m.prepared.info)),
+                group.bias_views[index], (group, index))  # fmt: skip
+        start += n
+    return group
+
+
+def _row_views(t: torch.Tensor | None, sizes: Sequence[int]) -> list[torch.Tensor | None]:
+    return [None] * len(sizes) if t is None else list(t.split(list(sizes)))
+
+
+def fuse_shared_inputs(model: nn.Module, groups: Sequence[Sequence[str]] = GROUPS) -> list[str]:
+    """Make the :class:`MXFP8Linear` children of each module named as one of ``groups`` (e.g. ``q_proj``, ``k_proj``,
+    ``v_proj``) run as one, in place. Returns what it did: each group made (``"model.layers.0.self_attn: q_proj,
+    k_proj, v_proj"``), and each left as it was with the reason (``"...: not fused (reason)"``)."""
+    done = []
+    for name, module in model.named_modules():
+        for names in groups:
+            members = [getattr(module, n, None) for n in names]
+            if not all(isinstance(m, MXFP8Linear) for m in members):
+                continue
+            where = f"{name}: {', '.join(names)}"
+            reason = unfit_reason(members)
+            if reason:
+                done.append(f"{where}: not fused ({reason})")
+                continue
+            _group(members)
+            done.append(where)
+    return done

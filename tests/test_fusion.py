@@ -1,0 +1,194 @@
+"""Layers that read the same input run as one (mxgemm.fusion): the same outputs as each layer alone, one copy of the
+weight, the same state dict, and each layer alone wherever running as one would not be right."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mxgemm
+from mxgemm.fusion import fuse_shared_inputs
+
+RECIPES = ("hybrid-block128", "w8a8-mx", "w8a16")
+
+
+class _Block(nn.Module):
+    """A decoder layer's shape of calls: q, k, v on one input, o after; gate and up on another, down after."""
+
+    def __init__(self, hidden=256, kv=128, ffn=384, bias=False):
+        super().__init__()
+        self.self_attn = nn.ModuleDict({"q_proj": nn.Linear(hidden, hidden, bias=bias),
+                                        "k_proj": nn.Linear(hidden, kv, bias=bias),
+                                        "v_proj": nn.Linear(hidden, kv, bias=bias),
+                                        "o_proj": nn.Linear(hidden, hidden, bias=False)})  # fmt: skip
+        self.mlp = nn.ModuleDict({"gate_proj": nn.Linear(hidden, ffn, bias=False),
+                                  "up_proj": nn.Linear(hidden, ffn, bias=False),
+                                  "down_proj": nn.Linear(ffn, hidden, bias=False)})  # fmt: skip
+
+    def forward(self, x):
+        a = self.self_attn
+        q, k, v = a["q_proj"](x), a["k_proj"](x), a["v_proj"](x)
+        h = x + a["o_proj"](q * torch.cat([k, v], -1))
+        m = self.mlp
+        return h + m["down_proj"](torch.nn.functional.silu(m["gate_proj"](h)) * m["up_proj"](h))
+
+
+def _pair(recipe, bias=False, **kw):
+    torch.manual_seed(0)
+    alone = _Block(bias=bias, **kw).to(torch.bfloat16)
+    fused = copy.deepcopy(alone)
+    mxgemm.quantize_model(alone, backend="emulation", recipe=recipe, fuse=False)
+    report = mxgemm.quantize_model(fused, backend="emulation", recipe=recipe)
+    return alone, fused, report
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_groups_compute_what_each_layer_does_alone(recipe, bias):
+    alone, fused, report = _pair(recipe, bias)
+    assert report.fusion == ("self_attn: q_proj, k_proj, v_proj", "mlp: gate_proj, up_proj")
+    assert "2 groups of layers sharing an input (q/k/v, gate/up) run as one" in str(report)
+    with torch.no_grad():
+        for m in (1, 16, 64, 300):  # both regimes of hybrid-block128 (crossover 48 here)
+            x = torch.randn(2, m, 256, dtype=torch.bfloat16)
+            assert torch.equal(fused(x), alone(x)), m
+            q = fused.self_attn["q_proj"]
+            assert q.shared[0].enabled and not q.shared[0]._pending  # every member took its output
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_one_copy_and_the_same_state_dict(recipe):
+    alone, fused, _ = _pair(recipe, bias=True)
+    attn = [fused.self_attn[n] for n in ("q_proj", "k_proj", "v_proj")]
+    for name in attn[0].prepared.tensors:
+        storages = {m.prepared.tensors[name].untyped_storage().data_ptr() for m in attn}
+        assert len(storages) == 1
+    assert len({m.bias.untyped_storage().data_ptr() for m in attn}) == 1
+    group = attn[0].shared[0]
+    assert all(m.prepared.nbytes == group.weight.nbytes for m in attn)  # a view holds the group's storage
+    assert group.weight.nbytes == sum(alone.self_attn[n].prepared.nbytes for n in ("q_proj", "k_proj", "v_proj"))
+    a, f = alone.state_dict(), fused.state_dict()
+    assert list(a) == list(f)
+    assert all(torch.equal(_bits(a[k]), _bits(f[k])) for k in a)
+    fresh = copy.deepcopy(alone)
+    fresh.load_state_dict(f)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), alone(x))
+
+
+def test_a_fused_model_saves_every_layer_and_loads_fused(tmp_path):
+    alone, fused, _ = _pair("hybrid-block128", bias=True)
+    mxgemm.save_checkpoint(fused, tmp_path)
+    torch.manual_seed(1)
+    fresh = _Block(bias=True).to(torch.bfloat16)
+    report = mxgemm.load_checkpoint(fresh, tmp_path, backend="emulation", recipe="hybrid-block128")
+    assert report.fusion == ("self_attn: q_proj, k_proj, v_proj", "mlp: gate_proj, up_proj")
+    x = torch.randn(2, 60, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), alone(x))
+
+
+def test_each_layer_alone_where_running_as_one_would_not_be_right():
+    alone, fused, _ = _pair("hybrid-block128", bias=True)
+    a, f = alone.self_attn, fused.self_attn
+    group = f["q_proj"].shared[0]
+    x, other = torch.randn(2, 8, 256, dtype=torch.bfloat16), torch.randn(2, 8, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(f["q_proj"](x), a["q_proj"](x))
+        assert torch.equal(f["q_proj"](x), a["q_proj"](x))  # twice on one input: the second runs alone
+        assert torch.equal(f["k_proj"](other), a["k_proj"](other))  # another input while v has not taken its own
+        assert not group.enabled and not group._pending
+        assert torch.equal(fused(x), alone(x))
+        # a group whose member's bias is replaced runs each layer alone, with the new bias
+        alone2, fused2, _ = _pair("hybrid-block128", bias=True)
+        for model in (alone2, fused2):
+            model.self_attn["k_proj"].bias = torch.ones(128, dtype=torch.bfloat16)
+        assert torch.equal(fused2(x), alone2(x))
+        assert not fused2.self_attn["q_proj"].shared[0].enabled
+        # an input modified in place between two members' calls
+        alone3, fused3, _ = _pair("hybrid-block128")
+        q3, k3 = fused3.self_attn["q_proj"], fused3.self_attn["k_proj"]
+        y = x.clone()
+        q3(y)
+        y.mul_(2)
+        assert torch.equal(k3(y), alone3.self_attn["k_proj"](y))
+
+
+def test_reloading_a_member_and_fp32_inputs_and_gradients():
+    alone, fused, _ = _pair("w8a8-mx")
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(fused(x.float()), alone(x.float()))  # fp32 inputs: each layer alone, cast per layer
+    xa, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    alone(xa).float().square().sum().backward()
+    fused(xf).float().square().sum().backward()
+    # one matmul against three, each rounded to bf16: another summation order
+    assert (xf.grad - xa.grad).abs().max() <= 0.02 * xa.grad.abs().max()
+    k = fused.self_attn["k_proj"]
+    group = k.shared[0]
+    k.load_state_dict(alone.self_attn["k_proj"].state_dict())  # re-prepares k: the group runs its layers alone
+    assert k.shared is None and not group.enabled
+    with torch.no_grad():
+        assert torch.equal(fused(x), alone(x))
+
+
+def test_traced_calls_run_each_layer_alone():
+    alone, fused, _ = _pair("hybrid-block128")
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), alone(x))
+    assert not fused.self_attn["q_proj"].shared[0]._pending
+
+
+def test_unfit_groups_stay_as_they_are_and_the_report_says_why():
+    # 192 output rows are not whole 128-row blocks of the block recipe's scales
+    _, fused, report = _pair("hybrid-block128", kv=192)
+    assert report.fusion[0] == ("self_attn: q_proj, k_proj, v_proj: not fused (out_features=192 is not a whole "
+                                "number of block_scale's 128-row groups)")  # fmt: skip
+    assert fused.self_attn["k_proj"].shared is None and fused.mlp["up_proj"].shared is not None
+    assert "1 groups not fused: out_features=192" in str(report)
+    torch.manual_seed(0)
+    mixed = _Block().to(torch.bfloat16)
+    mxgemm.quantize_model(mixed, backend="emulation", recipe="w8a16", skip=("k_proj",))
+    assert "self_attn: q_proj, k_proj, v_proj" not in " ".join(fuse_shared_inputs(mixed))  # k is an nn.Linear
+    assert fuse_shared_inputs(mixed) == ["mlp: gate_proj, up_proj: not fused (already in a group)"]
+
+
+@pytest.mark.gpu
+def test_hybrid_sm90_groups_on_the_gpu():
+    """On the H200: below the crossover (the exact regime) the same bits as each layer alone; from it the quantized
+    GEMM's own rounding at most, eager and replayed from a CUDA graph."""
+    from helpers import skip_unless_backend_runs
+
+    skip_unless_backend_runs("hybrid_sm90")
+    torch.manual_seed(0)
+    alone = _Block(hidden=1024, kv=256, ffn=2048).to("cuda", torch.bfloat16)
+    fused = copy.deepcopy(alone)
+    mxgemm.quantize_model(alone, backend="hybrid_sm90", fuse=False)
+    assert len(mxgemm.quantize_model(fused, backend="hybrid_sm90").fusion) == 2
+    crossover = fused.self_attn["q_proj"].shared[0].weight.info["crossover"]
+    with torch.no_grad():
+        for m in (1, 8, 16, 24, 64, 300, 2048):
+            x = torch.randn(1, m, 1024, device="cuda", dtype=torch.bfloat16)
+            for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+                ys = [getattr(fused, part)[n](x) for n in names]  # in turn on one input: one GEMM for the group
+                for y, n in zip(ys, names, strict=True):
+                    ref = getattr(alone, part)[n](x)
+                    if m < crossover:
+                        assert torch.equal(y, ref), (m, n)
+                    else:
+                        assert (y.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max(), (m, n)
+        x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+        graph, out = torch.cuda.CUDAGraph(), None
+        fused(x)  # plans made outside capture
+        with torch.cuda.graph(graph):
+            out = fused(x)
+        graph.replay()
+        torch.testing.assert_close(out, alone(x), rtol=2**-6, atol=2**-6)
