@@ -34,8 +34,9 @@ from mxgemm.bench import environment
 WHO = ("bf16", "mxgemm")
 
 
-def build(layers: int, who: str, skip: tuple[str, ...], device: str = "cuda", tiny: bool = False):
-    """(model, quantize report) for ``who`` on ``device``: Llama-3-8B dimensions, or (``tiny``) a few-MB Llama."""
+def build(layers: int, who: str, skip: tuple[str, ...], device: str = "cuda", tiny: bool = False, fuse: bool = True):
+    """(model, quantize report) for ``who`` on ``device``: Llama-3-8B dimensions, or (``tiny``) a few-MB Llama;
+    ``fuse``: as for :func:`mxgemm.quantize_model`."""
     dims = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                 vocab_size=128256)  # fmt: skip
     if tiny:
@@ -51,7 +52,7 @@ def build(layers: int, who: str, skip: tuple[str, ...], device: str = "cuda", ti
     model.generation_config.pad_token_id = 0
     report = ""
     if who == "mxgemm":
-        report = str(mxgemm.quantize_model(model, skip=skip))
+        report = str(mxgemm.quantize_model(model, skip=skip, fuse=fuse))
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill measurement")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a few-MB Llama: a smoke test of this script")
+    parser.add_argument("--no-fuse", action="store_true", help="each projection a GEMM of its own (fuse=False)")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     env = environment(mxgemm.describe_device(device))
     models, reports, resident = {}, {}, {}
     for who in WHO:
-        models[who], reports[who] = build(args.layers, who, tuple(args.skip), args.device, args.tiny)
+        models[who], reports[who] = build(args.layers, who, tuple(args.skip), args.device, args.tiny, not args.no_fuse)
         resident[who] = weights_bytes(models[who])
         print(who, reports[who], f"weights {resident[who] / 2**30:.2f} GiB", flush=True)
     args.vocab = models["bf16"].config.vocab_size
@@ -174,9 +176,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(row), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"device": env, "layers": args.layers, "prompt": args.prompt, "new_tokens": args.new,
-                               "prefill_tokens": args.prefill, "skip": args.skip, "order": "interleaved",
-                               "quantize_report": reports, "rows": rows}, f, indent=1)  # fmt: skip
+                    meta = {"device": env, "layers": args.layers, "prompt": args.prompt, "new_tokens": args.new,
+                            "prefill_tokens": args.prefill, "skip": args.skip, "fuse": not args.no_fuse,
+                            "order": "interleaved", "quantize_report": reports}  # fmt: skip
+                    json.dump({**meta, "rows": rows}, f, indent=1)
     table = markdown(rows, args, env)
     print(table)
     if args.markdown:
