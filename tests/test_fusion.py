@@ -138,13 +138,21 @@ def test_reloading_a_member_and_fp32_inputs_and_gradients():
         assert torch.equal(fused(x), alone(x))
 
 
-def test_traced_calls_run_each_layer_alone():
+def test_traced_calls_run_each_group_as_one_op():
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
     alone, fused, _ = _pair("hybrid-block128")
-    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
-    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    graphs = EagerAndRecordGraphs()
+    compiled = torch.compile(fused, backend=graphs, fullgraph=True)
     with torch.no_grad():
-        assert torch.equal(compiled(x), alone(x))
-    assert not fused.self_attn["q_proj"].shared[0]._pending
+        for m in (4, 64):  # both regimes
+            x = torch.randn(m, 256, dtype=torch.bfloat16)
+            assert torch.equal(compiled(x), fused(x))
+            if m < fused.self_attn["q_proj"].shared[0].weight.info["crossover"]:
+                assert torch.equal(compiled(x), alone(x))
+    assert graphs.graphs[0].code.count("mxgemm.linear") == 4  # q/k/v, o, gate/up, down
+    group = fused.self_attn["q_proj"].shared[0]
+    assert group.enabled and group._x is None and not group._pending
 
 
 def test_unfit_groups_stay_as_they_are_and_the_report_says_why():

@@ -1,16 +1,17 @@
 """Linear layers that read the same input, run as one: a transformer layer's q, k and v projections, its gate and up
 projections (Hugging Face's names, which Llama, Mistral, Qwen and most decoder models share).
 
-The members' prepared weights become row views of one prepared weight (one copy on the device, as before). An eager
-call of a member on an input runs the whole weight once and keeps the other members' outputs (views of its output)
-until each takes its own, called on the same, unchanged tensor. Everything else runs the member alone on its view:
-traced calls (``torch.compile``, export), fp32 inputs, a member called on another input (the group then stops
-running as one: the layers do not share their input), or a member whose bias was replaced or that was re-prepared.
+The members' prepared weights become row views of one prepared weight (one copy on the device, as before). A call
+of a member on an input runs the whole weight once and keeps the other members' outputs (views of its output) until
+each takes its own, called on the same, unchanged tensor; traced (``torch.compile``), the same steps leave one
+``mxgemm::linear`` op per group in the graph and no state behind. Everything else runs the member alone on its view:
+fp32 inputs, a member called on another input (the group then stops running as one: the layers do not share their
+input), or a member whose bias was replaced or that was re-prepared.
 
 Each member's output is the same recipe on the same weight bits as its own call: below ``hybrid-block128``'s
 crossover exactly the same, from it the quantized GEMM's accumulation order may differ, as between any two tactics.
 One call launches one GEMM (and one activation quantizer) where it launched two or three: less host time in eager
-calls, and the small k and v projections run inside a GEMM that fills the GPU.
+calls, fewer kernels in a CUDA graph, and the small k and v projections run inside a GEMM that fills the GPU.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class SharedInput:
         if bias is not self.bias_views[index]:
             self.disable("a member's bias was replaced")
             return None
-        version = -1 if x.is_inference() else x._version  # inference tensors keep no version counter
+        # inference tensors keep no version counter; traced calls see no in-place change between members' calls
+        version = -1 if torch.compiler.is_compiling() or x.is_inference() else x._version
         if x is self._x and version == self._version:
             y = self._pending.pop(index, None)
             if y is None:  # it took its output for this input already

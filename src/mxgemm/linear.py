@@ -178,7 +178,7 @@ class MXFP8Linear(nn.Module):
             bias = None if self.bias is None else self.bias.to(torch.bfloat16)
             return linear(x.to(torch.bfloat16), self._prepared, bias).to(x.dtype)
         shared = self.shared
-        if shared is not None and not torch.compiler.is_compiling() and shared[0].enabled:
+        if shared is not None and shared[0].enabled:
             y = shared[0].output(shared[1], x, self.bias)
             if y is not None:
                 return y
