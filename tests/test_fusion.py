@@ -53,6 +53,7 @@ def test_groups_compute_what_each_layer_does_alone(recipe, bias):
     alone, fused, report = _pair(recipe, bias)
     assert report.fusion == ("self_attn: q_proj, k_proj, v_proj", "mlp: gate_proj, up_proj")
     assert "2 groups of layers sharing an input (q/k/v, gate/up) run as one" in str(report)
+    assert "shared_input=2" in repr(fused.self_attn["v_proj"]) and "shared_input" not in repr(alone.self_attn["v_proj"])
     with torch.no_grad():
         for m in (1, 16, 64, 300):  # both regimes of hybrid-block128 (crossover 48 here)
             x = torch.randn(2, m, 256, dtype=torch.bfloat16)

@@ -24,7 +24,8 @@ class MXFP8Linear(nn.Module):
     another device; a named backend that cannot run there raises. Dtype casts of the module (``.half()``,
     ``.to(torch.bfloat16)``) leave the quantized weight as it is and cast only the bias. bf16/fp16 inputs run as they
     are; fp32/fp64 inputs (models kept in fp32) are cast to bf16 for the GEMM and the result back to their dtype.
-    Layers that read the same input may run as one (:mod:`mxgemm.fusion`): ``shared`` is then (group, index).
+    Layers that read the same input may run as one (:mod:`mxgemm.fusion`): ``shared`` is then (group, index), and the
+    layer's repr shows ``shared_input=index`` while the group runs as one.
     """
 
     shared: tuple | None = None
@@ -185,7 +186,8 @@ class MXFP8Linear(nn.Module):
         return linear(x, self._prepared, self.bias)
 
     def extra_repr(self) -> str:
+        shared = "" if self.shared is None or not self.shared[0].enabled else f", shared_input={self.shared[1]}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"backend={self.backend}, recipe={self.recipe}"
+            f"backend={self.backend}, recipe={self.recipe}{shared}"
         )
