@@ -156,6 +156,18 @@ def test_traced_calls_run_each_group_as_one_op():
     assert group.enabled and group._x is None and not group._pending
 
 
+def test_a_traced_cross_attention_runs_each_layer_alone():
+    alone, fused, _ = _pair("hybrid-block128")
+    a, f = alone.self_attn, fused.self_attn
+    compiled = torch.compile(lambda x, enc: (f["q_proj"](x), f["k_proj"](enc), f["v_proj"](enc)), backend="aot_eager",
+                             fullgraph=True)  # fmt: skip
+    x, enc = torch.randn(3, 256, dtype=torch.bfloat16), torch.randn(5, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for y, ref in zip(compiled(x, enc), (a["q_proj"](x), a["k_proj"](enc), a["v_proj"](enc)), strict=True):
+            assert torch.equal(y, ref)
+    assert not f["q_proj"].shared[0].enabled
+
+
 def test_unfit_groups_stay_as_they_are_and_the_report_says_why():
     # 192 output rows are not whole 128-row blocks of the block recipe's scales
     _, fused, report = _pair("hybrid-block128", kv=192)

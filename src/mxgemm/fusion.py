@@ -54,7 +54,8 @@ class SharedInput:
         if bias is not self.bias_views[index]:
             self.disable("a member's bias was replaced")
             return None
-        # inference tensors keep no version counter; traced calls see no in-place change between members' calls
+        # inference tensors keep no version counter, and traced calls read none: there the input is taken to be
+        # unchanged between the members' calls, as in the decoder layers these groups come from
         version = -1 if torch.compiler.is_compiling() or x.is_inference() else x._version
         if x is self._x and version == self._version:
             y = self._pending.pop(index, None)
@@ -73,7 +74,7 @@ class SharedInput:
 
     def disable(self, why: str) -> None:
         """From now on each member runs alone on its view (the weight stays one copy)."""
-        if self.enabled:
+        if self.enabled and not torch.compiler.is_compiling():  # no logging inside a traced graph
             logger.info("mxgemm: layers sharing an input run one by one from now on: %s", why)
         self.enabled = False
         self._x, self._pending = None, {}
