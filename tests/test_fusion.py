@@ -90,6 +90,7 @@ def test_a_fused_model_saves_every_layer_and_loads_fused(tmp_path):
     fresh = _Block(bias=True).to(torch.bfloat16)
     report = mxgemm.load_checkpoint(fresh, tmp_path, backend="emulation", recipe="hybrid-block128")
     assert report.fusion == ("self_attn: q_proj, k_proj, v_proj", "mlp: gate_proj, up_proj")
+    assert str(report).endswith("7 MXFP8 layers loaded, 2 groups of layers sharing an input run as one")
     x = torch.randn(2, 60, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(fresh(x), alone(x))

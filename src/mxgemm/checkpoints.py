@@ -213,7 +213,9 @@ class LoadReport:
     fusion: tuple[str, ...] = ()  # :func:`mxgemm.fusion.fuse_shared_inputs`'s account, one line a group
 
     def __str__(self) -> str:
-        return f"{self.format.kind} {self.format.scheme}: {len(self.quantized)} MXFP8 layers loaded"
+        fused = sum(": not fused (" not in line for line in self.fusion)
+        groups = f", {fused} groups of layers sharing an input run as one" if fused else ""
+        return f"{self.format.kind} {self.format.scheme}: {len(self.quantized)} MXFP8 layers loaded{groups}"
 
 
 def load_checkpoint(
