@@ -116,6 +116,24 @@ def test_leading_dimensions_run_as_rows():
     assert sorted({key[0] for key in w.plans}) == [4, 24, 40, 300]
 
 
+@pytest.mark.parametrize("m", [4, 24])  # the small-M kernel's graph; the quantizer's and the FP8 GEMM's
+def test_graphed_plans_follow_new_contents_and_new_addresses(m):
+    """A graphed plan leaves its nodes as they are when a call's launch equals the last one: calls on one buffer whose
+    contents change, on alternating buffers, and with and without a bias, each match the twin of their regime."""
+    q, s = random_mx_weight(4096, 4096, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    quantized = m >= w.info["crossover"]
+    one, other = torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16), random_act(m, 4096, seed=9, device="cuda")
+    for i in range(3):
+        one.copy_(random_act(m, 4096, seed=i, device="cuda"))  # same address, new contents
+        for x in (one, other, one):
+            for b in (None, bias, bias, None):
+                y = mxgemm.linear(x, w, b)
+                expected = exact_product(*hybrid_operands(x, q, s, quantized=quantized), b)
+                assert_within_ulp(y, expected, sums=FP8_TENSOR_CORE_SUMS if quantized else FP32_SUMS)
+
+
 @pytest.mark.parametrize("backend", ["hybrid_sm90", "cublas_block", "triton"])
 def test_one_copy_of_the_weight_on_the_gpu(backend):
     """A layer built from checkpoint tensors holds at most 1.07 bytes per parameter once the checkpoint's own
