@@ -121,7 +121,7 @@ def _group(members: Sequence[MXFP8Linear]) -> SharedInput:
     sizes = [m.out_features for m in members]
     weight = PreparedWeight(first.backend, first.recipe, sum(sizes), first.in_features, tensors, info)
     bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-    group = SharedInput(weight, sizes, bias, [None if bias is None else b for b in _row_views(bias, sizes)])
+    group = SharedInput(weight, sizes, bias, [None] * len(sizes) if bias is None else bias.split(sizes))
     start = 0
     for index, (m, n) in enumerate(zip(members, sizes, strict=True)):
         views = {name: tensors[name][start // rows : (start + n) // rows] for name, rows in layout.items()}
@@ -129,10 +129,6 @@ def _group(members: Sequence[MXFP8Linear]) -> SharedInput:
                 group.bias_views[index], (group, index))  # fmt: skip
         start += n
     return group
-
-
-def _row_views(t: torch.Tensor | None, sizes: Sequence[int]) -> list[torch.Tensor | None]:
-    return [None] * len(sizes) if t is None else list(t.split(list(sizes)))
 
 
 def fuse_shared_inputs(model: nn.Module, groups: Sequence[Sequence[str]] = GROUPS) -> list[str]:
