@@ -37,6 +37,22 @@ def check_bf16_bias(bias: torch.Tensor | None, n: int) -> None:
         raise ValueError(f"bias must be a contiguous bf16 [{n}] tensor, got {bias.dtype} {tuple(bias.shape)}")
 
 
+def rows_in_place(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] or [..., K] as the CUDA launchers read its rows: itself where they are evenly strided with unit
+    stride along K (a 2-D tensor) or it is contiguous, else a contiguous copy. Its row stride is then ``x.stride(0)``
+    (2-D) or K."""
+    if (x.stride(1) == 1) if x.dim() == 2 else x.is_contiguous():
+        return x
+    return x.contiguous()
+
+
+def shaped_as(y: torch.Tensor, x: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """The launchers' output buffer ``y`` (its first ``m * n`` elements the result) shaped [m, n], or [..., n] after
+    ``x``'s leading dimensions, by ``resize_``: its storage stays, and on a CPU host it costs less than a slice or a
+    view."""
+    return y.resize_(m, n) if x.dim() == 2 else y.resize_(*x.shape[:-1], n)
+
+
 def free_with(launch: Callable, free: Callable, plans: Iterable[ctypes.Structure]) -> None:
     """When ``launch`` is dropped, ``free`` (a C function taking a plan's address) releases what each of ``plans``
     made (their CUDA graphs); the structures stay alive until then."""

@@ -22,7 +22,7 @@ from ..availability import Availability, probe_against_twin, probe_operands, pro
 from ..block128 import padded_1x128_shape
 from ..device import DeviceInfo
 from ..layouts import finish_output, round_up
-from . import nvcc, raw_stream
+from . import nvcc, raw_stream, rows_in_place, shaped_as
 
 logger = logging.getLogger("mxgemm")
 
@@ -175,15 +175,14 @@ def linear_plan(
     as_is = n == np_ and x_dtype == torch.bfloat16  # without a bias, the output is the buffer's first M rows
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = rows_in_place(x)
         flat = x.dim() == 2
-        if not (x.stride(1) == 1 if flat else x.is_contiguous()):
-            x = x.contiguous()
         buf = torch.empty(rows, np_, dtype=torch.bfloat16, device=device)  # as fp8_gemm's launcher: no size tuple
         err = run(handle, x.data_ptr(), x.stride(0) if flat else k, buf.data_ptr(), raw_stream(index))
         if err:
             raise RuntimeError(f"cuBLASLt blockwise GEMM failed for M={m}: {_why(err)}")
         if as_is and bias is None:
-            return buf.resize_(m, n) if flat else buf.resize_(*x.shape[:-1], n)
+            return shaped_as(buf, x, m, n)
         y = finish_output(buf[:m], x, bias, n)
         return y if flat else y.view(*x.shape[:-1], n)
 

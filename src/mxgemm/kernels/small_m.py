@@ -20,7 +20,7 @@ import torch
 
 from ..availability import Availability
 from ..recipes import SMALL_M_MAX
-from . import check_bf16_bias, free_with, nvcc, raw_stream
+from . import check_bf16_bias, free_with, nvcc, raw_stream, shaped_as
 
 logger = logging.getLogger("mxgemm")
 
@@ -100,7 +100,11 @@ class SmallMConfig:
 
 def accepts(x: torch.Tensor) -> bool:
     """Whether the kernel can take these activations: bf16, at most MAX_M rows, contiguous, 16-byte aligned."""
-    return x.dtype == torch.bfloat16 and x.shape[0] <= MAX_M and x.is_contiguous() and x.data_ptr() % 16 == 0
+    return x.dtype == torch.bfloat16 and x.shape[0] <= MAX_M and _aligned_rows(x)
+
+
+def _aligned_rows(x: torch.Tensor) -> bool:
+    return x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
 def linear_plan(
@@ -130,13 +134,13 @@ def linear_plan(
     index = device.index
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not (x.is_contiguous() and x.data_ptr() % 16 == 0):  # strided or misaligned: a copy the kernel takes
+        if not _aligned_rows(x):  # strided or misaligned: a copy the kernel takes
             x = x.clone(memory_format=torch.contiguous_format)
         y = torch.empty(m, n, dtype=torch.bfloat16, device=device)  # integer sizes: less host time than a tuple
         err = fn(address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))
         if err:
             raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {config}")
-        return y if x.dim() == 2 else y.resize_(*x.shape[:-1], n)  # resize_: less host time than a view
+        return y if x.dim() == 2 else shaped_as(y, x, m, n)
 
     launch.plan = plan  # the structure the address points into lives as long as the launcher
     free_with(launch, lib.mxgemm_small_m_plan_free, [plan])
