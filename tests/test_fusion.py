@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import mxgemm
+from mxgemm import fusion
 from mxgemm.fusion import fuse_shared_inputs
 
 RECIPES = ("hybrid-block128", "w8a8-mx", "w8a16")
@@ -60,6 +61,22 @@ def test_groups_compute_what_each_layer_does_alone(recipe, bias):
             assert torch.equal(fused(x), alone(x)), m
             q = fused.self_attn["q_proj"]
             assert q.shared[0].enabled and not q.shared[0]._pending  # every member took its output
+
+
+def test_inputs_of_many_rows_run_each_layer_alone(monkeypatch):
+    alone, fused, _ = _pair("hybrid-block128")
+    monkeypatch.setattr(fusion, "MAX_ROWS", 64)
+    names = ("q_proj", "k_proj", "v_proj")
+    group = fused.self_attn["q_proj"].shared[0]
+    with torch.no_grad():
+        for rows, left in ((64, 2), (65, 0)):  # the other members' outputs left for them, or none: each runs alone
+            x = torch.randn(1, rows, 256, dtype=torch.bfloat16)
+            for i, name in enumerate(names):
+                assert torch.equal(fused.self_attn[name](x), alone.self_attn[name](x)), (rows, name)
+                assert len(group._pending) == (left - i if i < left else 0)
+        x = torch.randn(2, 300, 256, dtype=torch.bfloat16)
+        assert torch.equal(fused(x), alone(x))
+    assert group.enabled
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
