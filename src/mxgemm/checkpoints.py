@@ -20,6 +20,7 @@ from torch import nn
 
 from .errors import MXGemmError
 from .format import BLOCK_SIZE, E8M0_NAN, SCALE_DTYPES, e8m0_bytes
+from .fusion import fuse_shared_inputs, tally
 from .linear import MXFP8Linear
 
 __all__ = ["SCHEMES", "CheckpointError", "CheckpointFormat", "TensorSource", "load_checkpoint", "read_format",
@@ -213,7 +214,7 @@ class LoadReport:
     fusion: tuple[str, ...] = ()  # :func:`mxgemm.fusion.fuse_shared_inputs`'s account, one line a group
 
     def __str__(self) -> str:
-        fused = sum(": not fused (" not in line for line in self.fusion)
+        fused, _ = tally(self.fusion)
         groups = f", {fused} groups of layers sharing an input run as one" if fused else ""
         return f"{self.format.kind} {self.format.scheme}: {len(self.quantized)} MXFP8 layers loaded{groups}"
 
@@ -299,11 +300,7 @@ def load_checkpoint(
     if retie:
         model.tie_weights()
     model.to(target)
-    if not fuse:
-        return LoadReport(fmt, tuple(layers), tuple(tied))
-    from .fusion import fuse_shared_inputs
-
-    return LoadReport(fmt, tuple(layers), tuple(tied), tuple(fuse_shared_inputs(model)))
+    return LoadReport(fmt, tuple(layers), tuple(tied), tuple(fuse_shared_inputs(model)) if fuse else ())
 
 
 def _declared_ties(model: nn.Module) -> dict[str, str]:

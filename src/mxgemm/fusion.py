@@ -17,6 +17,7 @@ calls, fewer kernels in a CUDA graph, and the small k and v projections run insi
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -26,7 +27,7 @@ from .backends import PreparedWeight, get_backend
 from .linear import MXFP8Linear
 from .weights import linear
 
-__all__ = ["GROUPS", "SharedInput", "fuse_shared_inputs", "unfit_reason"]
+__all__ = ["GROUPS", "SharedInput", "fuse_shared_inputs", "tally", "unfit_reason"]
 
 logger = logging.getLogger("mxgemm")
 
@@ -153,8 +154,17 @@ def fuse_shared_inputs(model: nn.Module, groups: Sequence[Sequence[str]] = GROUP
             where = f"{name}: {', '.join(names)}"
             reason = unfit_reason(members)
             if reason:
-                done.append(f"{where}: not fused ({reason})")
+                done.append(f"{where}{_NOT_FUSED}{reason})")
                 continue
             _group(members)
             done.append(where)
     return done
+
+
+_NOT_FUSED = ": not fused ("
+
+
+def tally(account: Sequence[str]) -> tuple[int, Counter[str]]:
+    """:func:`fuse_shared_inputs`' account counted: the groups made, and the groups left as they were by reason."""
+    kept = Counter(line.rsplit(_NOT_FUSED, 1)[1][:-1] for line in account if _NOT_FUSED in line)
+    return len(account) - sum(kept.values()), kept

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import fnmatch
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
 from .format import BLOCK_SIZE, ScaleMode
+from .fusion import fuse_shared_inputs, tally
 from .linear import MXFP8Linear
 
 __all__ = ["LayerReport", "QuantizeReport", "hf_model_class", "linear_shapes", "quantizable_linears", "quantize_model",
@@ -45,8 +45,7 @@ class QuantizeReport:
         lines = [f"replaced {len(self.replaced)} of {len(self.layers)} linear layers"]
         lines += [f"  {n} on {b}" for b, n in by_backend.items()]
         lines += [f"  skipped {r.name}: {r.reason}" for r in self.skipped]
-        kept = Counter(line.rsplit(": not fused (", 1)[1][:-1] for line in self.fusion if ": not fused (" in line)
-        fused = len(self.fusion) - sum(kept.values())
+        fused, kept = tally(self.fusion)
         if fused:
             lines.append(f"  {fused} groups of layers sharing an input (q/k/v, gate/up) run as one")
         lines += [f"  {n} groups not fused: {why}" for why, n in kept.items()]
@@ -87,11 +86,7 @@ def quantize_model(
         del module
         model.set_submodule(name, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
-    if not fuse:
-        return QuantizeReport(tuple(reports))
-    from .fusion import fuse_shared_inputs
-
-    return QuantizeReport(tuple(reports), tuple(fuse_shared_inputs(model)))
+    return QuantizeReport(tuple(reports), tuple(fuse_shared_inputs(model)) if fuse else ())
 
 
 def skip_reason(name: str, module: nn.Linear, skip: Sequence[str]) -> str:
