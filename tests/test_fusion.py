@@ -10,6 +10,7 @@ from torch import nn
 import mxgemm
 from mxgemm import fusion
 from mxgemm.fusion import fuse_shared_inputs
+from mxgemm.linear import _TRACED_GROUPS
 
 RECIPES = ("hybrid-block128", "w8a8-mx", "w8a16")
 
@@ -172,6 +173,31 @@ def test_traced_calls_run_each_group_as_one_op():
     assert graphs.graphs[0].code.count("mxgemm.linear") == 4  # q/k/v, o, gate/up, down
     group = fused.self_attn["q_proj"].shared[0]
     assert group.enabled and group._x is None and not group._pending
+    assert not _TRACED_GROUPS  # every member took its view
+
+
+def test_compiled_layers_guard_only_plain_values_of_their_own(monkeypatch):
+    """Every MXFP8Linear of a compiled block (groups and lone layers) reads only plain values in its own __dict__:
+    with Dynamo's recursive dict tags (on by default in torch 2.11) its guards are skipped while the __dict__ is
+    unchanged, as an nn.Linear's are; a read through an object of ours makes each guard run on every call."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    monkeypatch.setattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", True)
+    torch._dynamo.reset()
+    _, fused, _ = _pair("hybrid-block128")
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        compiled(torch.randn(4, 256, dtype=torch.bfloat16))
+    (entry,) = _debug_get_cache_entry_list(_Block.forward.__code__)
+    layers, nodes = {}, [entry.guard_manager.root]
+    while nodes:
+        node = nodes.pop()
+        nodes += node.get_child_managers()
+        source = node.get_source()
+        if source.endswith("_proj']"):  # the layers themselves, not their values
+            layers[source.rsplit("'", 2)[1]] = node.is_tag_safe()
+    assert layers == dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), True)
+    torch._dynamo.reset()
 
 
 def test_a_traced_cross_attention_runs_each_layer_alone():
@@ -183,7 +209,7 @@ def test_a_traced_cross_attention_runs_each_layer_alone():
     with torch.no_grad():
         for y, ref in zip(compiled(x, enc), (a["q_proj"](x), a["k_proj"](enc), a["v_proj"](enc)), strict=True):
             assert torch.equal(y, ref)
-    assert not f["q_proj"].shared[0].enabled
+    assert not f["q_proj"].shared[0].enabled and not _TRACED_GROUPS
 
 
 def test_unfit_groups_stay_as_they_are_and_the_report_says_why():

@@ -3,8 +3,9 @@ projections (Hugging Face's names, which Llama, Mistral, Qwen and most decoder m
 
 The members' prepared weights become row views of one prepared weight (one copy on the device, as before). A call
 of a member on an input runs the whole weight once and keeps the other members' outputs (views of its output) until
-each takes its own, called on the same, unchanged tensor; traced (``torch.compile``), the same steps leave one
-``mxgemm::linear`` op per group in the graph and no state behind. Everything else runs the member alone on its view:
+each takes its own, called on the same, unchanged tensor; traced (``torch.compile``), the same steps
+(``MXFP8Linear._traced_group_output``, on plain values each member holds) leave one ``mxgemm::linear`` op per group in
+the graph and no state behind. Everything else runs the member alone on its view:
 fp32 inputs, inputs of more than ``MAX_ROWS`` rows, a member called on another input (the group then stops running as
 one: the layers do not share their input), or a member whose bias was replaced or that was re-prepared.
 
@@ -37,7 +38,7 @@ GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_pr
 # it, while the group's output, whole until the layer's last member takes its view, would hold more memory than the
 # members' outputs do one by one (a Llama-3-8B layer's gate/up at 32768 rows: 1.9 GB at once against 0.94 GB twice,
 # the first freed by the activation before the second is made; on the H200, 16 prompts of 512 tokens peaked 0.22 GiB
-# higher run as one).
+# higher run as one). Traced calls take the value a group was made with.
 MAX_ROWS = 4096
 
 
@@ -53,6 +54,14 @@ class SharedInput:
         self.bias = bias
         self.bias_views = tuple(bias_views)
         self.enabled = True
+        # what each member's traced call reads, a plain dict the member holds (MXFP8Linear._traced)
+        self.traced = [
+            {"on": True, "key": id(self), "start": sum(self.sizes[:i]), "rows": sum(self.sizes),
+             "members": len(self.sizes), "max_rows": MAX_ROWS, "backend": weight.backend, "meta": weight.op_meta,
+             "tensors": dict(zip(weight.tensors, weight.op_tensors, strict=True)), "bias": bias,
+             "bias_view": self.bias_views[i]}
+            for i in range(len(self.sizes))
+        ]  # fmt: skip
         self._x: torch.Tensor | None = None
         self._version = -1
         self._pending: dict[int, torch.Tensor] = {}
@@ -89,6 +98,8 @@ class SharedInput:
             logger.info("mxgemm: layers sharing an input run one by one from now on: %s", why)
         self.enabled = False
         self._x, self._pending = None, {}
+        for traced in self.traced:
+            traced["on"] = False
 
 
 def unfit_reason(members: Sequence[MXFP8Linear]) -> str:
@@ -136,7 +147,7 @@ def _group(members: Sequence[MXFP8Linear]) -> SharedInput:
     for index, (m, n) in enumerate(zip(members, sizes, strict=True)):
         views = {name: tensors[name][start // rows : (start + n) // rows] for name, rows in layout.items()}
         m.share(PreparedWeight(first.backend, first.recipe, n, first.in_features, views, dict(m.prepared.info)),
-                group.bias_views[index], (group, index))  # fmt: skip
+                group.bias_views[index], (group, index), group.traced[index])  # fmt: skip
         start += n
     return group
 

@@ -7,9 +7,14 @@ from torch import nn
 
 from .backends import get_backend
 from .format import SCALE_DTYPES, ScaleMode, check_mx_pair, quantize
-from .weights import PreparedWeight, linear, prepare_weight
+from .weights import PreparedWeight, check_inputs, linear, op_linear, prepare_weight, wants_grad
 
 __all__ = ["MXFP8Linear"]
+
+# The group outputs (mxgemm.fusion) a trace has made and not yet handed to all their members, by group key:
+# [input, output, members still to take theirs]. Traced calls only; the entry goes when the last member takes its view.
+# A module global: the compiled model guards on it once, where state on each layer would cost guards on every layer.
+_TRACED_GROUPS: dict[int, list] = {}
 
 _MX_KEYS = ("weight", "weight_scale")
 
@@ -40,6 +45,8 @@ class MXFP8Linear(nn.Module):
         recipe: str | None = None,
     ):
         super().__init__()
+        # in a group of mxgemm.fusion: (group, index), and what a traced call reads of the group (see _traced)
+        self.shared, self._traced_group = None, None
         check_mx_pair(weight, weight_scale)
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
@@ -105,9 +112,13 @@ class MXFP8Linear(nn.Module):
 
     def _prepare(self, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
         self._leave_group("re-prepared")
-        self._prepared = prepare_weight(
-            weight, weight_scale, backend=self.requested_backend, recipe=self.requested_recipe
-        )
+        self._hold(prepare_weight(weight, weight_scale, backend=self.requested_backend, recipe=self.requested_recipe))
+
+    def _hold(self, prepared: PreparedWeight) -> None:
+        self._prepared = prepared
+        # what a traced call reads (_traced), as plain values in the layer's own __dict__
+        self._op_tensors = dict(zip(prepared.tensors, prepared.op_tensors, strict=True))
+        self._op_backend, self._op_meta = prepared.backend, prepared.op_meta
 
     @torch.no_grad()
     def load_mx_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
@@ -153,17 +164,19 @@ class MXFP8Linear(nn.Module):
         device = self._prepared.device
         self._prepare(weight.to(device), scale.to(device))
 
-    def share(self, prepared: PreparedWeight, bias: torch.Tensor | None, shared: tuple) -> None:
+    def share(self, prepared: PreparedWeight, bias: torch.Tensor | None, shared: tuple, traced: dict) -> None:
         """Join a group of layers that read the same input (:func:`mxgemm.fusion.fuse_shared_inputs`): ``prepared``
-        and ``bias`` are this layer's row views of the group's weight and bias."""
-        self._prepared, self.shared = prepared, shared
+        and ``bias`` are this layer's row views of the group's weight and bias; ``traced`` what a traced call reads
+        of the group (see ``_traced_group_output``)."""
+        self._hold(prepared)
+        self.shared, self._traced_group = shared, traced
         if bias is not None:
             self.bias = bias
 
     def _leave_group(self, why: str) -> None:
         if self.shared is not None:
             self.shared[0].disable(f"a member was {why}")
-            self.shared = None
+            self.shared = self._traced_group = None
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # the bias
@@ -175,6 +188,8 @@ class MXFP8Linear(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._traced(x)
         if x.dtype in (torch.float32, torch.float64):  # the kernels take bf16/fp16: run in bf16, answer in x.dtype
             bias = None if self.bias is None else self.bias.to(torch.bfloat16)
             return linear(x.to(torch.bfloat16), self._prepared, bias).to(x.dtype)
@@ -184,6 +199,53 @@ class MXFP8Linear(nn.Module):
             if y is not None:
                 return y
         return linear(x, self._prepared, self.bias)
+
+    def _traced(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` as ``torch.compile`` traces it, with the same steps. Outside a group and without gradients it
+        reads only values the layer holds in its own ``__dict__`` (tensors, strings, ints, None and dicts of them):
+        Dynamo's guards on such a module are skipped whole while its ``__dict__`` is unchanged, as on an
+        ``nn.Linear``; reading through an object of ours (the prepared weight, the group) makes it check each guard
+        on every call."""
+        bias, dtype = self.bias, x.dtype
+        cast = dtype in (torch.float32, torch.float64)
+        if cast:
+            x, bias = x.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16)
+        if wants_grad(x, bias):  # each member of a group alone: the same recipe on the same weight bits
+            y = linear(x, self._prepared, bias)
+        else:
+            group, y = self._traced_group, None
+            if not cast and group is not None and group["on"]:
+                y = self._traced_group_output(group, x, bias)
+            if y is None:
+                tensors = list(self._op_tensors.values())
+                check_inputs(x, self.in_features, self.out_features, tensors[0].device, bias)
+                y = op_linear(x, tensors, self._op_backend, self._op_meta, self.out_features, bias)
+        return y.to(dtype) if cast else y
+
+    def _traced_group_output(self, group: dict, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """This group member's traced output: its columns of the group's one op on ``x``, or None where it runs
+        alone. The steps of :meth:`mxgemm.fusion.SharedInput.output`: the first member called on an input makes the
+        group's output and the others take their views; a replaced bias, or a member called on another input while
+        others have not taken theirs, ends the group."""
+        entry = _TRACED_GROUPS.get(group["key"])
+        why = "a member's bias was replaced" if bias is not group["bias_view"] else ""
+        if entry is not None and entry[0] is not x:
+            why = "its members were called on different inputs"
+        if why:
+            _TRACED_GROUPS.pop(group["key"], None)
+            self.shared[0].disable(why)
+            return None
+        if x.numel() > group["max_rows"] * x.shape[-1]:
+            return None
+        if entry is None:
+            tensors, rows = list(group["tensors"].values()), group["rows"]
+            check_inputs(x, self.in_features, rows, tensors[0].device, group["bias"])
+            y = op_linear(x, tensors, group["backend"], group["meta"], rows, group["bias"])
+            entry = _TRACED_GROUPS[group["key"]] = [x, y, group["members"]]
+        entry[2] -= 1
+        if entry[2] == 0:
+            del _TRACED_GROUPS[group["key"]]
+        return entry[1].narrow(-1, group["start"], self.out_features)
 
     def extra_repr(self) -> str:
         shared = "" if self.shared is None or not self.shared[0].enabled else f", shared_input={self.shared[1]}"

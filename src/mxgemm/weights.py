@@ -9,7 +9,7 @@ from .format import MXTensor, check_mx_pair, dequantize, e8m0_bytes
 from .ops import linear_op, run_planned
 from .resolve import resolve_and_prepare
 
-__all__ = ["ACTIVATION_DTYPES", "PreparedWeight", "linear", "prepare_weight"]
+__all__ = ["ACTIVATION_DTYPES", "PreparedWeight", "check_inputs", "linear", "op_linear", "prepare_weight", "wants_grad"]
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -29,17 +29,16 @@ def prepare_weight(
     return resolve_and_prepare(qdata, scale, backend, recipe=recipe)
 
 
-def _check_inputs(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> None:
+def check_inputs(x: torch.Tensor, k: int, n: int, device: torch.device, bias: torch.Tensor | None) -> None:
+    """A call's input and bias against a weight [n, k] on ``device``."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"activations must be bfloat16 or float16, got {x.dtype}")
-    if x.dim() == 0 or x.shape[-1] != weight.in_features:
-        raise ValueError(f"input's last dimension must be in_features={weight.in_features}, got shape {tuple(x.shape)}")
-    if x.device != weight.device:
-        raise ValueError(f"input is on {x.device} but the weight is prepared on {weight.device}")
-    if bias is not None and (bias.shape != (weight.out_features,) or bias.device != x.device):
-        raise ValueError(
-            f"bias must have shape ({weight.out_features},) on {x.device}, got {tuple(bias.shape)} on {bias.device}"
-        )
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"input's last dimension must be in_features={k}, got shape {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"input is on {x.device} but the weight is prepared on {device}")
+    if bias is not None and (bias.shape != (n,) or bias.device != x.device):
+        raise ValueError(f"bias must have shape ({n},) on {x.device}, got {tuple(bias.shape)} on {bias.device}")
 
 
 def linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,19 +47,30 @@ def linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None = 
     Eager, it runs the weight's launch plan for this M directly; traced (``torch.compile``, export, fake or subclass
     tensors) it is one ``mxgemm::linear`` op, whose implementation runs the same plan. Gradients flow to ``x`` (and
     ``bias``) as through ``x @ W^T + bias`` with ``W`` the dequantized weight; the weight itself takes none."""
-    _check_inputs(x, weight, bias)
-    grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    check_inputs(x, weight.in_features, weight.out_features, weight.device, bias)
+    grad = wants_grad(x, bias)
     if not grad and x.numel() and _untraced(x, bias):
         return run_planned(x, weight, bias)  # any leading dimensions: a plan takes them as they are
+    if not grad:
+        return op_linear(x, weight.op_tensors, weight.backend, weight.op_meta, weight.out_features, bias)
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, weight.in_features)
-    if x2.shape[0] == 0:
-        y = x2.new_empty((0, weight.out_features))
-    elif grad:
-        y = _Linear.apply(x2, bias, weight)
-    else:
-        y = _op(x2, weight, bias)
+    y = x2.new_empty((0, weight.out_features)) if x2.shape[0] == 0 else _Linear.apply(x2, bias, weight)
     return y if flat else y.reshape(*x.shape[:-1], weight.out_features)
+
+
+def op_linear(x: torch.Tensor, tensors: list[torch.Tensor], backend: str, meta: str, n: int,
+              bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """``x`` [..., K] (checked) through one ``mxgemm::linear`` op on its [M, K] rows, for the prepared weight whose op
+    arguments are (``tensors``, ``backend``, ``meta``), [n, K]: what a traced call leaves in the graph."""
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, x.shape[-1])
+    y = x2.new_empty((0, n)) if x2.shape[0] == 0 else linear_op(x2, tensors, bias, backend, meta)
+    return y if flat else y.reshape(*x.shape[:-1], n)
+
+
+def wants_grad(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
 
 
 def _untraced(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -69,17 +79,13 @@ def _untraced(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return plain and not torch.compiler.is_compiling()
 
 
-def _op(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    return linear_op(x, weight.op_tensors, bias, weight.backend, weight.op_meta)
-
-
 class _Linear(torch.autograd.Function):
     """The op with the gradient of ``x @ W^T + bias`` for the dequantized ``W`` (a frozen weight): what training
     through an MXFP8 layer needs, an adapter's or the input's."""
 
     @staticmethod
     def forward(x: torch.Tensor, bias: torch.Tensor | None, weight: PreparedWeight) -> torch.Tensor:
-        return _op(x, weight, bias)
+        return linear_op(x, weight.op_tensors, bias, weight.backend, weight.op_meta)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
