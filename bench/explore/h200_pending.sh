@@ -16,6 +16,8 @@
 #   op      bench/explore/op_overhead.py: host time of an eager call against the same call through mxgemm::linear
 #   profile bench/explore/e2e_profile.py (PROFILE_ARGS, default --layers 4 --graphs): where generate's time goes,
 #           bf16 vs mxgemm, eager and graphs
+#   anatomy bench/explore/decode_anatomy.py (ANATOMY_ARGS, default --layers 32 --batch 1): a graphed decode step's
+#           wall time, GPU busy time, kernels by kind and the projections alone, bf16 vs mxgemm
 #   launch  bench/explore/launch_cost.py: host time of one and two launches, and of a graph of them replayed
 #   bench-hf  the llama3-8b-hf set (Hugging Face's unfused projections, lm_head included)
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
@@ -84,6 +86,10 @@ for stage in "$@"; do
     profile)
       timeout 400 python3 bench/explore/e2e_profile.py ${PROFILE_ARGS:---layers 4 --graphs} > "$out/e2e-profile.txt" 2>&1
       grep -E "^(bf16|mxgemm) M=|^==" "$out/e2e-profile.txt" ;;
+    anatomy)
+      timeout 500 python3 bench/explore/decode_anatomy.py ${ANATOMY_ARGS:---layers 32 --batch 1} \
+        --json "$out/decode-anatomy.json" > "$out/decode-anatomy.txt" 2>&1
+      tail -5 "$out/decode-anatomy.txt" ;;
     launch)
       timeout 120 python3 bench/explore/launch_cost.py --json "$out/launch-cost-h200.json" 2>&1 | tail -10 ;;
     eager)
