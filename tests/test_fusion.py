@@ -176,19 +176,18 @@ def test_traced_calls_run_each_group_as_one_op():
     assert not _TRACED_GROUPS  # every member took its view
 
 
-def test_compiled_layers_guard_only_plain_values_of_their_own(monkeypatch):
+def test_compiled_layers_guard_only_plain_values_of_their_own():
     """Every MXFP8Linear of a compiled block (groups and lone layers) reads only plain values in its own __dict__:
     with Dynamo's recursive dict tags (on by default in torch 2.11) its guards are skipped while the __dict__ is
     unchanged, as an nn.Linear's are; a read through an object of ours makes each guard run on every call."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    monkeypatch.setattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", True)
     torch._dynamo.reset()
     _, fused, _ = _pair("hybrid-block128")
     compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
-    with torch.no_grad():
+    with torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True), torch.no_grad():
         compiled(torch.randn(4, 256, dtype=torch.bfloat16))
-    (entry,) = _debug_get_cache_entry_list(_Block.forward.__code__)
+        (entry,) = _debug_get_cache_entry_list(_Block.forward.__code__)
     layers, nodes = {}, [entry.guard_manager.root]
     while nodes:
         node = nodes.pop()
