@@ -148,6 +148,17 @@ def test_fp32_inputs_run_in_bf16():
     assert torch.equal(y, mxgemm.linear(x.bfloat16(), layer.prepared, layer.bias.bfloat16()).float())
 
 
+def test_a_bias_replaced_by_a_parameter_is_the_one_used():
+    layer = mxgemm.MXFP8Linear.from_linear(_linear(64, 96, bias=False), backend="emulation")
+    x = random_act(3, 96)
+    layer.bias = nn.Parameter(torch.randn(64, dtype=torch.bfloat16), requires_grad=False)  # now in _parameters
+    want = mxgemm.linear(x, layer.prepared, layer.bias)
+    with torch.no_grad():
+        assert torch.equal(layer(x), want)
+        assert torch.equal(torch.compile(layer, backend="aot_eager", fullgraph=True)(x), want)
+        assert torch.equal(layer(x.float()), mxgemm.linear(x, layer.prepared, layer.bias).float())
+
+
 @pytest.mark.parametrize("recipe", ["w8a16", "w8a8-mx", "hybrid-block128"])
 def test_gradients_flow_to_the_input_and_bias_through_the_dequantized_weight(recipe):
     """The weight is frozen; ``x`` and ``bias`` get the gradients of ``x @ W^T + bias`` for the dequantized ``W``,
