@@ -209,11 +209,11 @@ class MXFP8Linear(nn.Module):
         return linear(x, self._prepared, bias)
 
     def _traced(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` as ``torch.compile`` traces it, with the same steps. Outside a group and without gradients it
-        reads only values the layer holds in its own ``__dict__`` (tensors, strings, ints, None and dicts of them):
-        Dynamo's guards on such a module are skipped whole while its ``__dict__`` is unchanged, as on an
-        ``nn.Linear``; reading through an object of ours (the prepared weight, the group) makes it check each guard
-        on every call."""
+        """``forward`` as ``torch.compile`` traces it, with the same steps. Without gradients it reads only values the
+        layer holds in its own ``__dict__`` (tensors, strings, ints, None and dicts of them; a group member the
+        group's dict): Dynamo's guards on such a module are skipped whole while its ``__dict__`` is unchanged, as on
+        an ``nn.Linear``; reading through an object of ours (the prepared weight, the group) makes it check each
+        guard on every call. Only switching a group off reads the group itself."""
         bias, dtype = self.bias, x.dtype
         cast = dtype in _WIDE
         if cast:
