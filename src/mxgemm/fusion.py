@@ -67,13 +67,15 @@ class SharedInput:
         self._pending: dict[int, torch.Tensor] = {}
 
     def output(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """Member ``index``'s output for ``x`` (its ``bias`` as it holds it now), or None where it runs alone."""
+        """Member ``index``'s output for ``x`` (its ``bias`` as it holds it now) in an eager call, or None where it
+        runs alone."""
         if bias is not self.bias_views[index]:
             self.disable("a member's bias was replaced")
             return None
-        # inference tensors keep no version counter, and traced calls read none: there the input is taken to be
-        # unchanged between the members' calls, as in the decoder layers these groups come from
-        version = -1 if torch.compiler.is_compiling() or x.is_inference() else x._version
+        # eager calls only (traced ones take MXFP8Linear._traced_group_output); inference tensors keep no version
+        # counter: there the input is taken to be unchanged between the members' calls, as in the decoder layers
+        # these groups come from
+        version = -1 if x.is_inference() else x._version
         if x is self._x and version == self._version:
             y = self._pending.pop(index, None)
             if y is None:  # it took its output for this input already
