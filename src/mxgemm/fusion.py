@@ -56,9 +56,8 @@ class SharedInput:
         self.enabled = True
         # what each member's traced call reads, a plain dict the member holds (MXFP8Linear._traced)
         self.traced = [
-            {"on": True, "key": id(self), "start": sum(self.sizes[:i]), "rows": sum(self.sizes),
-             "members": len(self.sizes), "max_rows": MAX_ROWS, "backend": weight.backend, "meta": weight.op_meta,
-             "tensors": dict(zip(weight.tensors, weight.op_tensors, strict=True)), "bias": bias,
+            {**weight.traced_args(), "on": True, "key": id(self), "start": sum(self.sizes[:i]),
+             "rows": sum(self.sizes), "members": len(self.sizes), "max_rows": MAX_ROWS, "bias": bias,
              "bias_view": self.bias_views[i]}
             for i in range(len(self.sizes))
         ]  # fmt: skip

@@ -119,9 +119,7 @@ class MXFP8Linear(nn.Module):
 
     def _hold(self, prepared: PreparedWeight) -> None:
         self._prepared = prepared
-        # what a traced call reads (_traced), as plain values in the layer's own __dict__
-        self._op_tensors = dict(zip(prepared.tensors, prepared.op_tensors, strict=True))
-        self._op_backend, self._op_meta = prepared.backend, prepared.op_meta
+        self._op = prepared.traced_args()  # what a traced call reads (_traced)
 
     @torch.no_grad()
     def load_mx_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
@@ -225,9 +223,8 @@ class MXFP8Linear(nn.Module):
             if not cast and group is not None and group["on"]:
                 y = self._traced_group_output(group, x, bias)
             if y is None:
-                tensors = list(self._op_tensors.values())
-                check_inputs(x, self.in_features, self.out_features, tensors[0].device, bias)
-                y = op_linear(x, tensors, self._op_backend, self._op_meta, self.out_features, bias)
+                check_inputs(x, self.in_features, self.out_features, _device(self._op), bias)
+                y = op_linear(x, self._op, self.out_features, bias)
         return y.to(dtype) if cast else y
 
     def _traced_group_output(self, group: dict, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -246,9 +243,8 @@ class MXFP8Linear(nn.Module):
         if x.numel() > group["max_rows"] * x.shape[-1]:
             return None
         if entry is None:
-            tensors, rows = list(group["tensors"].values()), group["rows"]
-            check_inputs(x, self.in_features, rows, tensors[0].device, group["bias"])
-            y = op_linear(x, tensors, group["backend"], group["meta"], rows, group["bias"])
+            check_inputs(x, self.in_features, group["rows"], _device(group), group["bias"])
+            y = op_linear(x, group, group["rows"], group["bias"])
             entry = _TRACED_GROUPS[group["key"]] = [x, y, group["members"]]
         entry[2] -= 1
         if entry[2] == 0:
@@ -261,3 +257,8 @@ class MXFP8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"backend={self.backend}, recipe={self.recipe}{shared}"
         )
+
+
+def _device(op: dict) -> torch.device:
+    """The device of the weight whose op arguments ``op`` holds."""
+    return next(iter(op["tensors"].values())).device

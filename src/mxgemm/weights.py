@@ -52,20 +52,22 @@ def linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None = 
     if not grad and x.numel() and _untraced(x, bias):
         return run_planned(x, weight, bias)  # any leading dimensions: a plan takes them as they are
     if not grad:
-        return op_linear(x, weight.op_tensors, weight.backend, weight.op_meta, weight.out_features, bias)
+        return op_linear(x, weight.traced_args(), weight.out_features, bias)
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, weight.in_features)
     y = x2.new_empty((0, weight.out_features)) if x2.shape[0] == 0 else _Linear.apply(x2, bias, weight)
     return y if flat else y.reshape(*x.shape[:-1], weight.out_features)
 
 
-def op_linear(x: torch.Tensor, tensors: list[torch.Tensor], backend: str, meta: str, n: int,
-              bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """``x`` [..., K] (checked) through one ``mxgemm::linear`` op on its [M, K] rows, for the prepared weight whose op
-    arguments are (``tensors``, ``backend``, ``meta``), [n, K]: what a traced call leaves in the graph."""
+def op_linear(x: torch.Tensor, op: dict, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [..., K] (checked) through one ``mxgemm::linear`` op on its [M, K] rows, for the weight [n, K] whose op
+    arguments ``op`` holds (:meth:`PreparedWeight.traced_args`): what a traced call leaves in the graph."""
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, x.shape[-1])
-    y = x2.new_empty((0, n)) if x2.shape[0] == 0 else linear_op(x2, tensors, bias, backend, meta)
+    if x2.shape[0] == 0:
+        y = x2.new_empty((0, n))
+    else:
+        y = linear_op(x2, list(op["tensors"].values()), bias, op["backend"], op["meta"])
     return y if flat else y.reshape(*x.shape[:-1], n)
 
 

@@ -122,6 +122,12 @@ class PreparedWeight:
     def device(self) -> torch.device:
         return self._device
 
+    def traced_args(self) -> dict[str, Any]:
+        """The op's weight arguments as a traced call reads them: one plain dict (``tensors`` by name, ``backend``,
+        ``meta``) for a layer to hold in its own ``__dict__`` (``MXFP8Linear._traced`` says why)."""
+        return {"tensors": dict(zip(self.tensors, self.op_tensors, strict=True)), "backend": self.backend,
+                "meta": self.op_meta}  # fmt: skip
+
     @property
     def nbytes(self) -> int:
         """Bytes the prepared tensors hold (distinct storages counted once)."""
