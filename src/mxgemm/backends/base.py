@@ -123,10 +123,9 @@ class PreparedWeight:
         return self._device
 
     def traced_args(self) -> dict[str, Any]:
-        """The op's weight arguments as a traced call reads them: one plain dict (``tensors`` by name, ``backend``,
-        ``meta``) for a layer to hold in its own ``__dict__`` (``MXFP8Linear._traced`` says why)."""
-        return {"tensors": dict(zip(self.tensors, self.op_tensors, strict=True)), "backend": self.backend,
-                "meta": self.op_meta}  # fmt: skip
+        """The op's weight arguments as a traced call reads them: one plain dict (``tensors`` by position,
+        ``backend``, ``meta``) for a layer to hold in its own ``__dict__`` (``MXFP8Linear._traced`` says why)."""
+        return {"tensors": dict(enumerate(self.op_tensors)), "backend": self.backend, "meta": self.op_meta}
 
     @property
     def nbytes(self) -> int:
