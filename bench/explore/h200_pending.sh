@@ -19,6 +19,7 @@
 #   anatomy bench/explore/decode_anatomy.py (ANATOMY_ARGS, default --layers 32 --batch 1): a graphed decode step's
 #           wall time, GPU busy time, kernels by kind and the projections alone, bf16 vs mxgemm
 #   launch  bench/explore/launch_cost.py: host time of one and two launches, and of a graph of them replayed
+#   lt-algos  bench/explore/lt_algos.py: each cuBLASLt blockwise algorithm of the planned call against _scaled_mm
 #   bench-hf  the llama3-8b-hf set (Hugging Face's unfused projections, lm_head included)
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
@@ -90,6 +91,9 @@ for stage in "$@"; do
       timeout 500 python3 bench/explore/decode_anatomy.py ${ANATOMY_ARGS:---layers 32 --batch 1} \
         --json "$out/decode-anatomy.json" > "$out/decode-anatomy.txt" 2>&1
       tail -5 "$out/decode-anatomy.txt" ;;
+    lt-algos)
+      timeout 400 python3 bench/explore/lt_algos.py --json "$out/lt-algos-h200.json" > /tmp/lt.log 2>&1
+      tail -20 /tmp/lt.log ;;
     launch)
       timeout 120 python3 bench/explore/launch_cost.py --json "$out/launch-cost-h200.json" 2>&1 | tail -10 ;;
     eager)
@@ -103,7 +107,7 @@ for stage in "$@"; do
     bench-hf) bench h200-llama3-8b-hf 300 llama3-8b-hf ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
-    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|quant|ulp|eager|e2e|load|fused|bench-8b|bench-more|bench-all ..." >&2
+    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|quant|ulp|eager|e2e|load|fused|lt-algos|bench-8b|bench-more|bench-all ..." >&2
        exit 2 ;;
   esac
 done
