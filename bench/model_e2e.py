@@ -11,7 +11,9 @@ decode step (``torch.compile``, ``mode="reduce-overhead"``: CUDA graphs), its fi
 
 Both models live in one process and their calls alternate, the order swapped every round, each figure the median of
 ``--repeats`` rounds: the host's drift between minutes (eager ``generate`` times have moved by 40% between runs) falls
-on both alike, and whatever one model's calls leave warm (cuDNN's attention plans) the other's find warm too.
+on both alike, and whatever one model's calls leave warm (cuDNN's attention plans) the other's find warm too. Under
+the table, each round's decode speed-up of the pair run back to back (its spread and median): where the host's speed
+moves within a run, the rounds' medians taken apart may pair a fast round of one model with a slow one of the other.
 
 Run on the device: PYTHONPATH=src python3 bench/model_e2e.py --json e2e.json --markdown e2e.md
 (``--tiny --device cpu`` runs the same script on a few-MB model: a smoke test, not a measurement.)
@@ -187,6 +189,14 @@ def main(argv: list[str] | None = None) -> None:
             f.write(table)
 
 
+def paired_speedups(bf16: dict, mx: dict) -> list[float]:
+    """Each round's decode speed-up (bf16's decode time over mxgemm's, decode time being `generate`'s less its first
+    token's): the two ran back to back, so a drift of the host's speed between rounds moves both."""
+    decode = [[full - ttft for full, ttft in zip(r["rounds_s"]["full"], r["rounds_s"]["ttft"], strict=True)]
+              for r in (bf16, mx)]  # fmt: skip
+    return [b / m for b, m in zip(*decode, strict=True)]
+
+
 def markdown(rows: list[dict], args, env) -> str:
     by = {(r["who"], r["mode"], r["batch"]): r for r in rows}
     lines = [
@@ -200,6 +210,7 @@ def markdown(rows: list[dict], args, env) -> str:
         "| peak GiB bf16 / mxgemm |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    pairs = []
     for (who, mode, batch), m in by.items():
         b = by.get(("bf16", mode, batch))
         if who != "mxgemm" or b is None:
@@ -213,6 +224,10 @@ def markdown(rows: list[dict], args, env) -> str:
             f"| {b['weights_bytes'] / gib:.2f} / {m['weights_bytes'] / gib:.2f} "
             f"| {b['peak_bytes'] / gib:.2f} / {m['peak_bytes'] / gib:.2f} |"
         )
+        ratios = paired_speedups(b, m)
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}x"
+        pairs.append(f"{mode} at batch {batch}: {spread}, median {statistics.median(ratios):.2f}x")
+    lines += ["", "Decode speed-up of each round's pair, run back to back: " + "; ".join(pairs) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -24,4 +24,14 @@ def test_rows_for_both_models_each_mode_and_batch(tmp_path):
     by = {r["who"]: r["weights_bytes"] for r in rows}
     assert by["mxgemm"] < 0.7 * by["bf16"]  # every linear layer, lm_head included, at about a byte a parameter
     assert "replaced 8 of 8 linear layers" in result["quantize_report"]["mxgemm"]
-    assert "| eager | 2 |" in (tmp_path / "e2e.md").read_text()
+    table = (tmp_path / "e2e.md").read_text()
+    assert "| eager | 2 |" in table
+    pairs = [model_e2e.paired_speedups(rows[i], rows[i + 1]) for i in (0, 2)]
+    assert all(len(p) == 2 and min(p) > 0 for p in pairs)  # a ratio a round
+    assert f"eager at batch 2: {min(pairs[1]):.2f}-{max(pairs[1]):.2f}x" in table
+
+
+def test_paired_speedups_divide_each_rounds_decode_times():
+    bf16 = {"rounds_s": {"full": [3.0, 5.0], "ttft": [1.0, 1.0]}}
+    mx = {"rounds_s": {"full": [2.0, 3.0], "ttft": [1.0, 1.0]}}
+    assert model_e2e.paired_speedups(bf16, mx) == [2.0, 2.0]
