@@ -53,21 +53,21 @@ def linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None = 
         return run_planned(x, weight, bias)  # any leading dimensions: a plan takes them as they are
     if not grad:
         return op_linear(x, weight.traced_args(), weight.out_features, bias)
-    flat = x.dim() == 2
-    x2 = x if flat else x.reshape(-1, weight.in_features)
-    y = x2.new_empty((0, weight.out_features)) if x2.shape[0] == 0 else _Linear.apply(x2, bias, weight)
-    return y if flat else y.reshape(*x.shape[:-1], weight.out_features)
+    return _on_rows(x, weight.out_features, lambda rows: _Linear.apply(rows, bias, weight))
 
 
 def op_linear(x: torch.Tensor, op: dict, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x`` [..., K] (checked) through one ``mxgemm::linear`` op on its [M, K] rows, for the weight [n, K] whose op
     arguments ``op`` holds (:meth:`PreparedWeight.traced_args`): what a traced call leaves in the graph."""
+    tensors = list(op["tensors"].values())
+    return _on_rows(x, n, lambda rows: linear_op(rows, tensors, bias, op["backend"], op["meta"]))
+
+
+def _on_rows(x: torch.Tensor, n: int, run) -> torch.Tensor:
+    """``run`` on ``x``'s [M, K] rows, its [M, n] answer shaped after ``x``'s leading dimensions (none for no rows)."""
     flat = x.dim() == 2
-    x2 = x if flat else x.reshape(-1, x.shape[-1])
-    if x2.shape[0] == 0:
-        y = x2.new_empty((0, n))
-    else:
-        y = linear_op(x2, list(op["tensors"].values()), bias, op["backend"], op["meta"])
+    rows = x if flat else x.reshape(-1, x.shape[-1])
+    y = rows.new_empty((0, n)) if rows.shape[0] == 0 else run(rows)
     return y if flat else y.reshape(*x.shape[:-1], n)
 
 
