@@ -7,6 +7,8 @@
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
 #   crossover  bench/crossover.py: the exact regime against cuBLASLt and the FP8 kernel at M = 1-128
 #   fp8-ncu  Nsight Compute on the fused FP8 kernel (bench/explore/profile_fused.py): throughput, warp states, stalls
+#   small-m-ncu  Nsight Compute on the small-M kernel (bench/explore/profile_small_m.py; SM_N/SM_K/SM_M pick the shape,
+#           default 8B gate_up at M = 1): DRAM throughput, memory workload, warp states
 #   eager   bench/eager_calls.py: one eager call against bf16's, Llama-3-8B and Qwen2.5-7B projections
 #   e2e     bench/model_e2e.py: a 32-layer Llama at 8B dimensions through generate, bf16 vs mxgemm (E2E_MODES)
 #   load    bench/load_gpu.py: an 8B-dimension MXFP8 checkpoint loaded to the GPU (peak against final footprint)
@@ -78,6 +80,15 @@ for stage in "$@"; do
       grep -E "Duration|DRAM Throughput|Compute \(SM\)|Warp Cycles Per Issued|Achieved Occupancy" "$out/ncu-fp8.txt"
       python3 bench/explore/top_stalls.py "$out/ncu-sass.csv" 30
       rm -f "$out/fp8.ncu-rep" ;;
+    small-m-ncu)
+      timeout 150 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy -k regex:small_m -s 2 -c 1 -o "$out/small-m" -f python3 bench/explore/profile_small_m.py \
+        --n "${SM_N:-28672}" --k "${SM_K:-4096}" --m "${SM_M:-1}" > "$out/ncu-small-m.log" 2>&1
+      ncu --import "$out/small-m.ncu-rep" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy > "$out/ncu-small-m.txt" 2>&1
+      grep -E "Duration|DRAM Throughput|Memory Throughput|L2 Hit|Warp Cycles Per Issued|Achieved Occupancy" \
+        "$out/ncu-small-m.txt"
+      rm -f "$out/small-m.ncu-rep" ;;
     quant)
       timeout 240 python3 bench/explore/quantizers.py --json "$out/quantizers-h200.json" 2>&1 | tail -32 ;;
     ulp)
@@ -107,7 +118,7 @@ for stage in "$@"; do
     bench-hf) bench h200-llama3-8b-hf 300 llama3-8b-hf ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
-    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|quant|ulp|eager|e2e|load|fused|lt-algos|bench-8b|bench-more|bench-all ..." >&2
+    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|small-m-ncu|quant|ulp|eager|e2e|load|fused|lt-algos|bench-8b|bench-more|bench-all ..." >&2
        exit 2 ;;
   esac
 done
