@@ -119,7 +119,7 @@ class SharedInput:
         held[3].discard(index)
         self._quantized = held if held[3] else None  # dropped once every member has taken its output
         y = backend.run_quantized(rows, held[2], self.members[index], bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def disable(self, why: str) -> None:
         """From now on each member runs alone on its view (the weight stays one copy)."""
