@@ -18,6 +18,8 @@
 #   op      bench/explore/op_overhead.py: host time of an eager call against the same call through mxgemm::linear
 #   profile bench/explore/e2e_profile.py (PROFILE_ARGS, default --layers 4 --graphs): where generate's time goes,
 #           bf16 vs mxgemm, eager and graphs
+#   prefill bench/explore/prefill_anatomy.py (PREFILL_ARGS, default --max-rows 1024): the eager 2048-token prefill's
+#           wall and GPU time by kernel kind, bf16 vs mxgemm
 #   anatomy bench/explore/decode_anatomy.py (ANATOMY_ARGS, default --layers 32 --batch 1): a graphed decode step's
 #           wall time, GPU busy time, kernels by kind and the projections alone, bf16 vs mxgemm
 #   launch  bench/explore/launch_cost.py: host time of one and two launches, and of a graph of them replayed
@@ -102,6 +104,10 @@ for stage in "$@"; do
       timeout 500 python3 bench/explore/decode_anatomy.py ${ANATOMY_ARGS:---layers 32 --batch 1} \
         --json "$out/decode-anatomy.json" > "$out/decode-anatomy.txt" 2>&1
       tail -5 "$out/decode-anatomy.txt" ;;
+    prefill)
+      timeout 300 python3 bench/explore/prefill_anatomy.py ${PREFILL_ARGS:---max-rows 1024} \
+        --json "$out/prefill-anatomy.json" > "$out/prefill-anatomy.txt" 2>&1
+      tail -6 "$out/prefill-anatomy.txt" ;;
     lt-algos)
       timeout 400 python3 bench/explore/lt_algos.py --json "$out/lt-algos-h200.json" > /tmp/lt.log 2>&1
       tail -20 /tmp/lt.log ;;
@@ -118,7 +124,7 @@ for stage in "$@"; do
     bench-hf) bench h200-llama3-8b-hf 300 llama3-8b-hf ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
-    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|small-m-ncu|quant|ulp|eager|e2e|load|fused|lt-algos|bench-8b|bench-more|bench-all ..." >&2
+    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|small-m-ncu|prefill|quant|ulp|eager|e2e|load|fused|lt-algos|bench-8b|bench-more|bench-all ..." >&2
        exit 2 ;;
   esac
 done
