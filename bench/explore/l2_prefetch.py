@@ -21,25 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from pdl_chain import SHAPES, alternating_us, weights  # beside this script
 
 from mxgemm.backends.hybrid_sm90 import small_m_default
 from mxgemm.kernels import small_m
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ORDER = list(SHAPES)
 MB = 1 << 20
-
-
-def weights(layers: int, g: torch.Generator) -> list[dict]:
-    out = []
-    for _ in range(layers):
-        layer = {}
-        for name, (n, k) in SHAPES.items():
-            w = torch.randint(0, 256, (n, k), dtype=torch.uint8, device="cuda", generator=g)
-            w = torch.where((w & 0x7F) == 0x7F, w & 0xF0, w)  # no NaN bytes
-            layer[name] = (w, torch.full((n // 128, k // 128), 2.0**-8, device="cuda"))
-        out.append(layer)
-    return out
 
 
 def plans(layers: list[dict], m: int, cap: int | None) -> list[dict]:
@@ -108,17 +96,7 @@ def main() -> None:
         for graph, _ in graphs.values():
             graph.replay()
         torch.cuda.synchronize()
-        times = {who: [] for who in graphs}
-        for r in range(args.rounds):
-            order = list(graphs) if r % 2 == 0 else list(graphs)[::-1]
-            for who in order:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(5):
-                    graphs[who][0].replay()
-                end.record()
-                end.synchronize()
-                times[who].append(start.elapsed_time(end) / 5 * 1e3)
+        times = alternating_us({who: graph.replay for who, (graph, _) in graphs.items()}, args.rounds)
         base = statistics.median(times["off"])
         for who, t in times.items():
             same = all(torch.equal(a, b) for a, b in zip(outs["off"], outs[who], strict=True))

@@ -33,6 +33,35 @@ def load(source: Path):
     return lib
 
 
+def weights(layers: int, g: torch.Generator) -> list[dict]:
+    """Each layer's four projections: random FP8 bytes (no NaN) [N, K] and fp32 block scales."""
+    out = []
+    for _ in range(layers):
+        layer = {}
+        for name, (n, k) in SHAPES.items():
+            w = torch.randint(0, 256, (n, k), dtype=torch.uint8, device="cuda", generator=g)
+            w = torch.where((w & 0x7F) == 0x7F, w & 0xF0, w)  # no NaN bytes
+            layer[name] = (w, torch.full((n // 128, k // 128), 2.0**-8, device="cuda"))
+        out.append(layer)
+    return out
+
+
+def alternating_us(replays: dict, rounds: int, reps: int = 5) -> dict[str, list[float]]:
+    """µs a replay of each named graph (``replays``: name -> its ``replay``), ``reps`` replays a round between CUDA
+    events, the order reversed every other round."""
+    times = {who: [] for who in replays}
+    for r in range(rounds):
+        for who in list(replays) if r % 2 == 0 else list(replays)[::-1]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                replays[who]()
+            end.record()
+            end.synchronize()
+            times[who].append(start.elapsed_time(end) / reps * 1e3)
+    return times
+
+
 def gemm(lib, layer, name, x):
     n, k = SHAPES[name]
     w, s = layer[name]
@@ -73,15 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     libs = {"old": load(args.old / "small_m.cu"), "new": load(Path(small_m._SOURCE))}
     g = torch.Generator(device="cuda").manual_seed(0)
-    layers = []
-    for _ in range(args.layers):
-        layer = {}
-        for name, (n, k) in SHAPES.items():
-            w = torch.randint(0, 256, (n, k), dtype=torch.uint8, device="cuda", generator=g)
-            w = torch.where((w & 0x7F) == 0x7F, w & 0xF0, w)  # no NaN bytes
-            s = torch.full((n // 128, k // 128), 2.0**-8, device="cuda")
-            layer[name] = (w, s)
-        layers.append(layer)
+    layers = weights(args.layers, g)
     rows = []
     for m in args.m:
         x = torch.randn(m, 4096, dtype=torch.bfloat16, device="cuda", generator=g)
@@ -100,17 +121,7 @@ def main() -> None:
                 graph.replay()
             torch.cuda.synchronize()
             same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"], strict=True))
-            times = {who: [] for who in graphs}
-            for r in range(args.rounds):
-                order = list(graphs) if r % 2 == 0 else list(graphs)[::-1]
-                for who in order:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(5):
-                        graphs[who].replay()
-                    end.record()
-                    end.synchronize()
-                    times[who].append(start.elapsed_time(end) / 5 * 1e3)
+            times = alternating_us({who: graph.replay for who, graph in graphs.items()}, args.rounds)
             row = {"m": m, "between": between, "same_bits": same,
                    **{f"{who}_us": statistics.median(t) for who, t in times.items()},
                    **{f"{who}_spread": [min(t), max(t)] for who, t in times.items()}}  # fmt: skip
