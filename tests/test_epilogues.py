@@ -107,3 +107,21 @@ def test_flashinfer_trtllm_output_is_sliced_back_to_n(monkeypatch):
     bias = torch.randn(N).bfloat16()
     y = backend.run(random_act(3, K), weight, bias)
     assert y.shape == (3, N) and torch.equal(y, out[:, :N] + bias)
+
+
+def test_the_cublas_path_shares_its_quantized_rows(monkeypatch):
+    """``quantize_rows`` answers on the cuBLAS path only (above M = 256 by default here), with the CUDA quantizer;
+    ``run_quantized`` runs cuBLASLt's GEMM on exactly those rows."""
+    rows, seen = object(), []
+    monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda x: rows)
+    monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda x, qd, bs, n, bias, quantize: seen.append(
+        (qd, bs, n, bias, quantize(x))) or x)  # fmt: skip
+    weight, backend = _weight(crossover=17), HybridSM90Backend()
+    for m in (8, 64):  # the small-M kernel; the FP8 kernel, which quantizes in its own launch
+        assert backend.quantize_rows(random_act(m, K), weight) is None
+    x = random_act(300, K)
+    assert backend.quantize_rows(x, weight) is rows
+    bias = torch.randn(N).bfloat16()
+    assert backend.run_quantized(x, rows, weight, bias) is x
+    t = weight.tensors
+    assert seen == [(t["qdata"], t["block_scale"], N, bias, rows)]

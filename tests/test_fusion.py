@@ -81,6 +81,38 @@ def test_inputs_of_many_rows_run_each_layer_alone(monkeypatch):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_above_max_rows_the_members_share_one_quantization_of_their_input(monkeypatch, recipe):
+    """Each member runs its own GEMM (contiguous outputs) on the input quantized once for the group, where the recipe
+    quantizes activations; the input changed in place is quantized again; outputs are each layer's alone."""
+    from mxgemm.backends.emulation import EmulationBackend
+
+    alone, fused, _ = _pair(recipe)
+    monkeypatch.setattr(fusion, "MAX_ROWS", 64)
+    calls = []
+    quantize_rows = EmulationBackend.quantize_rows
+    monkeypatch.setattr(EmulationBackend, "quantize_rows", lambda self, x, w: calls.append(x.shape) or quantize_rows(
+        self, x, w))  # fmt: skip
+    names = ("q_proj", "k_proj", "v_proj")
+    group = fused.self_attn["q_proj"].shared[0]
+    quantizes = recipe != "w8a16"
+    with torch.no_grad():
+        x = torch.randn(2, 100, 256, dtype=torch.bfloat16)
+        for i, name in enumerate(names):
+            y = fused.self_attn[name](x)
+            assert y.is_contiguous() and torch.equal(y, alone.self_attn[name](x)), name
+            assert (group._quantized is not None) == (quantizes and i < 2)
+        assert calls == [(200, 256)] * (1 if quantizes else 3)  # w8a16: each member's own call asks and runs alone
+        fused.self_attn["q_proj"](x)
+        x.mul_(2)  # changed in place: quantized anew
+        for name in names[1:]:
+            assert torch.equal(fused.self_attn[name](x), alone.self_attn[name](x)), name
+        assert len(calls) == (3 if quantizes else 6)
+    x = torch.randn(100, 256, dtype=torch.bfloat16, requires_grad=True)  # gradients: each member's own call
+    fused.self_attn["q_proj"](x).sum().backward()
+    assert x.grad is not None and group.enabled
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_one_copy_and_the_same_state_dict(recipe):
     alone, fused, _ = _pair(recipe, bias=True)
     attn = [fused.self_attn[n] for n in ("q_proj", "k_proj", "v_proj")]

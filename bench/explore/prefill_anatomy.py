@@ -2,7 +2,8 @@
 ``bench/model_e2e.py`` runs it (``generate`` of one token, compile off): the call's wall time, the GPU's busy time
 and the host gaps within it, its kernels by kind (mxgemm's, cuBLAS's, attention's, the rest) and the top kernels.
 ``--max-rows``: mxgemm's model measured once for each value of ``mxgemm.fusion.MAX_ROWS`` (eager calls read it when
-called: above it the members of a q/k/v or gate/up group run alone).
+called: above it the members of a q/k/v or gate/up group run their own GEMMs), and with ``--unshared`` again with each
+member quantizing the input itself (its backend's ``quantize_rows`` answering None).
 
 Run on the device: PYTHONPATH=src python3 bench/explore/prefill_anatomy.py --layers 32 --json prefill-anatomy.json
 """
@@ -24,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_e2e import build
 
 from mxgemm import fusion
+from mxgemm.backends import get_backend
 
 
-def anatomy(model, who: str, args) -> dict:
+def anatomy(model, who: str, args, shared: bool = True) -> dict:
     kw = {"disable_compile": True}
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(1, model.config.vocab_size, (1, args.tokens), device="cuda", generator=g)
@@ -42,7 +44,8 @@ def anatomy(model, who: str, args) -> dict:
         by_name[name][1] += e - s
     gaps = [b[1] - a[2] for a, b in itertools.pairwise(ks)]
     row = {
-        "who": who, "max_rows": fusion.MAX_ROWS, "layers": args.layers, "tokens": args.tokens, "wall_ms": wall_ms,
+        "who": who, "max_rows": fusion.MAX_ROWS, "shared": shared, "layers": args.layers, "tokens": args.tokens,
+        "wall_ms": wall_ms,
         "profiled_ms": (ks[-1][2] - ks[0][1]) / 1e6, "busy_ms": busy_ns(ks) / 1e6, "kernels": len(ks),
         "gaps_over_20us_ms": sum(g for g in gaps if g > 20_000) / 1e6, "gaps_over_20us": sum(g > 20_000 for g in gaps),
         "kinds_ms": {k: v / 1e6 for k, v in by_kind.most_common()},
@@ -59,26 +62,35 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--max-rows", type=int, nargs="+", default=[fusion.MAX_ROWS])
+    parser.add_argument("--unshared", action="store_true", help="also with each member quantizing its input")
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
     for who in ("bf16", "mxgemm"):
         model, _ = build(args.layers, who, ())
-        for max_rows in args.max_rows if who == "mxgemm" else [fusion.MAX_ROWS]:
+        backend = get_backend(model.model.layers[0].self_attn.q_proj.prepared.backend) if who == "mxgemm" else None
+        for max_rows in args.max_rows if backend else [fusion.MAX_ROWS]:
             fusion.MAX_ROWS = max_rows
-            rows.append(anatomy(model, who, args))
-            print(json.dumps(rows[-1], indent=1), flush=True)
-            if args.json:
-                Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+            for shared in (True, False) if backend and args.unshared else (True,):
+                if not shared:  # the instance's attribute shadows the method until deleted
+                    backend.quantize_rows = lambda x, weight: None
+                rows.append(anatomy(model, who, args, shared))
+                if not shared:
+                    del backend.quantize_rows
+                print(json.dumps(rows[-1], indent=1), flush=True)
+                if args.json:
+                    doc = {"device": torch.cuda.get_device_name(), "rows": rows}
+                    Path(args.json).write_text(json.dumps(doc, indent=1))
         del model
         torch.cuda.empty_cache()
-    print("| who | groups up to rows | wall ms | profiled ms | GPU busy ms | gaps > 20 µs ms (count) | kernels "
-          "| kinds ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| who | groups up to rows | shared quantization | wall ms | profiled ms | GPU busy ms | gaps > 20 µs ms "
+          "(count) | kernels | kinds ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["kinds_ms"].items())
-        print(f"| {r['who']} | {r['max_rows']} | {r['wall_ms']:.1f} | {r['profiled_ms']:.1f} | {r['busy_ms']:.1f} | "
-              f"{r['gaps_over_20us_ms']:.2f} ({r['gaps_over_20us']}) | {r['kernels']} | {kinds} |")  # fmt: skip
+        print(f"| {r['who']} | {r['max_rows']} | {r['shared']} | {r['wall_ms']:.1f} | {r['profiled_ms']:.1f} | "
+              f"{r['busy_ms']:.1f} | {r['gaps_over_20us_ms']:.2f} ({r['gaps_over_20us']}) | {r['kernels']} | "
+              f"{kinds} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ The members' prepared weights become row views of one prepared weight (one copy 
 of a member on an input runs the whole weight once and keeps the other members' outputs (views of its output) until
 each takes its own, called on the same, unchanged tensor; traced (``torch.compile``), the same steps
 (``MXFP8Linear._traced_group_output``, on plain values each member holds) leave one ``mxgemm::linear`` op per group in
-the graph and no state behind. Everything else runs the member alone on its view:
-fp32 inputs, inputs of more than ``MAX_ROWS`` rows, a member called on another input (the group then stops running as
-one: the layers do not share their input), or a member whose bias was replaced or that was re-prepared.
+the graph and no state behind. Eager inputs of more than ``MAX_ROWS`` rows run each member's own GEMM (contiguous
+outputs), on the input quantized once for the members called on it in turn where the backend quantizes activations
+apart from its GEMM (``Backend.quantize_rows``: ``hybrid_sm90``'s cuBLAS path, ``emulation``). Everything else runs
+the member alone on its view: fp32 inputs, traced inputs of more than ``MAX_ROWS`` rows, a member called on another
+input (the group then stops running as one: the layers do not share their input), or a member whose bias was
+replaced or that was re-prepared.
 
 Each member's output is the same recipe on the same weight bits as its own call: below ``hybrid-block128``'s
 crossover exactly the same, from it the quantized GEMM's accumulation order may differ, as between any two tactics.
@@ -18,6 +21,7 @@ calls, fewer kernels in a CUDA graph, and the small k and v projections run insi
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 
@@ -26,7 +30,7 @@ from torch import nn
 
 from .backends import PreparedWeight, get_backend
 from .linear import MXFP8Linear
-from .weights import linear
+from .weights import linear, wants_grad
 
 __all__ = ["GROUPS", "SharedInput", "fuse_shared_inputs", "tally", "unfit_reason"]
 
@@ -66,6 +70,9 @@ class SharedInput:
         self._x: torch.Tensor | None = None
         self._version = -1
         self._pending: dict[int, torch.Tensor] = {}
+        # above MAX_ROWS: (weak input, its version, its quantized rows, the members still to call on it)
+        self._quantized: tuple | None = None
+        self.members: list[PreparedWeight] = []  # each member's row view of the weight, set by _group
 
     def output(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """Member ``index``'s output for ``x`` (its ``bias`` as it holds it now) in an eager call, or None where it
@@ -88,19 +95,38 @@ class SharedInput:
             self.disable("its members were called on different inputs")
             return None
         if x.numel() > MAX_ROWS * x.shape[-1]:
-            return None
+            return self._own_gemm(index, x, bias, version)
         # split_with_sizes: Tensor.split's Python wrapper costs 1.4 µs more on a CPU host
         ys = linear(x, self.weight, self.bias).split_with_sizes(self.sizes, -1)
         self._x, self._version = x, version
         self._pending = {i: y for i, y in enumerate(ys) if i != index}
         return ys[index]
 
+    def _own_gemm(self, index: int, x: torch.Tensor, bias: torch.Tensor | None, version: int) -> torch.Tensor | None:
+        """Above ``MAX_ROWS``: member ``index``'s own GEMM, on ``x``'s rows quantized once for the members called on
+        the same unchanged tensor in turn, where the backend quantizes them apart from its GEMM
+        (:meth:`Backend.quantize_rows`); None where the member runs its own call."""
+        if type(x) is not torch.Tensor or wants_grad(x, bias):
+            return None
+        backend = get_backend(self.weight.backend)
+        rows = x.reshape(-1, x.shape[-1])
+        held = self._quantized
+        if held is None or held[0]() is not x or held[1] != version or index not in held[3]:
+            quantized = backend.quantize_rows(rows, self.weight)
+            if quantized is None:
+                return None
+            held = (weakref.ref(x), version, quantized, set(range(len(self.sizes))))
+        held[3].discard(index)
+        self._quantized = held if held[3] else None  # dropped once every member has taken its output
+        y = backend.run_quantized(rows, held[2], self.members[index], bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
     def disable(self, why: str) -> None:
         """From now on each member runs alone on its view (the weight stays one copy)."""
         if self.enabled and not torch.compiler.is_compiling():  # no logging inside a traced graph
             logger.info("mxgemm: layers sharing an input run one by one from now on: %s", why)
         self.enabled = False
-        self._x, self._pending = None, {}
+        self._x, self._pending, self._quantized = None, {}, None
         for traced in self.traced:
             traced["on"] = False
 
@@ -149,8 +175,9 @@ def _group(members: Sequence[MXFP8Linear]) -> SharedInput:
     start = 0
     for index, (m, n) in enumerate(zip(members, sizes, strict=True)):
         views = {name: tensors[name][start // rows : (start + n) // rows] for name, rows in layout.items()}
-        m.share(PreparedWeight(first.backend, first.recipe, n, first.in_features, views, dict(m.prepared.info)),
-                group.bias_views[index], (group, index), group.traced[index])  # fmt: skip
+        group.members.append(PreparedWeight(first.backend, first.recipe, n, first.in_features, views,
+                                            dict(m.prepared.info)))  # fmt: skip
+        m.share(group.members[-1], group.bias_views[index], (group, index), group.traced[index])
         start += n
     return group
 

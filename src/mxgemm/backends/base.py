@@ -194,6 +194,19 @@ class Backend(ABC):
         ref = weakref.ref(weight)
         return any_rows(lambda x, bias: self.run(x, ref(), bias, tactic=tactic))
 
+    def quantize_rows(self, x: torch.Tensor, weight: PreparedWeight) -> Any:
+        """``x`` [M, K]'s activations as this weight's call at M quantizes them apart from its GEMM, for the calls of
+        weights that read the same input (:mod:`mxgemm.fusion`) to share through :meth:`run_quantized`; None where
+        the call does not (this default)."""
+        return None
+
+    def run_quantized(
+        self, x: torch.Tensor, quantized: Any, weight: PreparedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """What :meth:`run` answers for ``x`` [M, K], from :meth:`quantize_rows`'s answer for ``x`` (on any weight of
+        the same input size and regime)."""
+        raise NotImplementedError(f"{self.name} does not share quantized activations")
+
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         """The MX checkpoint tensors (float8 ``[N, K]``, uint8 E8M0 ``[N, K/32]``) that dequantize to exactly the
         weight this backend computes with, rebuilt from the prepared tensors (views of them where the layout allows):

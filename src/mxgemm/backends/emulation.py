@@ -27,22 +27,31 @@ def _effective_weight(weight: PreparedWeight) -> torch.Tensor:
     return dequantize(MXTensor(t["qdata"], t["scale"]))
 
 
-def _effective_activation(x: torch.Tensor, weight: PreparedWeight) -> torch.Tensor:
+def _quantizes(x: torch.Tensor, weight: PreparedWeight) -> bool:
+    """Whether the recipe quantizes these activations (all but w8a16's, and the hybrid recipe's below its crossover)."""
     recipe = weight.recipe
-    if recipe == Recipe.W8A16 or (recipe == Recipe.HYBRID_BLOCK128 and x.shape[0] < weight.info["crossover"]):
+    return not (recipe == Recipe.W8A16 or (recipe == Recipe.HYBRID_BLOCK128 and x.shape[0] < weight.info["crossover"]))
+
+
+def _effective_activation(x: torch.Tensor, weight: PreparedWeight) -> torch.Tensor:
+    if not _quantizes(x, weight):
         return x.float()
-    if recipe == Recipe.W8A8_MX:
+    if weight.recipe == Recipe.W8A8_MX:
         return dequantize(quantize(x, scale_mode=MX_ACT_SCALE_MODE))
     return dequantize_1x128(*quantize_1x128(x))
+
+
+def _product(a: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    y = a @ _effective_weight(weight).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)
 
 
 def emulate_linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The exact emulated twin of ``weight.recipe``: what a fast backend of that recipe computes, in fp32. Any
     backend's prepared weight of a block recipe will do (the hybrid recipe's crossover is read from it)."""
-    y = _effective_activation(x, weight) @ _effective_weight(weight).T
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    return _product(_effective_activation(x, weight), weight, bias, x.dtype)
 
 
 class EmulationBackend(Backend):
@@ -69,6 +78,13 @@ class EmulationBackend(Backend):
 
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return emulate_linear(x, weight, bias)
+
+    def quantize_rows(self, x: torch.Tensor, weight: PreparedWeight) -> torch.Tensor | None:
+        """The dequantized activations the call multiplies, where its recipe quantizes them at this M."""
+        return _effective_activation(x, weight) if _quantizes(x, weight) else None
+
+    def run_quantized(self, x, quantized, weight, bias) -> torch.Tensor:
+        return _product(quantized, weight, bias, x.dtype)
 
     def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
         return BLOCK128_ROWS if "block_scale" in weight.tensors else {"qdata": 1, "scale": 1}

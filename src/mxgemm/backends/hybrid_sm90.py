@@ -245,7 +245,7 @@ class HybridSM90Backend(Backend):
                     return cublaslt.linear_plan(qd, bs, n, k, m, x_dtype)
                 except RuntimeError as exc:  # the same numerics through torch._scaled_mm
                     logger.warning("mxgemm: %s; M=%d runs through torch._scaled_mm", exc, m)
-            quantize = fp8_gemm.quantize_1x128 if "fp8_sms" in weight.info else None  # CUDA where built, else Triton
+            quantize = _quantizer(weight)
             return any_rows(lambda x, bias: blockwise_linear(x, qd, bs, n, bias, quantize=quantize))
         if path == Path.FP8:
             return _bf16_epilogue(fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused_for(m, n, k)))
@@ -260,12 +260,34 @@ class HybridSM90Backend(Backend):
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return self.plan(weight, x.shape[0], x.dtype, tactic)(x, bias)
 
+    def quantize_rows(self, x: torch.Tensor, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """On the cuBLAS path (the default above M = 256): the 1x128-quantized rows and their scales, as the plan's
+        quantizer makes them."""
+        if self._default(x.shape[0], weight).path != Path.CUBLAS:
+            return None
+        return _quantizer(weight)(x if x.stride(1) == 1 else x.contiguous())
+
+    def run_quantized(self, x, quantized, weight, bias) -> torch.Tensor:
+        """``torch._scaled_mm`` on the shared rows: cuBLASLt's blockwise GEMM, as the plan's call runs it."""
+        t = weight.tensors
+        n = weight.out_features
+        return blockwise_linear(x, t["qdata"], t["block_scale"], n, bias, quantize=lambda _: quantized)
+
     def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
         return BLOCK128_ROWS
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         t = weight.tensors
         return block128_to_mx(t["qdata"], t["block_scale"], weight.out_features, weight.in_features)
+
+
+def _quantizer(weight: PreparedWeight):
+    """The cuBLAS path's 1x128 activation quantizer: the CUDA one where built, else Triton's (the same bits)."""
+    if "fp8_sms" in weight.info:
+        return fp8_gemm.quantize_1x128
+    from ..kernels.act_quant import quantize_1x128_padded
+
+    return quantize_1x128_padded
 
 
 def _triton_default(m: int, weight: PreparedWeight):
