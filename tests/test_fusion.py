@@ -2,6 +2,7 @@
 weight, the same state dict, and each layer alone wherever running as one would not be right."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -110,6 +111,55 @@ def test_above_max_rows_the_members_share_one_quantization_of_their_input(monkey
     x = torch.randn(100, 256, dtype=torch.bfloat16, requires_grad=True)  # gradients: each member's own call
     fused.self_attn["q_proj"](x).sum().backward()
     assert x.grad is not None and group.enabled
+
+
+def test_a_group_runs_in_the_regime_of_its_joined_weight(monkeypatch, tmp_path):
+    """Where the recipe's crossover falls with the weight's size, a group takes its joined weight's and so does each
+    member (alone on its view, it computes what it does in the group); the account says so."""
+    from mxgemm.backends import emulation
+
+    monkeypatch.setattr(emulation, "hybrid_crossover", lambda n, k: 1 if n * k >= 700 * 256 else 48)
+    alone, fused, report = _pair("hybrid-block128")  # gate/up 384 x 256 each (48), joined 768 x 256 (1)
+    assert report.fusion == ("self_attn: q_proj, k_proj, v_proj", "mlp: gate_proj, up_proj (activations quantized "
+                             "from M = 1, the crossover of their joined weight; each alone: 48)")  # fmt: skip
+    assert "2 groups of layers sharing an input" in str(report)
+    assert str(report).endswith("\n  1 of those groups: activations quantized from M = 1, the crossover of their "
+                                "joined weight; each alone: 48")  # fmt: skip
+    group = fused.mlp["gate_proj"].shared[0]
+    assert group.weight.info["crossover"] == 1 and fused.self_attn["q_proj"].shared[0].weight.info["crossover"] == 48
+    gate, up = fused.mlp["gate_proj"], fused.mlp["up_proj"]
+    assert gate.prepared.info["crossover"] == up.prepared.info["crossover"] == 1
+    assert gate.prepared.info["reencode"] == alone.mlp["gate_proj"].prepared.info["reencode"]
+    with torch.no_grad():
+        x = torch.randn(1, 4, 256, dtype=torch.bfloat16)
+        for name in ("gate_proj", "up_proj"):
+            own = alone.mlp[name].prepared
+            twin = emulation.emulate_linear(x[0], dataclasses.replace(own, info={**own.info, "crossover": 1}), None)
+            y = fused.mlp[name](x)[0]
+            assert torch.equal(y, twin) and not torch.equal(y, alone.mlp[name](x)[0]), name  # quantized, not exact
+        group.disable("test")
+        assert torch.equal(gate(x)[0], emulation.emulate_linear(x[0], gate.prepared, None))
+    mxgemm.save_checkpoint(alone, tmp_path)  # loaded, the layers join again, in the joined weight's regime
+    loaded = _Block().to(torch.bfloat16)
+    report = mxgemm.load_checkpoint(loaded, tmp_path, backend="emulation", recipe="hybrid-block128")
+    assert str(report).endswith("2 groups of layers sharing an input run as one (1 of them: activations quantized "
+                                "from M = 1, the crossover of their joined weight; each alone: 48)")  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(loaded(x), fused(x))
+
+
+def test_hybrid_sm90_joins_weights_into_its_crossover_for_their_size():
+    """The 8B gate/up layers (14336 x 4096: from M = 16 with the FP8 kernel) joined: 28672 x 4096, from M = 1; with
+    the small-M kernel but no FP8 kernel, from M = 17 as each alone is from M = 48."""
+    from mxgemm.backends.base import PreparedWeight
+    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
+
+    backend = HybridSM90Backend()
+    for info, alone, joined in (({"small_m": True, "fp8_sms": 132}, 16, 1), ({"small_m": True}, 48, 17)):
+        tensors = {"qdata": torch.zeros(1, 1, dtype=torch.float8_e4m3fn)}  # joined_info reads sizes and info only
+        first = PreparedWeight("hybrid_sm90", "hybrid-block128", 14336, 4096, tensors, {**info, "crossover": alone})
+        assert backend.joined_info(first, 28672) == {**info, "crossover": joined}
+        assert backend.joined_info(first, 14336 + 128)["crossover"] == alone
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -289,3 +339,34 @@ def test_hybrid_sm90_groups_on_the_gpu(hidden, kv, ffn):
             out = fused(x)
         graph.replay()
         assert torch.equal(out, alone(x))  # M = 4: the exact regime
+
+
+@pytest.mark.gpu
+def test_the_8b_gate_up_group_runs_from_m1_in_the_quantized_regime():
+    """On the H200: Llama-3-8B's gate and up layers (14336 x 4096 each, quantized from M = 16 alone) joined run the
+    FP8 kernel from M = 1, as their 28672 x 4096 weight would alone; each output within the quantized GEMM's rounding
+    of its exact emulated twin at the group's crossover, in the group and alone on its view."""
+    from helpers import skip_unless_backend_runs
+
+    from mxgemm.backends.emulation import emulate_linear
+
+    skip_unless_backend_runs("hybrid_sm90")
+    torch.manual_seed(0)
+    names = ("gate_proj", "up_proj")
+    model = nn.ModuleDict({"mlp": nn.ModuleDict({n: nn.Linear(4096, 14336, bias=False) for n in names})})
+    mlp = model.to("cuda", torch.bfloat16)["mlp"]
+    report = mxgemm.quantize_model(model, backend="hybrid_sm90")
+    if "fp8_sms" not in mlp["gate_proj"].prepared.info:
+        pytest.skip("the FP8 kernel is not built here")
+    assert report.fusion == ("mlp: gate_proj, up_proj (activations quantized from M = 1, the crossover of their "
+                             "joined weight; each alone: 16)",)  # fmt: skip
+    with torch.no_grad():
+        xs = [torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 16)]
+        for alone in (False, True):  # in the group; then each alone on its view
+            if alone:
+                mlp["gate_proj"].shared[0].disable("test")
+            for x in xs:
+                ys = [mlp[n](x) for n in names]
+                for y, n in zip(ys, names, strict=True):
+                    twin = emulate_linear(x, mlp[n].prepared, None).float()
+                    assert (y.float() - twin).abs().max() <= 2**-7 * twin.abs().max(), (alone, x.shape[0], n)

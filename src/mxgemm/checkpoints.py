@@ -214,8 +214,9 @@ class LoadReport:
     fusion: tuple[str, ...] = ()  # :func:`mxgemm.fusion.fuse_shared_inputs`'s account, one line a group
 
     def __str__(self) -> str:
-        fused, _ = tally(self.fusion)
+        fused, _, regimes = tally(self.fusion)
         groups = f", {fused} groups of layers sharing an input run as one" if fused else ""
+        groups += "".join(f" ({n} of them: {what})" for what, n in regimes.items())
         return f"{self.format.kind} {self.format.scheme}: {len(self.quantized)} MXFP8 layers loaded{groups}"
 
 

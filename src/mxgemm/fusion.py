@@ -14,6 +14,9 @@ replaced or that was re-prepared.
 
 Each member's output is the same recipe on the same weight bits as its own call: below ``hybrid-block128``'s
 crossover exactly the same, from it the quantized GEMM's accumulation order may differ, as between any two tactics.
+The crossover is the joined weight's (``Backend.joined_info``), which each member's view takes: where the recipe's
+rule gives the larger weight a lower one, the members quantize their activations from there, and the account of
+:func:`fuse_shared_inputs` says so.
 One call launches one GEMM (and one activation quantizer) where it launched two or three: less host time in eager
 calls, fewer kernels in a CUDA graph, and the small k and v projections run inside a GEMM that fills the GPU.
 """
@@ -38,13 +41,13 @@ logger = logging.getLogger("mxgemm")
 
 GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-# Inputs of more rows run each member alone: there each GEMM fills the GPU and the call's host time is hidden behind
-# it, while the members' outputs, column views of the group's output, make the ops that read them (rotary, SiLU and
-# the product after it) run at strided speed: on the H200 a 32-layer Llama at 8B dimensions prefilled 2048 tokens in
-# 49.4 ms with its members alone against 50.6 as groups, its elementwise kernels 3.0 ms faster, its GEMMs and the
-# quantizers of the members' inputs 1.2 ms slower. The group's output, whole until the layer's last member takes its
-# view, also holds more memory than the members' outputs do one by one (a Llama-3-8B layer's gate/up at 32768 rows:
-# 1.9 GB at once against 0.94 GB twice). Traced calls take the value a group was made with.
+# Inputs of more rows run each member's own GEMM: there each GEMM fills the GPU and the call's host time is hidden
+# behind it, while the members' outputs, column views of the group's output, make the ops that read them (rotary, SiLU
+# and the product after it) run at strided speed: on the H200 a 32-layer Llama at 8B dimensions prefilled 2048 tokens
+# in 48.6 ms with its members' own GEMMs on one shared quantization of the input against 50.7-50.8 as groups, its
+# elementwise kernels 3.2-3.3 ms faster, its GEMMs 0.3 ms slower. The group's output, whole until the layer's last
+# member takes its view, also holds more memory than the members' outputs do one by one (a Llama-3-8B layer's gate/up
+# at 32768 rows: 1.9 GB at once against 0.94 GB twice). Traced calls take the value a group was made with.
 MAX_ROWS = 1024
 
 
@@ -165,10 +168,12 @@ def unfit_reason(members: Sequence[MXFP8Linear]) -> str:
 
 def _group(members: Sequence[MXFP8Linear]) -> SharedInput:
     first = members[0].prepared
-    layout = get_backend(first.backend).row_layout(first)
+    backend = get_backend(first.backend)
+    layout = backend.row_layout(first)
     tensors = {name: torch.cat([m.prepared.tensors[name] for m in members]) for name in layout}
-    info = {k: v for k, v in first.info.items() if k != "reencode"}  # each member keeps its own exactness report
     sizes = [m.out_features for m in members]
+    # each member keeps its own exactness report, and takes the rest (the joined weight's crossover) from the group
+    info = {k: v for k, v in backend.joined_info(first, sum(sizes)).items() if k != "reencode"}
     weight = PreparedWeight(first.backend, first.recipe, sum(sizes), first.in_features, tensors, info)
     bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
     group = SharedInput(weight, sizes, bias, [None] * len(sizes) if bias is None else bias.split(sizes))
@@ -176,7 +181,7 @@ def _group(members: Sequence[MXFP8Linear]) -> SharedInput:
     for index, (m, n) in enumerate(zip(members, sizes, strict=True)):
         views = {name: tensors[name][start // rows : (start + n) // rows] for name, rows in layout.items()}
         group.members.append(PreparedWeight(first.backend, first.recipe, n, first.in_features, views,
-                                            dict(m.prepared.info)))  # fmt: skip
+                                            {**m.prepared.info, **info}))  # fmt: skip
         m.share(group.members[-1], group.bias_views[index], (group, index), group.traced[index])
         start += n
     return group
@@ -197,15 +202,21 @@ def fuse_shared_inputs(model: nn.Module, groups: Sequence[Sequence[str]] = GROUP
             if reason:
                 done.append(f"{where}{_NOT_FUSED}{reason})")
                 continue
-            _group(members)
-            done.append(where)
+            alone = members[0].prepared.info.get("crossover")
+            joined = _group(members).weight.info.get("crossover")
+            note = f"{_REGIME}{joined}, the crossover of their joined weight; each alone: {alone})"
+            done.append(where if joined == alone else where + note)
     return done
 
 
 _NOT_FUSED = ": not fused ("
+_REGIME = " (activations quantized from M = "
 
 
-def tally(account: Sequence[str]) -> tuple[int, Counter[str]]:
-    """:func:`fuse_shared_inputs`' account counted: the groups made, and the groups left as they were by reason."""
+def tally(account: Sequence[str]) -> tuple[int, Counter[str], Counter[str]]:
+    """:func:`fuse_shared_inputs`' account counted: the groups made, the groups left as they were by reason, and the
+    groups made whose crossover is not their members' by what it is."""
     kept = Counter(line.rsplit(_NOT_FUSED, 1)[1][:-1] for line in account if _NOT_FUSED in line)
-    return len(account) - sum(kept.values()), kept
+    regimes = Counter(_REGIME[2:] + line.rsplit(_REGIME, 1)[1][:-1] for line in account
+                      if _REGIME in line and _NOT_FUSED not in line)  # fmt: skip
+    return len(account) - sum(kept.values()), kept, regimes

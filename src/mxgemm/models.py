@@ -45,9 +45,10 @@ class QuantizeReport:
         lines = [f"replaced {len(self.replaced)} of {len(self.layers)} linear layers"]
         lines += [f"  {n} on {b}" for b, n in by_backend.items()]
         lines += [f"  skipped {r.name}: {r.reason}" for r in self.skipped]
-        fused, kept = tally(self.fusion)
+        fused, kept, regimes = tally(self.fusion)
         if fused:
             lines.append(f"  {fused} groups of layers sharing an input (q/k/v, gate/up) run as one")
+        lines += [f"  {n} of those groups: {what}" for what, n in regimes.items()]
         lines += [f"  {n} groups not fused: {why}" for why, n in kept.items()]
         return "\n".join(lines)
 

@@ -220,6 +220,12 @@ class Backend(ABC):
         where the layout does not split by rows so. Row padding makes a weight unfit (checked there)."""
         return None
 
+    def joined_info(self, first: PreparedWeight, out_features: int) -> dict[str, Any]:
+        """The run-time info of the weight that joins ``first`` and weights like it along the output rows into
+        ``out_features`` rows (:mod:`mxgemm.fusion`): ``first.info`` unless some of it follows from the weight's size
+        (this default)."""
+        return dict(first.info)
+
     def tuning_context(self, weight: PreparedWeight) -> contextlib.AbstractContextManager:
         """Entered while the autotuner times this backend on ``weight``: a backend whose library tunes itself
         (FlashInfer) switches that library's tuning on here, and saves what it learns where a restart finds it."""

@@ -86,6 +86,14 @@ class EmulationBackend(Backend):
     def run_quantized(self, x, quantized, weight, bias) -> torch.Tensor:
         return _product(quantized, weight, bias, x.dtype)
 
+    def joined_info(self, first: PreparedWeight, out_features: int) -> dict:
+        """A hybrid weight's crossover as the recipe gives it for the joined size, where ``first``'s is the recipe's
+        for its own (one given to :meth:`prepare` stays)."""
+        crossover = first.info.get("crossover")
+        if crossover is None or crossover != hybrid_crossover(first.out_features, first.in_features):
+            return dict(first.info)
+        return {**first.info, "crossover": hybrid_crossover(out_features, first.in_features)}
+
     def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
         return BLOCK128_ROWS if "block_scale" in weight.tensors else {"qdata": 1, "scale": 1}
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import torch
 
@@ -275,6 +276,12 @@ class HybridSM90Backend(Backend):
 
     def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
         return BLOCK128_ROWS
+
+    def joined_info(self, first: PreparedWeight, out_features: int) -> dict[str, Any]:
+        """The crossover of the joined weight's size: the regime each M runs in follows the kernels that run it."""
+        info = first.info
+        return {**info, "crossover": hybrid_crossover(out_features, first.in_features, small_m=info["small_m"],
+                                                      fp8="fp8_sms" in info)}  # fmt: skip
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         t = weight.tensors
