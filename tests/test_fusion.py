@@ -121,10 +121,10 @@ def test_a_group_runs_in_the_regime_of_its_joined_weight(monkeypatch, tmp_path):
     monkeypatch.setattr(emulation, "hybrid_crossover", lambda n, k: 1 if n * k >= 700 * 256 else 48)
     alone, fused, report = _pair("hybrid-block128")  # gate/up 384 x 256 each (48), joined 768 x 256 (1)
     assert report.fusion == ("self_attn: q_proj, k_proj, v_proj", "mlp: gate_proj, up_proj (activations quantized "
-                             "from M = 1, the crossover of their joined weight; each alone: 48)")  # fmt: skip
+                             "from M = 1, the crossover of their joined weight; alone: 48)")  # fmt: skip
     assert "2 groups of layers sharing an input" in str(report)
     assert str(report).endswith("\n  1 of those groups: activations quantized from M = 1, the crossover of their "
-                                "joined weight; each alone: 48")  # fmt: skip
+                                "joined weight; alone: 48")  # fmt: skip
     group = fused.mlp["gate_proj"].shared[0]
     assert group.weight.info["crossover"] == 1 and fused.self_attn["q_proj"].shared[0].weight.info["crossover"] == 48
     gate, up = fused.mlp["gate_proj"], fused.mlp["up_proj"]
@@ -143,23 +143,45 @@ def test_a_group_runs_in_the_regime_of_its_joined_weight(monkeypatch, tmp_path):
     loaded = _Block().to(torch.bfloat16)
     report = mxgemm.load_checkpoint(loaded, tmp_path, backend="emulation", recipe="hybrid-block128")
     assert str(report).endswith("2 groups of layers sharing an input run as one (1 of them: activations quantized "
-                                "from M = 1, the crossover of their joined weight; each alone: 48)")  # fmt: skip
+                                "from M = 1, the crossover of their joined weight; alone: 48)")  # fmt: skip
     with torch.no_grad():
         assert torch.equal(loaded(x), fused(x))
 
 
 def test_hybrid_sm90_joins_weights_into_its_crossover_for_their_size():
     """The 8B gate/up layers (14336 x 4096: from M = 16 with the FP8 kernel) joined: 28672 x 4096, from M = 1; with
-    the small-M kernel but no FP8 kernel, from M = 17 as each alone is from M = 48."""
+    the small-M kernel but no FP8 kernel, from M = 17 as each alone is from M = 48. The 70B q/k/v layers (8192 and
+    1024 x 8192: from M = 16 and 17) joined: 10240 x 8192, from M = 16."""
     from mxgemm.backends.base import PreparedWeight
     from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
 
+    def weight(n, k, **info):  # joined_info reads sizes and info only
+        tensors = {"qdata": torch.zeros(1, 1, dtype=torch.float8_e4m3fn)}
+        return PreparedWeight("hybrid_sm90", "hybrid-block128", n, k, tensors, {**info, "reencode": object()})
+
     backend = HybridSM90Backend()
     for info, alone, joined in (({"small_m": True, "fp8_sms": 132}, 16, 1), ({"small_m": True}, 48, 17)):
-        tensors = {"qdata": torch.zeros(1, 1, dtype=torch.float8_e4m3fn)}  # joined_info reads sizes and info only
-        first = PreparedWeight("hybrid_sm90", "hybrid-block128", 14336, 4096, tensors, {**info, "crossover": alone})
-        assert backend.joined_info(first, 28672) == {**info, "crossover": joined}
-        assert backend.joined_info(first, 14336 + 128)["crossover"] == alone
+        gate = weight(14336, 4096, crossover=alone, **info)
+        assert backend.joined_info([gate, gate], 28672) == {**info, "crossover": joined}
+        assert backend.joined_info([gate], 14336 + 128)["crossover"] == alone
+    info = {"small_m": True, "fp8_sms": 132}
+    qkv = [weight(8192, 8192, crossover=16, **info), *[weight(1024, 8192, crossover=17, **info)] * 2]
+    assert backend.joined_info(qkv, 10240)["crossover"] == 16
+
+
+def test_layers_whose_run_time_info_cannot_be_joined_stay_apart():
+    """Crossovers given by hand (not the recipe's for the layer's size) must be the same to join."""
+    from mxgemm.backends.emulation import EmulationBackend
+
+    torch.manual_seed(0)
+    block = _Block().to(torch.bfloat16)
+    mxgemm.quantize_model(block, backend="emulation", recipe="hybrid-block128", fuse=False)
+    backend = EmulationBackend()
+    for name, crossover in (("q_proj", 8), ("k_proj", 8), ("v_proj", 4)):
+        layer = block.self_attn[name]
+        layer._hold(backend.prepare(layer.weight, layer.weight_scale, "hybrid-block128", crossover=crossover))
+    assert fuse_shared_inputs(block) == ["self_attn: q_proj, k_proj, v_proj: not fused (they differ in crossover)",
+                                         "mlp: gate_proj, up_proj"]  # fmt: skip
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -359,7 +381,7 @@ def test_the_8b_gate_up_group_runs_from_m1_in_the_quantized_regime():
     if "fp8_sms" not in mlp["gate_proj"].prepared.info:
         pytest.skip("the FP8 kernel is not built here")
     assert report.fusion == ("mlp: gate_proj, up_proj (activations quantized from M = 1, the crossover of their "
-                             "joined weight; each alone: 16)",)  # fmt: skip
+                             "joined weight; alone: 16)",)  # fmt: skip
     with torch.no_grad():
         xs = [torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 16)]
         for alone in (False, True):  # in the group; then each alone on its view

@@ -135,9 +135,9 @@ class SharedInput:
 
 
 def unfit_reason(members: Sequence[MXFP8Linear]) -> str:
-    """Why these layers cannot run as one, or "" when they can: the same input size, backend, recipe, device and
-    activation regime (``info["crossover"]``), a backend layout that splits by rows without padding, biases on all
-    or none, none of them in a group already."""
+    """Why these layers cannot run as one, or "" when they can: the same input size, backend, recipe and device, a
+    backend layout that splits by rows without padding, run-time info the backend can join
+    (:meth:`Backend.joined_info`), biases on all or none, none of them in a group already."""
     first = members[0].prepared
     backend = get_backend(first.backend)
     layout = backend.row_layout(first)
@@ -150,8 +150,6 @@ def unfit_reason(members: Sequence[MXFP8Linear]) -> str:
         if (w.backend, w.recipe, w.in_features, w.device) != (first.backend, first.recipe, first.in_features,
                                                              first.device):  # fmt: skip
             return "backend, recipe, input size or device differ"
-        if w.info.get("crossover") != first.info.get("crossover"):
-            return "their crossovers differ"
         if set(w.tensors) != set(layout):
             return "prepared tensors differ from the backend's row layout"
         for name, rows in layout.items():
@@ -163,6 +161,10 @@ def unfit_reason(members: Sequence[MXFP8Linear]) -> str:
         b0 = members[0].bias
         if (m.bias is None) != (b0 is None) or (b0 is not None and m.bias.dtype != b0.dtype):
             return "biases on some layers only, or of different dtypes"
+    try:
+        backend.joined_info([m.prepared for m in members], sum(m.out_features for m in members))
+    except ValueError as exc:
+        return str(exc)
     return ""
 
 
@@ -173,7 +175,7 @@ def _group(members: Sequence[MXFP8Linear]) -> SharedInput:
     tensors = {name: torch.cat([m.prepared.tensors[name] for m in members]) for name in layout}
     sizes = [m.out_features for m in members]
     # each member keeps its own exactness report, and takes the rest (the joined weight's crossover) from the group
-    info = {k: v for k, v in backend.joined_info(first, sum(sizes)).items() if k != "reencode"}
+    info = backend.joined_info([m.prepared for m in members], sum(sizes))
     weight = PreparedWeight(first.backend, first.recipe, sum(sizes), first.in_features, tensors, info)
     bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
     group = SharedInput(weight, sizes, bias, [None] * len(sizes) if bias is None else bias.split(sizes))
@@ -202,10 +204,10 @@ def fuse_shared_inputs(model: nn.Module, groups: Sequence[Sequence[str]] = GROUP
             if reason:
                 done.append(f"{where}{_NOT_FUSED}{reason})")
                 continue
-            alone = members[0].prepared.info.get("crossover")
+            alone = sorted({m.prepared.info.get("crossover") for m in members}, key=str)
             joined = _group(members).weight.info.get("crossover")
-            note = f"{_REGIME}{joined}, the crossover of their joined weight; each alone: {alone})"
-            done.append(where if joined == alone else where + note)
+            note = f"{_REGIME}{joined}, the crossover of their joined weight; alone: {' or '.join(map(str, alone))})"
+            done.append(where if alone == [joined] else where + note)
     return done
 
 

@@ -9,7 +9,7 @@ import json
 import operator
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -220,11 +220,16 @@ class Backend(ABC):
         where the layout does not split by rows so. Row padding makes a weight unfit (checked there)."""
         return None
 
-    def joined_info(self, first: PreparedWeight, out_features: int) -> dict[str, Any]:
-        """The run-time info of the weight that joins ``first`` and weights like it along the output rows into
-        ``out_features`` rows (:mod:`mxgemm.fusion`): ``first.info`` unless some of it follows from the weight's size
-        (this default)."""
-        return dict(first.info)
+    def joined_info(self, members: Sequence[PreparedWeight], out_features: int) -> dict[str, Any]:
+        """The run-time info of the weight that joins ``members`` along the output rows into ``out_features`` rows
+        (:mod:`mxgemm.fusion`), their re-encoding reports aside; raises ValueError (why) where they cannot be one
+        weight. This default: their info, which must be the same."""
+        first = members[0].info
+        for w in members[1:]:
+            differ = sorted(k for k in (first.keys() | w.info.keys()) - {"reencode"} if first.get(k) != w.info.get(k))
+            if differ:
+                raise ValueError(f"they differ in {', '.join(differ)}")
+        return {k: v for k, v in first.items() if k != "reencode"}
 
     def tuning_context(self, weight: PreparedWeight) -> contextlib.AbstractContextManager:
         """Entered while the autotuner times this backend on ``weight``: a backend whose library tunes itself

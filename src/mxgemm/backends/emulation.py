@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..block128 import (
@@ -86,13 +88,14 @@ class EmulationBackend(Backend):
     def run_quantized(self, x, quantized, weight, bias) -> torch.Tensor:
         return _product(quantized, weight, bias, x.dtype)
 
-    def joined_info(self, first: PreparedWeight, out_features: int) -> dict:
-        """A hybrid weight's crossover as the recipe gives it for the joined size, where ``first``'s is the recipe's
-        for its own (one given to :meth:`prepare` stays)."""
-        crossover = first.info.get("crossover")
-        if crossover is None or crossover != hybrid_crossover(first.out_features, first.in_features):
-            return dict(first.info)
-        return {**first.info, "crossover": hybrid_crossover(out_features, first.in_features)}
+    def joined_info(self, members: Sequence[PreparedWeight], out_features: int) -> dict:
+        """Hybrid weights whose crossovers are all the recipe's for their sizes: the recipe's for the joined size;
+        crossovers given to :meth:`prepare` must be the same, and stay."""
+        if all("crossover" in w.info and w.info["crossover"] == hybrid_crossover(w.out_features, w.in_features)
+               for w in members):  # fmt: skip
+            info = {k: v for k, v in members[0].info.items() if k != "reencode"}
+            return {**info, "crossover": hybrid_crossover(out_features, members[0].in_features)}
+        return super().joined_info(members, out_features)
 
     def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
         return BLOCK128_ROWS if "block_scale" in weight.tensors else {"qdata": 1, "scale": 1}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -277,10 +278,11 @@ class HybridSM90Backend(Backend):
     def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
         return BLOCK128_ROWS
 
-    def joined_info(self, first: PreparedWeight, out_features: int) -> dict[str, Any]:
-        """The crossover of the joined weight's size: the regime each M runs in follows the kernels that run it."""
-        info = first.info
-        return {**info, "crossover": hybrid_crossover(out_features, first.in_features, small_m=info["small_m"],
+    def joined_info(self, members: Sequence[PreparedWeight], out_features: int) -> dict[str, Any]:
+        """The recipe's crossover for the joined weight's size, whatever the members' (the regime each M runs in
+        follows the kernels that stream the weight); the rest is the device's, the same for all."""
+        info = {k: v for k, v in members[0].info.items() if k != "reencode"}
+        return {**info, "crossover": hybrid_crossover(out_features, members[0].in_features, small_m=info["small_m"],
                                                       fp8="fp8_sms" in info)}  # fmt: skip
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
