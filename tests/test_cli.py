@@ -75,7 +75,7 @@ def test_info_prints_reasons_verbatim(capsys, monkeypatch):
 
 def test_tune_model_dir_tunes_the_models_linear_shapes(capsys, monkeypatch, tmp_path):
     """`mxgemm tune --model-dir`: the distinct shapes of the model's linear layers (built on the meta device from its
-    config alone), lm_head left out."""
+    config alone), lm_head left out, then of their q/k/v and gate/up groups' joined weights."""
     import os
 
     import pytest
@@ -91,17 +91,20 @@ def test_tune_model_dir_tunes_the_models_linear_shapes(capsys, monkeypatch, tmp_
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
     shapes = linear_shapes(model)
-    assert [(n, k) for n, k, _ in shapes] == [(64, 64), (32, 64), (128, 64), (64, 128)]
+    assert [(n, k) for n, k, _ in shapes] == [(64, 64), (32, 64), (128, 64), (64, 128), (256, 64)]  # q/k/v: 128 x 64
     assert shapes[0][2] == "model.layers.0.self_attn.q_proj"
-    assert linear_shapes(model, skip=())[-1] == (96, 64, "lm_head")
+    assert shapes[-1][2] == "model.layers.0.mlp: gate_proj, up_proj"
+    assert linear_shapes(model, skip=())[4] == (96, 64, "lm_head")
+    assert (256, 64) not in [(n, k) for n, k, _ in linear_shapes(model, skip=("up_proj",))]  # up stays nn.Linear
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("tunes the triton backend under the interpreter")
     monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path / "cache"))
     assert main(["tune", "--model-dir", str(tmp_path / "model"), "--m", "3"]) == 0
-    assert "4 distinct linear shapes" in capsys.readouterr().out
+    assert "5 distinct linear shapes" in capsys.readouterr().out
     (path,) = (tmp_path / "cache").glob("tuning-*.json")
     keys = sorted(json.loads(path.read_text())["entries"])
-    assert [k.split("|")[3:5] for k in keys] == [["n128", "k64"], ["n32", "k64"], ["n64", "k128"], ["n64", "k64"]]
+    assert [k.split("|")[3:5] for k in keys] == [["n128", "k64"], ["n256", "k64"], ["n32", "k64"], ["n64", "k128"],
+                                                 ["n64", "k64"]]  # fmt: skip
 
 
 def test_dot_scaled_runs_in_a_pass_of_its_own():

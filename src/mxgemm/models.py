@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .format import BLOCK_SIZE, ScaleMode
-from .fusion import fuse_shared_inputs, tally
+from .fusion import GROUPS, fuse_shared_inputs, tally
 from .linear import MXFP8Linear
 
 __all__ = ["LayerReport", "QuantizeReport", "hf_model_class", "linear_shapes", "quantizable_linears", "quantize_model",
@@ -117,9 +117,17 @@ def hf_model_class(config):
 
 def linear_shapes(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> list[tuple[int, int, str]]:
     """The distinct ``(out_features, in_features)`` of the ``nn.Linear`` layers :func:`quantize_model` would
-    replace, each with the name of its first layer: what ``mxgemm tune --model-dir`` tunes. Works on a model built
-    on the meta device."""
+    replace, then of the groups of them that read one input (:data:`mxgemm.fusion.GROUPS`: q/k/v, gate/up), whose
+    joined weight runs the calls up to ``fusion.MAX_ROWS`` rows; each with the name of its first layer (or group):
+    what ``mxgemm tune --model-dir`` tunes. Works on a model built on the meta device."""
+    layers = dict(quantizable_linears(model, skip))
     shapes: dict[tuple[int, int], str] = {}
-    for name, module in quantizable_linears(model, skip):
+    for name, module in layers.items():
         shapes.setdefault((module.out_features, module.in_features), name)
+    for parent, _ in model.named_modules():
+        for names in GROUPS:
+            members = [layers.get(f"{parent}.{n}" if parent else n) for n in names]
+            if all(members) and len({m.in_features for m in members}) == 1:
+                where = f"{parent}: {', '.join(names)}" if parent else ", ".join(names)
+                shapes.setdefault((sum(m.out_features for m in members), members[0].in_features), where)
     return [(n, k, name) for (n, k), name in shapes.items()]
