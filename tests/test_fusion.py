@@ -364,31 +364,40 @@ def test_hybrid_sm90_groups_on_the_gpu(hidden, kv, ffn):
 
 
 @pytest.mark.gpu
-def test_the_8b_gate_up_group_runs_from_m1_in_the_quantized_regime():
+@pytest.mark.parametrize(
+    "part,sizes,hidden,account",
+    [
+        ("mlp", {"gate_proj": 14336, "up_proj": 14336}, 4096, "from M = 1, the crossover of their joined weight; "
+         "alone: 16"),
+        ("self_attn", {"q_proj": 8192, "k_proj": 1024, "v_proj": 1024}, 8192, "from M = 16, the crossover of their "
+         "joined weight; alone: 16 or 17"),
+    ],
+)  # fmt: skip
+def test_groups_run_in_their_joined_weights_regime_on_the_gpu(part, sizes, hidden, account):
     """On the H200: Llama-3-8B's gate and up layers (14336 x 4096 each, quantized from M = 16 alone) joined run the
-    FP8 kernel from M = 1, as their 28672 x 4096 weight would alone; each output within the quantized GEMM's rounding
-    of its exact emulated twin at the group's crossover, in the group and alone on its view."""
+    FP8 kernel from M = 1, as their 28672 x 4096 weight would alone; Llama-3-70B's q, k and v (from M = 16, 17, 17)
+    from M = 16. Each output within the quantized GEMM's rounding of its exact emulated twin at the group's crossover
+    in the group and alone on its view."""
     from helpers import skip_unless_backend_runs
 
     from mxgemm.backends.emulation import emulate_linear
 
     skip_unless_backend_runs("hybrid_sm90")
     torch.manual_seed(0)
-    names = ("gate_proj", "up_proj")
-    model = nn.ModuleDict({"mlp": nn.ModuleDict({n: nn.Linear(4096, 14336, bias=False) for n in names})})
-    mlp = model.to("cuda", torch.bfloat16)["mlp"]
+    layers = nn.ModuleDict({n: nn.Linear(hidden, size, bias=False) for n, size in sizes.items()})
+    model = nn.ModuleDict({part: layers}).to("cuda", torch.bfloat16)
     report = mxgemm.quantize_model(model, backend="hybrid_sm90")
-    if "fp8_sms" not in mlp["gate_proj"].prepared.info:
+    layers = model[part]
+    if "fp8_sms" not in layers[next(iter(sizes))].prepared.info:
         pytest.skip("the FP8 kernel is not built here")
-    assert report.fusion == ("mlp: gate_proj, up_proj (activations quantized from M = 1, the crossover of their "
-                             "joined weight; alone: 16)",)  # fmt: skip
+    assert report.fusion == (f"{part}: {', '.join(sizes)} (activations quantized {account})",)
     with torch.no_grad():
-        xs = [torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 16)]
+        xs = [torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 15, 16)]
         for alone in (False, True):  # in the group; then each alone on its view
             if alone:
-                mlp["gate_proj"].shared[0].disable("test")
+                layers[next(iter(sizes))].shared[0].disable("test")
             for x in xs:
-                ys = [mlp[n](x) for n in names]
-                for y, n in zip(ys, names, strict=True):
-                    twin = emulate_linear(x, mlp[n].prepared, None).float()
+                ys = [layers[n](x) for n in sizes]
+                for y, n in zip(ys, sizes, strict=True):
+                    twin = emulate_linear(x, layers[n].prepared, None).float()
                     assert (y.float() - twin).abs().max() <= 2**-7 * twin.abs().max(), (alone, x.shape[0], n)
