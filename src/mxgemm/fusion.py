@@ -212,13 +212,14 @@ def fuse_shared_inputs(model: nn.Module, groups: Sequence[Sequence[str]] = GROUP
 
 
 _NOT_FUSED = ": not fused ("
-_REGIME = " (activations quantized from M = "
+_QUANTIZED_FROM = "activations quantized from M = "
+_REGIME = f" ({_QUANTIZED_FROM}"
 
 
 def tally(account: Sequence[str]) -> tuple[int, Counter[str], Counter[str]]:
     """:func:`fuse_shared_inputs`' account counted: the groups made, the groups left as they were by reason, and the
     groups made whose crossover is not their members' by what it is."""
     kept = Counter(line.rsplit(_NOT_FUSED, 1)[1][:-1] for line in account if _NOT_FUSED in line)
-    regimes = Counter(_REGIME[2:] + line.rsplit(_REGIME, 1)[1][:-1] for line in account
+    regimes = Counter(_QUANTIZED_FROM + line.rsplit(_REGIME, 1)[1][:-1] for line in account
                       if _REGIME in line and _NOT_FUSED not in line)  # fmt: skip
     return len(account) - sum(kept.values()), kept, regimes

@@ -64,6 +64,12 @@ def any_rows(plan: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]):
     return call
 
 
+def run_time_info(weight: PreparedWeight) -> dict[str, Any]:
+    """A prepared weight's info less its re-encoding report (``"reencode"``, the one entry about this weight's values
+    rather than how it runs): what weights joined into one (:meth:`Backend.joined_info`) must agree on."""
+    return {k: v for k, v in weight.info.items() if k != "reencode"}
+
+
 # Prepared weights by the id of their first op tensor: the op's implementation finds the weight whose very tensors it
 # is given, and so its launch plans. Weak: a dropped weight leaves (and its tensors, and so the id, go with it).
 _LIVE: weakref.WeakValueDictionary[int, PreparedWeight] = weakref.WeakValueDictionary()
@@ -224,12 +230,13 @@ class Backend(ABC):
         """The run-time info of the weight that joins ``members`` along the output rows into ``out_features`` rows
         (:mod:`mxgemm.fusion`), their re-encoding reports aside; raises ValueError (why) where they cannot be one
         weight. This default: their info, which must be the same."""
-        first = members[0].info
+        first = run_time_info(members[0])
         for w in members[1:]:
-            differ = sorted(k for k in (first.keys() | w.info.keys()) - {"reencode"} if first.get(k) != w.info.get(k))
+            info = run_time_info(w)
+            differ = sorted(k for k in first.keys() | info.keys() if first.get(k) != info.get(k))
             if differ:
                 raise ValueError(f"they differ in {', '.join(differ)}")
-        return {k: v for k, v in first.items() if k != "reencode"}
+        return first
 
     def tuning_context(self, weight: PreparedWeight) -> contextlib.AbstractContextManager:
         """Entered while the autotuner times this backend on ``weight``: a backend whose library tunes itself

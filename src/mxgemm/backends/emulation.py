@@ -17,7 +17,7 @@ from ..block128 import (
 from ..device import DeviceInfo
 from ..format import MXTensor, dequantize, quantize
 from ..recipes import MX_ACT_SCALE_MODE, RECIPES, Recipe, hybrid_crossover
-from .base import Availability, Backend, PreparedWeight
+from .base import Availability, Backend, PreparedWeight, run_time_info
 
 __all__ = ["EmulationBackend", "emulate_linear"]
 
@@ -93,8 +93,7 @@ class EmulationBackend(Backend):
         crossovers given to :meth:`prepare` must be the same, and stay."""
         if all("crossover" in w.info and w.info["crossover"] == hybrid_crossover(w.out_features, w.in_features)
                for w in members):  # fmt: skip
-            info = {k: v for k, v in members[0].info.items() if k != "reencode"}
-            return {**info, "crossover": hybrid_crossover(out_features, members[0].in_features)}
+            return {**run_time_info(members[0]), "crossover": hybrid_crossover(out_features, members[0].in_features)}
         return super().joined_info(members, out_features)
 
     def row_layout(self, weight: PreparedWeight) -> dict[str, int]:

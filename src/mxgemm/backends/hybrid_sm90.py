@@ -32,7 +32,7 @@ from ..kernels.fp8_gemm import STAGES, TOKEN_TILES, Fp8Config, SwapAB, TokensAsM
 from ..kernels.small_m import MAX_M, SmallMConfig, small_m_status
 from ..kernels.small_m import linear_plan as small_m_plan
 from ..recipes import Recipe, StrEnum, hybrid_crossover
-from .base import Availability, Backend, PreparedWeight, Tactic, UnsupportedWeightError, any_rows
+from .base import Availability, Backend, PreparedWeight, Tactic, UnsupportedWeightError, any_rows, run_time_info
 
 logger = logging.getLogger("mxgemm")
 
@@ -281,7 +281,7 @@ class HybridSM90Backend(Backend):
     def joined_info(self, members: Sequence[PreparedWeight], out_features: int) -> dict[str, Any]:
         """The recipe's crossover for the joined weight's size, whatever the members' (the regime each M runs in
         follows the kernels that stream the weight); the rest is the device's, the same for all."""
-        info = {k: v for k, v in members[0].info.items() if k != "reencode"}
+        info = run_time_info(members[0])
         return {**info, "crossover": hybrid_crossover(out_features, members[0].in_features, small_m=info["small_m"],
                                                       fp8="fp8_sms" in info)}  # fmt: skip
 
