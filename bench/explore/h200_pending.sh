@@ -6,9 +6,10 @@
 #   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
 #   crossover  bench/crossover.py: the exact regime against cuBLASLt and the FP8 kernel at M = 1-128
-#   fp8-ncu  Nsight Compute on the fused FP8 kernel (bench/explore/profile_fused.py): throughput, warp states, stalls
-#   small-m-ncu  Nsight Compute on the small-M kernel (bench/explore/profile_small_m.py; SM_N/SM_K/SM_M pick the shape,
-#           default 8B gate_up at M = 1): DRAM throughput, memory workload, warp states
+#   fp8-ncu  Nsight Compute on the fused FP8 kernel (bench/explore/profile_kernel.py --kernel fused): throughput,
+#           warp states, stalls
+#   small-m-ncu  Nsight Compute on the small-M kernel (bench/explore/profile_kernel.py --kernel small-m; SM_N/SM_K/SM_M
+#           pick the shape, default 8B gate_up at M = 1): DRAM throughput, memory workload, warp states
 #   eager   bench/eager_calls.py: one eager call against bf16's, Llama-3-8B and Qwen2.5-7B projections
 #   e2e     bench/model_e2e.py: a 32-layer Llama at 8B dimensions through generate, bf16 vs mxgemm (E2E_MODES)
 #   load    bench/load_gpu.py: an 8B-dimension MXFP8 checkpoint loaded to the GPU (peak against final footprint)
@@ -74,7 +75,7 @@ for stage in "$@"; do
       tail -12 /tmp/e2e.log ;;
     fp8-ncu)  # Nsight Compute on the fused FP8 kernel (NCU_N/NCU_K/NCU_M pick the shape; default 8B o at M = 32)
       timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters --section Occupancy \
-        -k regex:fp8_gemm -s 2 -c 1 -o "$out/fp8" -f python3 bench/explore/profile_fused.py \
+        -k regex:fp8_gemm -s 2 -c 1 -o "$out/fp8" -f python3 bench/explore/profile_kernel.py --kernel fused \
         --n "${NCU_N:-4096}" --k "${NCU_K:-4096}" --m "${NCU_M:-32}" > "$out/ncu.log" 2>&1
       ncu --import "$out/fp8.ncu-rep" --section SpeedOfLight --section WarpStateStats --section Occupancy \
         > "$out/ncu-fp8.txt" 2>&1
@@ -84,8 +85,8 @@ for stage in "$@"; do
       rm -f "$out/fp8.ncu-rep" ;;
     small-m-ncu)
       timeout 150 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        --section Occupancy -k regex:small_m -s 2 -c 1 -o "$out/small-m" -f python3 bench/explore/profile_small_m.py \
-        --n "${SM_N:-28672}" --k "${SM_K:-4096}" --m "${SM_M:-1}" > "$out/ncu-small-m.log" 2>&1
+        --section Occupancy -k regex:small_m -s 2 -c 1 -o "$out/small-m" -f python3 bench/explore/profile_kernel.py \
+        --kernel small-m --n "${SM_N:-28672}" --k "${SM_K:-4096}" --m "${SM_M:-1}" > "$out/ncu-small-m.log" 2>&1
       ncu --import "$out/small-m.ncu-rep" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section Occupancy > "$out/ncu-small-m.txt" 2>&1
       grep -E "Duration|DRAM Throughput|Memory Throughput|L2 Hit|Warp Cycles Per Issued|Achieved Occupancy" \
