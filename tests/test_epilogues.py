@@ -110,18 +110,46 @@ def test_flashinfer_trtllm_output_is_sliced_back_to_n(monkeypatch):
 
 
 def test_the_cublas_path_shares_its_quantized_rows(monkeypatch):
-    """``quantize_rows`` answers on the cuBLAS path only (above M = 256 by default here), with the CUDA quantizer;
-    ``run_quantized`` runs cuBLASLt's GEMM on exactly those rows."""
+    """Without planned calls: ``run_sharing`` answers on the cuBLAS path only (above M = 256 by default here), with the
+    CUDA quantizer's rows, and ``run_quantized`` runs ``torch._scaled_mm`` on exactly those rows."""
     rows, seen = object(), []
     monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda x: rows)
     monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda x, qd, bs, n, bias, quantize: seen.append(
         (qd, bs, n, bias, quantize(x))) or x)  # fmt: skip
     weight, backend = _weight(crossover=17), HybridSM90Backend()
-    for m in (8, 64):  # the small-M kernel; the FP8 kernel, which quantizes in its own launch
-        assert backend.quantize_rows(random_act(m, K), weight) is None
-    x = random_act(300, K)
-    assert backend.quantize_rows(x, weight) is rows
     bias = torch.randn(N).bfloat16()
-    assert backend.run_quantized(x, rows, weight, bias) is x
+    for m in (8, 64):  # the small-M kernel; the FP8 kernel, which quantizes in its own launch
+        assert backend.run_sharing(random_act(m, K), weight, bias) is None
+    x = random_act(300, K)
+    assert backend.run_sharing(x, weight, bias) == (x, rows)
+    assert backend.run_quantized(x, rows, weight, None) is x
     t = weight.tensors
-    assert seen == [(t["qdata"], t["block_scale"], N, bias, rows)]
+    assert seen == [(t["qdata"], t["block_scale"], N, b, rows) for b in (bias, None)]
+
+
+def test_planned_calls_share_the_rows_their_buffer_holds(monkeypatch):
+    """Where planned cuBLASLt calls run, ``run_sharing`` is the weight's planned call for that M (``.sharing``: its
+    output and the rows it quantized) and ``run_quantized`` that plan's GEMM alone on them, each plan made once per
+    weight and M beside its plans; never ``torch._scaled_mm``."""
+    made, runs = [], []
+
+    def linear_plan(qd, bs, n, k, m, x_dtype):
+        made.append((qd, bs, n, k, m, x_dtype))
+        launch = lambda x, bias: pytest.fail("the member's own call runs through .sharing")  # noqa: E731
+        launch.sharing = lambda x, bias: runs.append(("sharing", m, bias)) or (x, ("rows", m))
+        launch.on_quantized = lambda rows, x, bias: runs.append(("gemm", rows, bias)) or x
+        return launch
+
+    monkeypatch.setattr(hybrid_sm90.cublaslt, "linear_plan", linear_plan)
+    monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda *a, **k: pytest.fail("not through _scaled_mm"))
+    weight, backend = _weight(crossover=17), HybridSM90Backend()
+    weight.info["blockwise_plan"] = True
+    bias = torch.randn(N).bfloat16()
+    for m in (300, 512):
+        x = random_act(m, K)
+        assert backend.run_sharing(x, weight, bias) == (x, ("rows", m))
+        assert backend.run_quantized(x, ("rows", m), weight, None) is x
+    assert runs == [("sharing", 300, bias), ("gemm", ("rows", 300), None), ("sharing", 512, bias),
+                    ("gemm", ("rows", 512), None)]  # fmt: skip
+    t = weight.tensors
+    assert made == [(t["qdata"], t["block_scale"], N, K, m, torch.bfloat16) for m in (300, 512)]

@@ -90,9 +90,9 @@ def test_above_max_rows_the_members_share_one_quantization_of_their_input(monkey
     alone, fused, _ = _pair(recipe)
     monkeypatch.setattr(fusion, "MAX_ROWS", 64)
     calls = []
-    quantize_rows = EmulationBackend.quantize_rows
-    monkeypatch.setattr(EmulationBackend, "quantize_rows", lambda self, x, w: calls.append(x.shape) or quantize_rows(
-        self, x, w))  # fmt: skip
+    run_sharing = EmulationBackend.run_sharing
+    monkeypatch.setattr(EmulationBackend, "run_sharing", lambda self, x, w, b: calls.append(x.shape) or run_sharing(
+        self, x, w, b))  # fmt: skip
     names = ("q_proj", "k_proj", "v_proj")
     group = fused.self_attn["q_proj"].shared[0]
     quantizes = recipe != "w8a16"
@@ -332,8 +332,8 @@ def test_unfit_groups_stay_as_they_are_and_the_report_says_why():
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden,kv,ffn", [(1024, 256, 2048), (896, 128, 4864)])  # 896: views at 64-byte offsets
 def test_hybrid_sm90_groups_on_the_gpu(hidden, kv, ffn):
-    """On the H200: below the crossover (the exact regime) the same bits as each layer alone; from it the quantized
-    GEMM's own rounding at most, eager and replayed from a CUDA graph."""
+    """On the H200: below the crossover (the exact regime) and above ``MAX_ROWS`` the same bits as each layer alone;
+    between them the quantized GEMM's own rounding at most, eager and replayed from a CUDA graph."""
     from helpers import skip_unless_backend_runs
 
     skip_unless_backend_runs("hybrid_sm90")
@@ -350,7 +350,8 @@ def test_hybrid_sm90_groups_on_the_gpu(hidden, kv, ffn):
                 ys = [getattr(fused, part)[n](x) for n in names]  # in turn on one input: one GEMM for the group
                 for y, n in zip(ys, names, strict=True):
                     ref = getattr(alone, part)[n](x)
-                    if m < crossover:
+                    # below the crossover, and above MAX_ROWS (each member's own GEMM on one quantization of x)
+                    if m < crossover or m > fusion.MAX_ROWS:
                         assert torch.equal(y, ref), (m, n)
                     else:
                         assert (y.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max(), (m, n)

@@ -3,7 +3,7 @@
 and the host gaps within it, its kernels by kind (mxgemm's, cuBLAS's, attention's, the rest) and the top kernels.
 ``--max-rows``: mxgemm's model measured once for each value of ``mxgemm.fusion.MAX_ROWS`` (eager calls read it when
 called: above it the members of a q/k/v or gate/up group run their own GEMMs), and with ``--unshared`` again with each
-member quantizing the input itself (its backend's ``quantize_rows`` answering None).
+member quantizing the input itself (its backend's ``run_sharing`` answering None).
 
 Run on the device: PYTHONPATH=src python3 bench/explore/prefill_anatomy.py --layers 32 --json prefill-anatomy.json
 """
@@ -51,6 +51,10 @@ def anatomy(model, who: str, args, shared: bool = True) -> dict:
         "kinds_ms": {k: v / 1e6 for k, v in by_kind.most_common()},
         "top": [{"name": n[:90], "count": c, "us": t / c / 1e3, "ms": t / 1e6}
                 for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top]],
+        # the longest gaps: where in the call (the kernel's index of all, from the first) and between which kernels
+        "longest_gaps": [{"us": gaps[i] / 1e3, "after": i, "of": len(ks), "before_name": ks[i][0][:60],
+                          "after_name": ks[i + 1][0][:60]}
+                         for i in sorted(range(len(gaps)), key=lambda i: -gaps[i])[: args.top]],
     }  # fmt: skip
     return row
 
@@ -73,10 +77,10 @@ def main() -> None:
             fusion.MAX_ROWS = max_rows
             for shared in (True, False) if backend and args.unshared else (True,):
                 if not shared:  # the instance's attribute shadows the method until deleted
-                    backend.quantize_rows = lambda x, weight: None
+                    backend.run_sharing = lambda x, weight, bias: None
                 rows.append(anatomy(model, who, args, shared))
                 if not shared:
-                    del backend.quantize_rows
+                    del backend.run_sharing
                 print(json.dumps(rows[-1], indent=1), flush=True)
                 if args.json:
                     doc = {"device": torch.cuda.get_device_name(), "rows": rows}

@@ -6,11 +6,11 @@ of a member on an input runs the whole weight once and keeps the other members' 
 each takes its own, called on the same, unchanged tensor; traced (``torch.compile``), the same steps
 (``MXFP8Linear._traced_group_output``, on plain values each member holds) leave one ``mxgemm::linear`` op per group in
 the graph and no state behind. Eager inputs of more than ``MAX_ROWS`` rows run each member's own GEMM (contiguous
-outputs), on the input quantized once for the members called on it in turn where the backend quantizes activations
-apart from its GEMM (``Backend.quantize_rows``: ``hybrid_sm90``'s cuBLAS path, ``emulation``). Everything else runs
-the member alone on its view: fp32 inputs, traced inputs of more than ``MAX_ROWS`` rows, a member called on another
-input (the group then stops running as one: the layers do not share their input), or a member whose bias was
-replaced or that was re-prepared.
+outputs), on the input quantized once, by the first member's call, for the members called on it in turn where the
+backend quantizes activations apart from its GEMM (``Backend.run_sharing``: ``hybrid_sm90``'s cuBLAS path,
+``emulation``). Everything else runs the member alone on its view: fp32 inputs, traced inputs of more than
+``MAX_ROWS`` rows, a member called on another input (the group then stops running as one: the layers do not share
+their input), or a member whose bias was replaced or that was re-prepared.
 
 Each member's output is the same recipe on the same weight bits as its own call: below ``hybrid-block128``'s
 crossover exactly the same, from it the quantized GEMM's accumulation order may differ, as between any two tactics.
@@ -73,7 +73,7 @@ class SharedInput:
         self._x: torch.Tensor | None = None
         self._version = -1
         self._pending: dict[int, torch.Tensor] = {}
-        # above MAX_ROWS: (weak input, its version, its quantized rows, the members still to call on it)
+        # above MAX_ROWS: (weak input, its version, its quantized rows, the members still to call on them)
         self._quantized: tuple | None = None
         self.members: list[PreparedWeight] = []  # each member's row view of the weight, set by _group
 
@@ -106,22 +106,24 @@ class SharedInput:
         return ys[index]
 
     def _own_gemm(self, index: int, x: torch.Tensor, bias: torch.Tensor | None, version: int) -> torch.Tensor | None:
-        """Above ``MAX_ROWS``: member ``index``'s own GEMM, on ``x``'s rows quantized once for the members called on
-        the same unchanged tensor in turn, where the backend quantizes them apart from its GEMM
-        (:meth:`Backend.quantize_rows`); None where the member runs its own call."""
+        """Above ``MAX_ROWS``: member ``index``'s own GEMM. The first member called on a tensor runs its own call and
+        keeps the input's quantized rows that call made (:meth:`Backend.run_sharing`); the others, called on the same
+        unchanged tensor in turn, run their GEMMs on those rows. None where the member runs its own call."""
         if type(x) is not torch.Tensor or wants_grad(x, bias):
             return None
         backend = get_backend(self.weight.backend)
         rows = x.reshape(-1, x.shape[-1])
         held = self._quantized
         if held is None or held[0]() is not x or held[1] != version or index not in held[3]:
-            quantized = backend.quantize_rows(rows, self.weight)
-            if quantized is None:
+            shared = backend.run_sharing(rows, self.members[index], bias)
+            if shared is None:
                 return None
-            held = (weakref.ref(x), version, quantized, set(range(len(self.sizes))))
-        held[3].discard(index)
+            y, quantized = shared
+            held = (weakref.ref(x), version, quantized, set(range(len(self.sizes))) - {index})
+        else:
+            held[3].discard(index)
+            y = backend.run_quantized(rows, held[2], self.members[index], bias)
         self._quantized = held if held[3] else None  # dropped once every member has taken its output
-        y = backend.run_quantized(rows, held[2], self.members[index], bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def disable(self, why: str) -> None:

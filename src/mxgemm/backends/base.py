@@ -96,7 +96,8 @@ class PreparedWeight:
     info: dict[str, Any] = field(default_factory=dict)
     op_tensors: list[torch.Tensor] | None = field(default=None, repr=False, compare=False)
     op_meta: str | None = field(default=None, repr=False, compare=False)
-    # launch plans by (M, activation dtype, tuning generation): see ``Backend.plan``
+    # launch plans by (M, activation dtype, tuning generation): see ``Backend.plan``; a backend may keep its own beside
+    # them under keys of another form
     plans: dict[tuple, Callable] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -200,17 +201,20 @@ class Backend(ABC):
         ref = weakref.ref(weight)
         return any_rows(lambda x, bias: self.run(x, ref(), bias, tactic=tactic))
 
-    def quantize_rows(self, x: torch.Tensor, weight: PreparedWeight) -> Any:
-        """``x`` [M, K]'s activations as this weight's call at M quantizes them apart from its GEMM, for the calls of
-        weights that read the same input (:mod:`mxgemm.fusion`) to share through :meth:`run_quantized`; None where
-        the call does not (this default)."""
+    def run_sharing(
+        self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Any] | None:
+        """(``y``, ``rows``): what :meth:`run` answers for ``x`` [M, K], and ``x``'s activations as that call quantized
+        them apart from its GEMM, for the calls of weights that read the same input (:mod:`mxgemm.fusion`) to share
+        through :meth:`run_quantized`; None where the call quantizes nothing apart (this default): the weight then
+        runs its own call."""
         return None
 
     def run_quantized(
-        self, x: torch.Tensor, quantized: Any, weight: PreparedWeight, bias: torch.Tensor | None
+        self, x: torch.Tensor, rows: Any, weight: PreparedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """What :meth:`run` answers for ``x`` [M, K], from :meth:`quantize_rows`'s answer for ``x`` (on any weight of
-        the same input size and regime)."""
+        """What :meth:`run` answers for ``x`` [M, K], from the ``rows`` :meth:`run_sharing` answered for ``x`` (on any
+        weight of the same input size and regime)."""
         raise NotImplementedError(f"{self.name} does not share quantized activations")
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,12 +81,15 @@ class EmulationBackend(Backend):
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return emulate_linear(x, weight, bias)
 
-    def quantize_rows(self, x: torch.Tensor, weight: PreparedWeight) -> torch.Tensor | None:
-        """The dequantized activations the call multiplies, where its recipe quantizes them at this M."""
-        return _effective_activation(x, weight) if _quantizes(x, weight) else None
+    def run_sharing(self, x, weight, bias) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Shared rows: the dequantized activations the call multiplies, where its recipe quantizes them at this M."""
+        if not _quantizes(x, weight):
+            return None
+        rows = _effective_activation(x, weight)
+        return self.run_quantized(x, rows, weight, bias), rows
 
-    def run_quantized(self, x, quantized, weight, bias) -> torch.Tensor:
-        return _product(quantized, weight, bias, x.dtype)
+    def run_quantized(self, x, rows, weight, bias) -> torch.Tensor:
+        return _product(rows, weight, bias, x.dtype)
 
     def joined_info(self, members: Sequence[PreparedWeight], out_features: int) -> dict:
         """Hybrid weights whose crossovers are all the recipe's for their sizes: the recipe's for the joined size;

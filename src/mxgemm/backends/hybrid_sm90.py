@@ -242,11 +242,9 @@ class HybridSM90Backend(Backend):
         n, k = weight.out_features, weight.in_features
         qd, bs = weight.tensors["qdata"], weight.tensors["block_scale"]
         if path == Path.CUBLAS:
-            if weight.info.get("blockwise_plan"):  # the CUDA quantizer and cuBLASLt in one call, planned once
-                try:
-                    return cublaslt.linear_plan(qd, bs, n, k, m, x_dtype)
-                except RuntimeError as exc:  # the same numerics through torch._scaled_mm
-                    logger.warning("mxgemm: %s; M=%d runs through torch._scaled_mm", exc, m)
+            planned = _blockwise_plan(weight, m, x_dtype)
+            if planned is not None:
+                return planned
             quantize = _quantizer(weight)
             return any_rows(lambda x, bias: blockwise_linear(x, qd, bs, n, bias, quantize=quantize))
         if path == Path.FP8:
@@ -262,18 +260,26 @@ class HybridSM90Backend(Backend):
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return self.plan(weight, x.shape[0], x.dtype, tactic)(x, bias)
 
-    def quantize_rows(self, x: torch.Tensor, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """On the cuBLAS path (the default above M = 256): the 1x128-quantized rows and their scales, as the plan's
-        quantizer makes them."""
-        if self._default(x.shape[0], weight).path != Path.CUBLAS:
+    def run_sharing(self, x, weight, bias) -> tuple[torch.Tensor, Any] | None:
+        """On the cuBLAS path (the default above M = 256): the planned call, and the 1x128-quantized rows its buffer
+        holds (:func:`cublaslt.linear_plan`); where planned calls do not run, the CUDA quantizer's rows and
+        ``torch._scaled_mm``."""
+        m = x.shape[0]
+        if self._default(m, weight).path != Path.CUBLAS:
             return None
-        return _quantizer(weight)(x if x.stride(1) == 1 else x.contiguous())
+        planned = _rows_plan(weight, m, x.dtype)
+        if planned:
+            return planned.sharing(x, bias)
+        rows = _quantizer(weight)(x if x.stride(1) == 1 else x.contiguous())
+        return self.run_quantized(x, rows, weight, bias), rows
 
-    def run_quantized(self, x, quantized, weight, bias) -> torch.Tensor:
-        """``torch._scaled_mm`` on the shared rows: cuBLASLt's blockwise GEMM, as the plan's call runs it."""
-        t = weight.tensors
-        n = weight.out_features
-        return blockwise_linear(x, t["qdata"], t["block_scale"], n, bias, quantize=lambda _: quantized)
+    def run_quantized(self, x, rows, weight, bias) -> torch.Tensor:
+        """cuBLASLt's blockwise GEMM on the shared rows, as this weight's own call runs it."""
+        planned = _rows_plan(weight, x.shape[0], x.dtype)
+        if planned:
+            return planned.on_quantized(rows, x, bias)
+        t, n = weight.tensors, weight.out_features
+        return blockwise_linear(x, t["qdata"], t["block_scale"], n, bias, quantize=lambda _: rows)
 
     def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
         return BLOCK128_ROWS
@@ -288,6 +294,29 @@ class HybridSM90Backend(Backend):
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         t = weight.tensors
         return block128_to_mx(t["qdata"], t["block_scale"], weight.out_features, weight.in_features)
+
+
+def _blockwise_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):
+    """The CUDA quantizer and cuBLASLt in one call, planned once for M (:func:`cublaslt.linear_plan`), where planned
+    calls run here; else None, and M runs through ``torch._scaled_mm`` (the same numerics)."""
+    if not weight.info.get("blockwise_plan"):
+        return None
+    try:
+        return cublaslt.linear_plan(weight.tensors["qdata"], weight.tensors["block_scale"], weight.out_features,
+                                    weight.in_features, m, x_dtype)  # fmt: skip
+    except RuntimeError as exc:
+        logger.warning("mxgemm: %s; M=%d runs through torch._scaled_mm", exc, m)
+        return None
+
+
+def _rows_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):
+    """The planned call that shares its quantized rows (:meth:`HybridSM90Backend.run_sharing`) for M, made once and
+    kept beside the weight's plans for its own calls; False where planned calls do not run."""
+    key = ("shared rows", m, x_dtype)
+    planned = weight.plans.get(key)
+    if planned is None:
+        planned = weight.plans[key] = _blockwise_plan(weight, m, x_dtype) or False
+    return planned
 
 
 def _quantizer(weight: PreparedWeight):

@@ -111,13 +111,15 @@ def _library() -> ctypes.CDLL:
     if include is None:
         raise RuntimeError("cublasLt.h was not found (neither in the CUDA toolkit nor in an nvidia-cublas wheel)")
     names = ("mxgemm_blockwise_plan_create", "mxgemm_blockwise_plan_destroy", "mxgemm_blockwise_plan_bytes",
-             "mxgemm_blockwise_run")  # fmt: skip
+             "mxgemm_blockwise_plan_workspace", "mxgemm_blockwise_run", "mxgemm_blockwise_gemm")  # fmt: skip
     lib = nvcc.build(_SOURCE, (9, 0), symbols=names, include_dirs=(include,))
     for name, args, res in (
         ("mxgemm_blockwise_plan_create", [_P, _P, _P, *[_I] * 6, _LL, _LL, _LL, ctypes.POINTER(_P)], _I),
         ("mxgemm_blockwise_plan_destroy", [_P], None),
         ("mxgemm_blockwise_plan_bytes", [_P], _LL),
+        ("mxgemm_blockwise_plan_workspace", [_P], _LL),
         ("mxgemm_blockwise_run", [_P, _P, _I, _P, _P], _I),
+        ("mxgemm_blockwise_gemm", [_P, _P, _P, _P, _P, _P], _I),
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
@@ -155,37 +157,70 @@ def linear_plan(
     weight (``qdata`` E4M3 [Np, Kp], ``block_scale`` fp32 [Np/128, Kp/128]) -> [M, n] (or [..., n]) in ``x.dtype``
     (+ ``bias``): the numerics of :func:`blockwise_linear` with the CUDA quantizer. One ctypes call
     quantizes and runs ``cublasLtMatmul`` with the descriptors and algorithm made here, once (:func:`plan_status` says
-    whether it runs on a device). Raises RuntimeError when cuBLASLt refuses the problem."""
+    whether it runs on a device); ``.sharing`` also answers the quantized rows, for other plans' ``.on_quantized`` to
+    run their GEMM alone on. Raises RuntimeError when cuBLASLt refuses the problem."""
     from .fp8_gemm import library as fp8_library
 
     np_, kp = qdata.shape
     mp, _ = padded_1x128_shape(m, k)
+    ws_offset = round_up(mp * np_ * 2, 256)  # where a call's buffer holds its quantized rows, then their scales
     device = qdata.device
     quantizer = ctypes.cast(fp8_library(torch.cuda.get_device_capability(device)).mxgemm_quant_1x128, _P).value
     lib = _library()
     handle = _P()
     with torch.cuda.device(device):
         err = lib.mxgemm_blockwise_plan_create(quantizer, qdata.data_ptr(), block_scale.data_ptr(), k, m, mp, np_, kp,
-                                               int(x_dtype == torch.float16), round_up(mp * np_ * 2, 256), mp * kp,
+                                               int(x_dtype == torch.float16), ws_offset, mp * kp,
                                                _WORKSPACE_MAX, ctypes.byref(handle))  # fmt: skip
     if err:
         raise RuntimeError(f"cuBLASLt blockwise plan for M={m} on [{np_}, {kp}]: {_why(err)}")
     rows = -(-lib.mxgemm_blockwise_plan_bytes(handle) // (2 * np_))
-    run, index = lib.mxgemm_blockwise_run, device.index
+    # the GEMM alone (on_quantized): the output, then cuBLASLt's workspace where a call's buffer holds the rows
+    gemm_ws = lib.mxgemm_blockwise_plan_workspace(handle)
+    gemm_rows = -(-(ws_offset + gemm_ws) // (2 * np_))
+    run, gemm, index = lib.mxgemm_blockwise_run, lib.mxgemm_blockwise_gemm, device.index
     as_is = n == np_ and x_dtype == torch.bfloat16  # without a bias, the output is the buffer's first M rows
 
-    def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x = rows_in_place(x)
-        flat = x.dim() == 2
-        buf = torch.empty(rows, np_, dtype=torch.bfloat16, device=device)  # as fp8_gemm's launcher: no size tuple
-        err = run(handle, x.data_ptr(), x.stride(0) if flat else k, buf.data_ptr(), raw_stream(index))
-        if err:
-            raise RuntimeError(f"cuBLASLt blockwise GEMM failed for M={m}: {_why(err)}")
+    def finish(buf: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if as_is and bias is None:
             return shaped_as(buf, x, m, n)
         y = finish_output(buf[:m], x, bias, n)
-        return y if flat else y.view(*x.shape[:-1], n)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
+    def call(x: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(rows, np_, dtype=torch.bfloat16, device=device)  # as fp8_gemm's launcher: no size tuple
+        err = run(handle, x.data_ptr(), x.stride(0) if x.dim() == 2 else k, buf.data_ptr(), raw_stream(index))
+        if err:
+            raise RuntimeError(f"cuBLASLt blockwise GEMM failed for M={m}: {_why(err)}")
+        return buf
+
+    def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = rows_in_place(x)
+        return finish(call(x), x, bias)
+
+    def sharing(x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
+        """``launch(x, bias)`` and the quantized rows its buffer holds, for ``on_quantized`` of other plans of this M
+        and K: (the buffer, which keeps them, the rows' and their scales' addresses, Mp, Kp)."""
+        x = rows_in_place(x)
+        buf = call(x)
+        xq = buf.data_ptr() + ws_offset
+        return finish(buf, x, bias), (buf, xq, xq + mp * kp, mp, kp)
+
+    def on_quantized(shared: tuple, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The GEMM alone, on the rows another plan's ``sharing`` quantized from ``x``: the bits of
+        ``launch(x, bias)``."""
+        _, xq, xs, rows_mp, rows_kp = shared
+        if (rows_mp, rows_kp) != (mp, kp):
+            raise ValueError(f"rows quantized for [{rows_mp}, {rows_kp}], not this plan's [{mp}, {kp}]")
+        buf = torch.empty(gemm_rows, np_, dtype=torch.bfloat16, device=device)
+        y = buf.data_ptr()
+        err = gemm(handle, xq, xs, y, y + ws_offset if gemm_ws else None, raw_stream(index))
+        if err:
+            raise RuntimeError(f"cuBLASLt blockwise GEMM failed for M={m}: {_why(err)}")
+        return finish(buf, x, bias)
+
+    launch.sharing = sharing
+    launch.on_quantized = on_quantized
     weakref.finalize(launch, lib.mxgemm_blockwise_plan_destroy, handle)
     return launch
 

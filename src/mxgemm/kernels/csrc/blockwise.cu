@@ -184,20 +184,30 @@ extern "C" int mxgemm_blockwise_plan_create(void* quantize, const void* W, const
 // Where a plan's output buffer ends (bytes): Y, the quantized activations and their scales, cuBLASLt's workspace.
 extern "C" long long mxgemm_blockwise_plan_bytes(const BlockwisePlan* p) { return p->lt_offset + p->lt_bytes; }
 
+// Y [Mp, Np] = XQ x W^T with the plan's algorithm on `stream`, for activations quantized already as the plan's
+// quantizer writes them (XQ e4m3 [Mp, Kp], XS fp32 [Kp/128, Mp], each 256-byte aligned); `workspace`: the
+// mxgemm_blockwise_plan_workspace bytes cuBLASLt's algorithm needs, 256-byte aligned (null when none).
+extern "C" int mxgemm_blockwise_gemm(BlockwisePlan* p, const void* XQ, const void* XS, void* Y, void* workspace,
+                                     void* stream) {
+  const Lt* f = lt();
+  const float alpha = 1.0f, beta = 0.0f;
+  std::lock_guard<std::mutex> lock(p->mutex);
+  cublasStatus_t st = f->desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &XS, sizeof(XS));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = f->matmul(p->handle, p->desc, &alpha, p->W, p->a, XQ, p->b, &beta, Y, p->d, Y, p->d, &p->algo, workspace,
+                   (size_t)p->lt_bytes, (cudaStream_t)stream);
+  return st == CUBLAS_STATUS_SUCCESS ? 0 : kCublas + (int)st;
+}
+
+// The workspace (bytes) the plan's algorithm needs.
+extern "C" long long mxgemm_blockwise_plan_workspace(const BlockwisePlan* p) { return p->lt_bytes; }
+
 // One call: quantize X [M, K] (row stride ldx) into the buffer, then Y [Mp, Np] = XQ x W^T with the plan's algorithm
 // on `stream`. Y (the buffer's start) must hold mxgemm_blockwise_plan_bytes bytes, 256-byte aligned.
 extern "C" int mxgemm_blockwise_run(BlockwisePlan* p, const void* X, int ldx, void* Y, void* stream) {
   uint8_t* xq = static_cast<uint8_t*>(Y) + p->ws_offset;
   void* xs = xq + p->q_bytes;
-  int err = p->quantize(X, ldx, p->x_fp16, p->M, p->K, xq, xs, p->Mp, p->Kp, stream);
+  const int err = p->quantize(X, ldx, p->x_fp16, p->M, p->K, xq, xs, p->Mp, p->Kp, stream);
   if (err) return err;
-  const Lt* f = lt();
-  const float alpha = 1.0f, beta = 0.0f;
-  std::lock_guard<std::mutex> lock(p->mutex);
-  cublasStatus_t st = f->desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs, sizeof(xs));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = f->matmul(p->handle, p->desc, &alpha, p->W, p->a, xq, p->b, &beta, Y, p->d, Y, p->d, &p->algo,
-                   p->lt_bytes ? static_cast<uint8_t*>(Y) + p->lt_offset : nullptr, (size_t)p->lt_bytes,
-                   (cudaStream_t)stream);
-  return st == CUBLAS_STATUS_SUCCESS ? 0 : kCublas + (int)st;
+  return mxgemm_blockwise_gemm(p, xq, xs, Y, p->lt_bytes ? static_cast<uint8_t*>(Y) + p->lt_offset : nullptr, stream);
 }
