@@ -25,6 +25,8 @@
 #           wall time, GPU busy time, kernels by kind and the projections alone, bf16 vs mxgemm
 #   launch  bench/explore/launch_cost.py: host time of one and two launches, and of a graph of them replayed
 #   lt-algos  bench/explore/lt_algos.py: each cuBLASLt blockwise algorithm of the planned call against _scaled_mm
+#   new-lengths  bench/explore/new_lengths.py: eager prefills of prompt lengths not seen before (plans made) and again
+#   prefill-host  bench/explore/prefill_host.py: the eager prefill's host time by route above fusion.MAX_ROWS
 #   bench-hf  the llama3-8b-hf set (Hugging Face's unfused projections, lm_head included)
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
@@ -109,6 +111,12 @@ for stage in "$@"; do
       timeout 300 python3 bench/explore/prefill_anatomy.py ${PREFILL_ARGS:---max-rows 1024} \
         --json "$out/prefill-anatomy.json" > "$out/prefill-anatomy.txt" 2>&1
       tail -6 "$out/prefill-anatomy.txt" ;;
+    new-lengths)
+      timeout 400 python3 bench/explore/new_lengths.py --json "$out/new-lengths-h200.json" > "$out/new-lengths.txt" 2>&1
+      tail -6 "$out/new-lengths.txt" ;;
+    prefill-host)
+      timeout 300 python3 bench/explore/prefill_host.py --json "$out/prefill-host-h200.json" > "$out/prefill-host.txt" 2>&1
+      tail -12 "$out/prefill-host.txt" ;;
     lt-algos)
       timeout 400 python3 bench/explore/lt_algos.py --json "$out/lt-algos-h200.json" > /tmp/lt.log 2>&1
       tail -20 /tmp/lt.log ;;
