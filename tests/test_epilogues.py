@@ -130,15 +130,19 @@ def test_the_cublas_path_shares_its_quantized_rows(monkeypatch):
 def test_planned_calls_share_the_rows_their_buffer_holds(monkeypatch):
     """Where planned cuBLASLt calls run, ``run_sharing`` is the weight's planned call for that M (``.sharing``: its
     output and the rows it quantized) and ``run_quantized`` that plan's GEMM alone on them, each plan made once per
-    weight and M beside its plans; never ``torch._scaled_mm``."""
+    weight and M beside its plans; never ``torch._scaled_mm``. Rows of the other route (a member whose plan cuBLASLt
+    refused) are not read: the call quantizes its input itself."""
     made, runs = [], []
 
     def linear_plan(qd, bs, n, k, m, x_dtype):
         made.append((qd, bs, n, k, m, x_dtype))
-        launch = lambda x, bias: pytest.fail("the member's own call runs through .sharing")  # noqa: E731
-        launch.sharing = lambda x, bias: runs.append(("sharing", m, bias)) or (x, ("rows", m))
+        launch = lambda x, bias: runs.append(("own call", m, bias)) or x  # noqa: E731
+        launch.sharing = lambda x, bias: runs.append(("sharing", m, bias)) or (x, shared_rows(m))
         launch.on_quantized = lambda rows, x, bias: runs.append(("gemm", rows, bias)) or x
         return launch
+
+    def shared_rows(m):
+        return ("the first call's buffer", m)
 
     monkeypatch.setattr(hybrid_sm90.cublaslt, "linear_plan", linear_plan)
     monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda *a, **k: pytest.fail("not through _scaled_mm"))
@@ -147,9 +151,26 @@ def test_planned_calls_share_the_rows_their_buffer_holds(monkeypatch):
     bias = torch.randn(N).bfloat16()
     for m in (300, 512):
         x = random_act(m, K)
-        assert backend.run_sharing(x, weight, bias) == (x, ("rows", m))
-        assert backend.run_quantized(x, ("rows", m), weight, None) is x
-    assert runs == [("sharing", 300, bias), ("gemm", ("rows", 300), None), ("sharing", 512, bias),
-                    ("gemm", ("rows", 512), None)]  # fmt: skip
+        y, rows = backend.run_sharing(x, weight, bias)
+        assert y is x and rows.shared == shared_rows(m)
+        assert backend.run_quantized(x, rows, weight, None) is x
+    assert runs == [("sharing", 300, bias), ("gemm", shared_rows(300), None), ("sharing", 512, bias),
+                    ("gemm", shared_rows(512), None)]  # fmt: skip
     t = weight.tensors
     assert made == [(t["qdata"], t["block_scale"], N, K, m, torch.bfloat16) for m in (300, 512)]
+    x = random_act(512, K)
+    assert backend.run_quantized(x, ("the quantizer's", "rows"), weight, bias) is x  # from a member without a plan
+    assert runs[-1] == ("own call", 512, bias)
+
+
+def test_a_member_without_a_plan_quantizes_rows_shared_by_a_planned_one_itself(monkeypatch):
+    """Rows a planned call shared reach a weight whose plan cuBLASLt refused: it quantizes its input itself and runs
+    ``torch._scaled_mm`` on that, the same numerics."""
+    own, seen = object(), []
+    monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda x: own)
+    monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda x, qd, bs, n, bias, quantize: seen.append(
+        quantize(x)) or x)  # fmt: skip
+    weight, backend = _weight(crossover=17), HybridSM90Backend()  # no planned calls here
+    x = random_act(300, K)
+    assert backend.run_quantized(x, hybrid_sm90._PlannedRows(("a planned call's", "rows")), weight, None) is x
+    assert seen == [own]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -269,15 +269,22 @@ class HybridSM90Backend(Backend):
             return None
         planned = _rows_plan(weight, m, x.dtype)
         if planned:
-            return planned.sharing(x, bias)
-        rows = _quantizer(weight)(x if x.stride(1) == 1 else x.contiguous())
+            y, shared = planned.sharing(x, bias)
+            return y, _PlannedRows(shared)
+        rows = _quantized_rows(weight, x)
         return self.run_quantized(x, rows, weight, bias), rows
 
     def run_quantized(self, x, rows, weight, bias) -> torch.Tensor:
-        """cuBLASLt's blockwise GEMM on the shared rows, as this weight's own call runs it."""
+        """cuBLASLt's blockwise GEMM on the shared rows, as this weight's own call runs it. Rows made by the other
+        route (cuBLASLt planned one member's call and refused another's) are not read: the call quantizes ``x``
+        itself, the same bits."""
         planned = _rows_plan(weight, x.shape[0], x.dtype)
-        if planned:
-            return planned.on_quantized(rows, x, bias)
+        if isinstance(rows, _PlannedRows):
+            if planned:
+                return planned.on_quantized(rows.shared, x, bias)
+            rows = _quantized_rows(weight, x)
+        elif planned:
+            return planned(x, bias)
         t, n = weight.tensors, weight.out_features
         return blockwise_linear(x, t["qdata"], t["block_scale"], n, bias, quantize=lambda _: rows)
 
@@ -309,6 +316,13 @@ def _blockwise_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):
         return None
 
 
+class _PlannedRows(NamedTuple):
+    """Rows a planned call quantized and shares (``linear_plan(...).sharing``'s second answer, which its
+    ``.on_quantized`` reads), told apart from the CUDA quantizer's tensors."""
+
+    shared: tuple
+
+
 def _rows_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):
     """The planned call that shares its quantized rows (:meth:`HybridSM90Backend.run_sharing`) for M, made once and
     kept beside the weight's plans for its own calls; False where planned calls do not run."""
@@ -317,6 +331,11 @@ def _rows_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):
     if planned is None:
         planned = weight.plans[key] = _blockwise_plan(weight, m, x_dtype) or False
     return planned
+
+
+def _quantized_rows(weight: PreparedWeight, x: torch.Tensor):
+    """``x``'s rows as the cuBLAS path's quantizer makes them, from a contiguous copy where they are strided."""
+    return _quantizer(weight)(x if x.stride(1) == 1 else x.contiguous())
 
 
 def _quantizer(weight: PreparedWeight):
