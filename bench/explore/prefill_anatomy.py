@@ -3,7 +3,8 @@
 and the host gaps within it, its kernels by kind (mxgemm's, cuBLAS's, attention's, the rest) and the top kernels.
 ``--max-rows``: mxgemm's model measured once for each value of ``mxgemm.fusion.MAX_ROWS`` (eager calls read it when
 called: above it the members of a q/k/v or gate/up group run their own GEMMs), and with ``--unshared`` again with each
-member quantizing the input itself (its backend's ``run_sharing`` answering None).
+member quantizing the input itself (its backend's ``run_sharing`` answering None); with ``--qkv-max-rows`` again with
+the three-member (q/k/v) groups' threshold set apart from the two-member (gate/up) groups'.
 
 Run on the device: PYTHONPATH=src python3 bench/explore/prefill_anatomy.py --layers 32 --json prefill-anatomy.json
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import itertools
 import json
 import statistics
@@ -59,6 +61,28 @@ def anatomy(model, who: str, args, shared: bool = True) -> dict:
     return row
 
 
+@contextlib.contextmanager
+def qkv_max_rows(rows: int | None):
+    """Eager calls of three-member groups (q/k/v) read ``rows`` as ``fusion.MAX_ROWS``; the others its value."""
+    original = fusion.SharedInput.output
+    if rows is not None:
+
+        def output(self, index, x, bias):
+            if len(self.sizes) != 3:
+                return original(self, index, x, bias)
+            saved, fusion.MAX_ROWS = fusion.MAX_ROWS, rows
+            try:
+                return original(self, index, x, bias)
+            finally:
+                fusion.MAX_ROWS = saved
+
+        fusion.SharedInput.output = output
+    try:
+        yield
+    finally:
+        fusion.SharedInput.output = original
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=32)
@@ -67,6 +91,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--max-rows", type=int, nargs="+", default=[fusion.MAX_ROWS])
     parser.add_argument("--unshared", action="store_true", help="also with each member quantizing its input")
+    parser.add_argument("--qkv-max-rows", type=int, nargs="*", default=[], help="also with q/k/v groups' threshold")
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
@@ -75,10 +100,14 @@ def main() -> None:
         backend = get_backend(model.model.layers[0].self_attn.q_proj.prepared.backend) if who == "mxgemm" else None
         for max_rows in args.max_rows if backend else [fusion.MAX_ROWS]:
             fusion.MAX_ROWS = max_rows
-            for shared in (True, False) if backend and args.unshared else (True,):
+            variants = [(True, None)]
+            if backend:
+                variants += [(False, None)] * args.unshared + [(True, q) for q in args.qkv_max_rows]
+            for shared, qkv in variants:
                 if not shared:  # the instance's attribute shadows the method until deleted
                     backend.run_sharing = lambda x, weight, bias: None
-                rows.append(anatomy(model, who, args, shared))
+                with qkv_max_rows(qkv):
+                    rows.append({**anatomy(model, who, args, shared), "qkv_max_rows": qkv or fusion.MAX_ROWS})
                 if not shared:
                     del backend.run_sharing
                 print(json.dumps(rows[-1], indent=1), flush=True)
@@ -87,12 +116,13 @@ def main() -> None:
                     Path(args.json).write_text(json.dumps(doc, indent=1))
         del model
         torch.cuda.empty_cache()
-    print("| who | groups up to rows | shared quantization | wall ms | profiled ms | GPU busy ms | gaps > 20 µs ms "
-          "(count) | kernels | kinds ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| who | groups up to rows | q/k/v up to rows | shared quantization | wall ms | profiled ms | GPU busy ms | "
+          "gaps > 20 µs ms (count) | kernels | kinds ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["kinds_ms"].items())
-        print(f"| {r['who']} | {r['max_rows']} | {r['shared']} | {r['wall_ms']:.1f} | {r['profiled_ms']:.1f} | "
+        print(f"| {r['who']} | {r['max_rows']} | {r['qkv_max_rows']} | {r['shared']} | {r['wall_ms']:.1f} | "
+              f"{r['profiled_ms']:.1f} | "
               f"{r['busy_ms']:.1f} | {r['gaps_over_20us_ms']:.2f} ({r['gaps_over_20us']}) | {r['kernels']} | "
               f"{kinds} |")  # fmt: skip
 
