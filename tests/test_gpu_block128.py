@@ -137,7 +137,8 @@ def test_gradients_flow_through_a_hybrid_layer():
 def test_planned_cublaslt_calls_match_the_twin_and_scaled_mm():
     """hybrid_sm90's cuBLASLt path is planned once per M (the CUDA quantizer and cublasLtMatmul in one call): within
     the FP8 tensor-core bound of the exact product, as torch._scaled_mm is, bf16 and fp16, with a bias, strided rows;
-    eager and graph-replayed calls give the same bits."""
+    the GEMM alone on the rows a call shares gives the call's bits; eager and graph-replayed calls give the same
+    bits."""
     from mxgemm.kernels import cublaslt, fp8_gemm
 
     index = torch.cuda.current_device()
@@ -160,6 +161,11 @@ def test_planned_cublaslt_calls_match_the_twin_and_scaled_mm():
             torch_path = blockwise_linear(x, qd, bs, n, None, quantize=fp8_gemm.quantize_1x128)
             assert_within_ulp(torch_path.bfloat16(), product, sums=FP8_TENSOR_CORE_SUMS, what=f"_scaled_mm M={m}")
             assert torch.equal(planned(x, bias), finish_output(planned(x, None).bfloat16(), x, bias, n))
+            shared_y, rows = planned.sharing(x, bias)  # the call, and the quantized rows its buffer holds
+            assert torch.equal(shared_y, planned(x, bias))
+            assert torch.equal(planned.on_quantized(rows, x, None), planned(x, None))  # the GEMM alone on them
+            with pytest.raises(ValueError, match="rows quantized for"):
+                cublaslt.linear_plan(qd, bs, n, k, m + 16, dtype).on_quantized(rows, x, None)
         x = random_act(m, k, seed=1, device="cuda")
         eager = mxgemm.linear(x, w)
         graph = torch.cuda.CUDAGraph()
