@@ -142,7 +142,7 @@ def test_planned_calls_share_the_rows_their_buffer_holds(monkeypatch):
         return launch
 
     def shared_rows(m):
-        return ("the first call's buffer", m)
+        return hybrid_sm90.cublaslt.PlannedRows("the first call's buffer", 1, 2, m, K)
 
     monkeypatch.setattr(hybrid_sm90.cublaslt, "linear_plan", linear_plan)
     monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda *a, **k: pytest.fail("not through _scaled_mm"))
@@ -152,7 +152,7 @@ def test_planned_calls_share_the_rows_their_buffer_holds(monkeypatch):
     for m in (300, 512):
         x = random_act(m, K)
         y, rows = backend.run_sharing(x, weight, bias)
-        assert y is x and rows.shared == shared_rows(m)
+        assert y is x and rows == shared_rows(m)
         assert backend.run_quantized(x, rows, weight, None) is x
     assert runs == [("sharing", 300, bias), ("gemm", shared_rows(300), None), ("sharing", 512, bias),
                     ("gemm", shared_rows(512), None)]  # fmt: skip
@@ -172,5 +172,6 @@ def test_a_member_without_a_plan_quantizes_rows_shared_by_a_planned_one_itself(m
         quantize(x)) or x)  # fmt: skip
     weight, backend = _weight(crossover=17), HybridSM90Backend()  # no planned calls here
     x = random_act(300, K)
-    assert backend.run_quantized(x, hybrid_sm90._PlannedRows(("a planned call's", "rows")), weight, None) is x
+    planned_rows = hybrid_sm90.cublaslt.PlannedRows("a planned call's", 1, 2, 304, K)
+    assert backend.run_quantized(x, planned_rows, weight, None) is x
     assert seen == [own]

@@ -4,7 +4,8 @@ and the host gaps within it, its kernels by kind (mxgemm's, cuBLAS's, attention'
 ``--max-rows``: mxgemm's model measured once for each value of ``mxgemm.fusion.MAX_ROWS`` (eager calls read it when
 called: above it the members of a q/k/v or gate/up group run their own GEMMs), and with ``--unshared`` again with each
 member quantizing the input itself (its backend's ``run_sharing`` answering None); with ``--qkv-max-rows`` again with
-the three-member (q/k/v) groups' threshold set apart from the two-member (gate/up) groups'.
+the three-member (q/k/v) groups' threshold set apart from the two-member (gate/up) groups'; with ``--ungated`` again
+with the gated MLPs' products computed as the model's own steps do (``MXFP8Linear.on_gated`` answering None).
 
 Run on the device: PYTHONPATH=src python3 bench/explore/prefill_anatomy.py --layers 32 --json prefill-anatomy.json
 """
@@ -26,11 +27,11 @@ from decode_anatomy import busy_ns, kernels, kind, wall
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_e2e import build
 
-from mxgemm import fusion
+from mxgemm import MXFP8Linear, fusion
 from mxgemm.backends import get_backend
 
 
-def anatomy(model, who: str, args, shared: bool = True) -> dict:
+def anatomy(model, who: str, args, shared: bool = True, gated: bool = True) -> dict:
     kw = {"disable_compile": True}
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(1, model.config.vocab_size, (1, args.tokens), device="cuda", generator=g)
@@ -46,7 +47,8 @@ def anatomy(model, who: str, args, shared: bool = True) -> dict:
         by_name[name][1] += e - s
     gaps = [b[1] - a[2] for a, b in itertools.pairwise(ks)]
     row = {
-        "who": who, "max_rows": fusion.MAX_ROWS, "shared": shared, "layers": args.layers, "tokens": args.tokens,
+        "who": who, "max_rows": fusion.MAX_ROWS, "shared": shared, "gated": gated, "layers": args.layers,
+        "tokens": args.tokens,
         "wall_ms": wall_ms,
         "profiled_ms": (ks[-1][2] - ks[0][1]) / 1e6, "busy_ms": busy_ns(ks) / 1e6, "kernels": len(ks),
         "gaps_over_20us_ms": sum(g for g in gaps if g > 20_000) / 1e6, "gaps_over_20us": sum(g > 20_000 for g in gaps),
@@ -92,37 +94,43 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, nargs="+", default=[fusion.MAX_ROWS])
     parser.add_argument("--unshared", action="store_true", help="also with each member quantizing its input")
     parser.add_argument("--qkv-max-rows", type=int, nargs="*", default=[], help="also with q/k/v groups' threshold")
+    parser.add_argument("--ungated", action="store_true", help="also with the gated MLPs' own steps")
     parser.add_argument("--json")
     args = parser.parse_args()
-    rows = []
+    rows, on_gated = [], MXFP8Linear.on_gated
     for who in ("bf16", "mxgemm"):
         model, _ = build(args.layers, who, ())
         backend = get_backend(model.model.layers[0].self_attn.q_proj.prepared.backend) if who == "mxgemm" else None
         for max_rows in args.max_rows if backend else [fusion.MAX_ROWS]:
             fusion.MAX_ROWS = max_rows
-            variants = [(True, None)]
+            variants = [(True, None, True)]
             if backend:
-                variants += [(False, None)] * args.unshared + [(True, q) for q in args.qkv_max_rows]
-            for shared, qkv in variants:
+                variants += [(False, None, True)] * args.unshared + [(True, q, True) for q in args.qkv_max_rows]
+                variants += [(True, None, False)] * args.ungated
+            for shared, qkv, gated in variants:
                 if not shared:  # the instance's attribute shadows the method until deleted
                     backend.run_sharing = lambda x, weight, bias: None
+                if not gated:
+                    MXFP8Linear.on_gated = lambda self, gate, up: None
                 with qkv_max_rows(qkv):
-                    rows.append({**anatomy(model, who, args, shared), "qkv_max_rows": qkv or fusion.MAX_ROWS})
+                    rows.append({**anatomy(model, who, args, shared, gated), "qkv_max_rows": qkv or fusion.MAX_ROWS})
                 if not shared:
                     del backend.run_sharing
+                if not gated:
+                    MXFP8Linear.on_gated = on_gated
                 print(json.dumps(rows[-1], indent=1), flush=True)
                 if args.json:
                     doc = {"device": torch.cuda.get_device_name(), "rows": rows}
                     Path(args.json).write_text(json.dumps(doc, indent=1))
         del model
         torch.cuda.empty_cache()
-    print("| who | groups up to rows | q/k/v up to rows | shared quantization | wall ms | profiled ms | GPU busy ms | "
-          "gaps > 20 µs ms (count) | kernels | kinds ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| who | groups up to rows | q/k/v up to rows | shared quantization | gated MLPs | wall ms | profiled ms | "
+          "GPU busy ms | gaps > 20 µs ms (count) | kernels | kinds ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["kinds_ms"].items())
-        print(f"| {r['who']} | {r['max_rows']} | {r['qkv_max_rows']} | {r['shared']} | {r['wall_ms']:.1f} | "
-              f"{r['profiled_ms']:.1f} | "
+        print(f"| {r['who']} | {r['max_rows']} | {r['qkv_max_rows']} | {r['shared']} | {r['gated']} | "
+              f"{r['wall_ms']:.1f} | {r['profiled_ms']:.1f} | "
               f"{r['busy_ms']:.1f} | {r['gaps_over_20us_ms']:.2f} ({r['gaps_over_20us']}) | {r['kernels']} | "
               f"{kinds} |")  # fmt: skip
 

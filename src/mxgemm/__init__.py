@@ -8,6 +8,7 @@ from .device import DeviceInfo, describe_device
 from .errors import BackendUnavailableError, MXGemmError, UnknownBackendError
 from .format import BLOCK_SIZE, MXTensor, dequantize, quantize
 from .fusion import fuse_shared_inputs
+from .gated import fuse_gated_mlps
 from .linear import MXFP8Linear
 from .models import QuantizeReport, quantize_model
 from .resolve import BackendStatus, available_backends, explain_auto, resolve_backend
@@ -36,6 +37,7 @@ __all__ = [
     "dequantize",
     "describe_device",
     "explain_auto",
+    "fuse_gated_mlps",
     "fuse_shared_inputs",
     "linear",
     "load_checkpoint",

@@ -20,7 +20,8 @@ from torch import nn
 
 from .errors import MXGemmError
 from .format import BLOCK_SIZE, E8M0_NAN, SCALE_DTYPES, e8m0_bytes
-from .fusion import fuse_shared_inputs, tally
+from .fusion import fuse as fuse_model
+from .fusion import tally
 from .linear import MXFP8Linear
 
 __all__ = ["SCHEMES", "CheckpointError", "CheckpointFormat", "TensorSource", "load_checkpoint", "read_format",
@@ -211,12 +212,13 @@ class LoadReport:
     format: CheckpointFormat
     quantized: tuple[str, ...]  # layers now MXFP8Linear
     tied: tuple[str, ...]  # parameters not in the checkpoint because they share storage with one that is
-    fusion: tuple[str, ...] = ()  # :func:`mxgemm.fusion.fuse_shared_inputs`'s account, one line a group
+    fusion: tuple[str, ...] = ()  # :func:`mxgemm.fusion.fuse`'s account, one line a group or gated MLP
 
     def __str__(self) -> str:
-        fused, _, regimes = tally(self.fusion)
+        fused, _, regimes, gated = tally(self.fusion)
         groups = f", {fused} groups of layers sharing an input run as one" if fused else ""
         groups += "".join(f" ({n} of them: {what})" for what, n in regimes.items())
+        groups += f", {gated} gated MLPs' products quantized for down_proj in one kernel" if gated else ""
         return f"{self.format.kind} {self.format.scheme}: {len(self.quantized)} MXFP8 layers loaded{groups}"
 
 
@@ -241,7 +243,8 @@ def load_checkpoint(
     completes or leaves the model as it was: tensors that do not fit raise :class:`CheckpointError` naming the tensor
     (or the file, for unreadable ones); so do tensors the model lacks, tensors in two files, NaN scales and
     parameters the checkpoint lacks (unless tied to one it has). ``fuse``: then make each layer's q, k and v
-    projections, and its gate and up projections, run as one (:func:`mxgemm.fusion.fuse_shared_inputs`).
+    projections, and its gate and up projections, run as one, and its gated MLP hand ``down_proj`` the product
+    quantized in one kernel (:func:`mxgemm.fusion.fuse`).
     """
     fmt = read_format(path)
     source = TensorSource(path)
@@ -301,7 +304,7 @@ def load_checkpoint(
     if retie:
         model.tie_weights()
     model.to(target)
-    return LoadReport(fmt, tuple(layers), tuple(tied), tuple(fuse_shared_inputs(model)) if fuse else ())
+    return LoadReport(fmt, tuple(layers), tuple(tied), tuple(fuse_model(model)) if fuse else ())
 
 
 def _declared_ties(model: nn.Module) -> dict[str, str]:

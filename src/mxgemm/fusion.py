@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from .backends import PreparedWeight, get_backend
+from .gated import GATED, fuse_gated_mlps
 from .linear import MXFP8Linear
 from .weights import linear, wants_grad
 
-__all__ = ["GROUPS", "SharedInput", "fuse_shared_inputs", "tally", "unfit_reason"]
+__all__ = ["GROUPS", "SharedInput", "fuse", "fuse_shared_inputs", "tally", "unfit_reason"]
 
 logger = logging.getLogger("mxgemm")
 
@@ -213,15 +214,23 @@ def fuse_shared_inputs(model: nn.Module, groups: Sequence[Sequence[str]] = GROUP
     return done
 
 
+def fuse(model: nn.Module) -> list[str]:
+    """mxgemm's fusions of ``model``'s layers, in place: those that read the same input run as one
+    (:func:`fuse_shared_inputs`), then gated MLPs hand ``down_proj`` their product quantized in one kernel
+    (:func:`mxgemm.gated.fuse_gated_mlps`). Their accounts, one after the other."""
+    return fuse_shared_inputs(model) + fuse_gated_mlps(model)
+
+
 _NOT_FUSED = ": not fused ("
 _QUANTIZED_FROM = "activations quantized from M = "
 _REGIME = f" ({_QUANTIZED_FROM}"
 
 
-def tally(account: Sequence[str]) -> tuple[int, Counter[str], Counter[str]]:
-    """:func:`fuse_shared_inputs`' account counted: the groups made, the groups left as they were by reason, and the
-    groups made whose crossover is not their members' by what it is."""
+def tally(account: Sequence[str]) -> tuple[int, Counter[str], Counter[str], int]:
+    """:func:`fuse`'s account counted: the groups made, the groups left as they were by reason, the groups made whose
+    crossover is not their members' by what it is, and the gated MLPs taken."""
+    gated = sum(line.endswith(GATED) for line in account)
     kept = Counter(line.rsplit(_NOT_FUSED, 1)[1][:-1] for line in account if _NOT_FUSED in line)
     regimes = Counter(_QUANTIZED_FROM + line.rsplit(_REGIME, 1)[1][:-1] for line in account
                       if _REGIME in line and _NOT_FUSED not in line)  # fmt: skip
-    return len(account) - sum(kept.values()), kept, regimes
+    return len(account) - sum(kept.values()) - gated, kept, regimes, gated

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from .format import BLOCK_SIZE, ScaleMode
-from .fusion import GROUPS, fuse_shared_inputs, tally
+from .fusion import GROUPS, tally
+from .fusion import fuse as fuse_model
+from .gated import GATED
 from .linear import MXFP8Linear
 
 __all__ = ["LayerReport", "QuantizeReport", "hf_model_class", "linear_shapes", "quantizable_linears", "quantize_model",
@@ -28,7 +30,7 @@ class LayerReport:
 @dataclass(frozen=True)
 class QuantizeReport:
     layers: tuple[LayerReport, ...]
-    fusion: tuple[str, ...] = ()  # :func:`mxgemm.fusion.fuse_shared_inputs`'s account, one line a group
+    fusion: tuple[str, ...] = ()  # :func:`mxgemm.fusion.fuse`'s account, one line a group or gated MLP
 
     @property
     def replaced(self) -> list[LayerReport]:
@@ -45,11 +47,13 @@ class QuantizeReport:
         lines = [f"replaced {len(self.replaced)} of {len(self.layers)} linear layers"]
         lines += [f"  {n} on {b}" for b, n in by_backend.items()]
         lines += [f"  skipped {r.name}: {r.reason}" for r in self.skipped]
-        fused, kept, regimes = tally(self.fusion)
+        fused, kept, regimes, gated = tally(self.fusion)
         if fused:
             lines.append(f"  {fused} groups of layers sharing an input (q/k/v, gate/up) run as one")
         lines += [f"  {n} of those groups: {what}" for what, n in regimes.items()]
         lines += [f"  {n} groups not fused: {why}" for why, n in kept.items()]
+        if gated:
+            lines.append(f"  {gated} gated MLPs{GATED}")
         return "\n".join(lines)
 
 
@@ -72,7 +76,8 @@ def quantize_model(
     ``skip``: names or glob patterns, matched against the full module name and its last component. Layers whose
     ``in_features`` is not a multiple of 32 stay as they are; the report says so. A named ``backend`` that cannot
     run raises for the first layer it cannot take, as everywhere in mxgemm. ``fuse``: then make each layer's q, k
-    and v projections, and its gate and up projections, run as one (:func:`mxgemm.fusion.fuse_shared_inputs`).
+    and v projections, and its gate and up projections, run as one, and its gated MLP hand ``down_proj`` the
+    product quantized in one kernel (:func:`mxgemm.fusion.fuse`).
     """
     reports = []
     # names, not modules: each nn.Linear (and its bf16 weight) is freed as soon as its replacement is in place
@@ -87,7 +92,7 @@ def quantize_model(
         del module
         model.set_submodule(name, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
-    return QuantizeReport(tuple(reports), tuple(fuse_shared_inputs(model)) if fuse else ())
+    return QuantizeReport(tuple(reports), tuple(fuse_model(model)) if fuse else ())
 
 
 def skip_reason(name: str, module: nn.Linear, skip: Sequence[str]) -> str:

@@ -217,6 +217,13 @@ class Backend(ABC):
         weight of the same input size and regime)."""
         raise NotImplementedError(f"{self.name} does not share quantized activations")
 
+    def quantize_gated(self, gate: torch.Tensor, up: torch.Tensor, weight: PreparedWeight) -> Any:
+        """The ``rows`` :meth:`run_quantized` (called with ``gate`` as ``x``) reads for the input ``silu(gate) * up``
+        ([M, K] each, as a gated MLP computes it in their dtype), quantized by one kernel that reads the two, where
+        this weight's call quantizes that input apart from its GEMM; None elsewhere (this default): the caller then
+        computes the product and calls the weight on it (:mod:`mxgemm.gated`)."""
+        return None
+
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         """The MX checkpoint tensors (float8 ``[N, K]``, uint8 E8M0 ``[N, K/32]``) that dequantize to exactly the
         weight this backend computes with, rebuilt from the prepared tensors (views of them where the layout allows):

@@ -91,6 +91,12 @@ class EmulationBackend(Backend):
     def run_quantized(self, x, rows, weight, bias) -> torch.Tensor:
         return _product(rows, weight, bias, x.dtype)
 
+    def quantize_gated(self, gate, up, weight) -> torch.Tensor | None:
+        """The product as the model computes it, quantized as :meth:`run_sharing` quantizes an input: the twin of a
+        backend's gated quantizer."""
+        x = torch.nn.functional.silu(gate) * up
+        return _effective_activation(x, weight) if _quantizes(x, weight) else None
+
     def joined_info(self, members: Sequence[PreparedWeight], out_features: int) -> dict:
         """Hybrid weights whose crossovers are all the recipe's for their sizes: the recipe's for the joined size;
         crossovers given to :meth:`prepare` must be the same, and stay."""

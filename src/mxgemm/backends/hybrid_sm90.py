@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -269,8 +269,7 @@ class HybridSM90Backend(Backend):
             return None
         planned = _rows_plan(weight, m, x.dtype)
         if planned:
-            y, shared = planned.sharing(x, bias)
-            return y, _PlannedRows(shared)
+            return planned.sharing(x, bias)
         rows = _quantized_rows(weight, x)
         return self.run_quantized(x, rows, weight, bias), rows
 
@@ -279,14 +278,26 @@ class HybridSM90Backend(Backend):
         route (cuBLASLt planned one member's call and refused another's) are not read: the call quantizes ``x``
         itself, the same bits."""
         planned = _rows_plan(weight, x.shape[0], x.dtype)
-        if isinstance(rows, _PlannedRows):
+        if isinstance(rows, cublaslt.PlannedRows):
             if planned:
-                return planned.on_quantized(rows.shared, x, bias)
+                return planned.on_quantized(rows, x, bias)
             rows = _quantized_rows(weight, x)
         elif planned:
             return planned(x, bias)
         t, n = weight.tensors, weight.out_features
         return blockwise_linear(x, t["qdata"], t["block_scale"], n, bias, quantize=lambda _: rows)
+
+    def quantize_gated(self, gate, up, weight) -> Any:
+        """On the cuBLAS path, where the CUDA quantizer runs: ``silu(gate) * up`` quantized by one kernel from the two
+        (:func:`fp8_gemm.quantize_1x128`), as rows of the route this weight's call takes at that M."""
+        m = gate.shape[0]
+        if (self._default(m, weight).path != Path.CUBLAS or "fp8_sms" not in weight.info or gate.stride(1) != 1
+                or up.stride(1) != 1):  # fmt: skip
+            return None
+        q, s = fp8_gemm.quantize_1x128(gate, up=up)
+        if _rows_plan(weight, m, gate.dtype):
+            return cublaslt.PlannedRows((q, s), q.data_ptr(), s.data_ptr(), *q.shape)
+        return q, s
 
     def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
         return BLOCK128_ROWS
@@ -314,13 +325,6 @@ def _blockwise_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):
     except RuntimeError as exc:
         logger.warning("mxgemm: %s; M=%d runs through torch._scaled_mm", exc, m)
         return None
-
-
-class _PlannedRows(NamedTuple):
-    """Rows a planned call quantized and shares (``linear_plan(...).sharing``'s second answer, which its
-    ``.on_quantized`` reads), told apart from the CUDA quantizer's tensors."""
-
-    shared: tuple
 
 
 def _rows_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):

@@ -9,7 +9,7 @@
   ``weight_scale`` (uint8 [N, K/32]) with ``quantization_config`` {"quant_method": "mxgemm", ...}; ``from_pretrained``
   of that folder (this module imported) builds placeholders holding exactly those tensors, loads them, and turns each
   into an ``MXFP8Linear`` prepared once on its device. Both ways, layers that read the same input then run as one
-  (:func:`mxgemm.fuse_shared_inputs`).
+  and gated MLPs hand ``down_proj`` their product quantized in one kernel (:func:`mxgemm.fusion.fuse`).
 
 - MXFP8 checkpoints of other producers (compressed-tensors, as ``mxgemm quantize`` writes them, and NVIDIA ModelOpt):
   their config names another method, which transformers would dequantize to bf16. ``from_pretrained(path,
@@ -30,7 +30,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..format import BLOCK_SIZE
-from ..fusion import fuse_shared_inputs
+from ..fusion import fuse
 from ..linear import MXFP8Linear
 from ..models import quantizable_linears, quantize_model
 
@@ -119,7 +119,7 @@ class MXFP8HfQuantizer(HfQuantizer):
                 layer = MXFP8Linear.from_quantized(module.weight.detach(), module.weight_scale.detach(), bias,
                                                    backend=config.backend, recipe=config.recipe)  # fmt: skip
                 model.set_submodule(name, layer)
-        fuse_shared_inputs(model)
+        fuse(model)
         return model
 
     def is_serializable(self, **kwargs) -> bool:

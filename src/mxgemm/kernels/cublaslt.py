@@ -15,6 +15,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -26,7 +27,7 @@ from . import nvcc, raw_stream, rows_in_place, shaped_as
 
 logger = logging.getLogger("mxgemm")
 
-__all__ = ["blockwise_device_check", "blockwise_linear", "header_dir", "linear_plan", "plan_status",
+__all__ = ["PlannedRows", "blockwise_device_check", "blockwise_linear", "header_dir", "linear_plan", "plan_status",
            "probe_blockwise"]  # fmt: skip
 
 _SOURCE = Path(__file__).parent / "csrc" / "blockwise.cu"
@@ -149,6 +150,18 @@ def plan_status(index: int, capability: tuple[int, int] | None) -> Availability:
     return probe_against_twin("planned cuBLASLt calls", run)
 
 
+class PlannedRows(NamedTuple):
+    """1x128-quantized activations a planned call's ``.on_quantized`` reads (made by ``.sharing``, or by
+    :func:`mxgemm.kernels.fp8_gemm.quantize_1x128`): what keeps them alive, the rows' address (e4m3 [Mp, Kp]), their
+    scales' (fp32 [Kp/128, Mp]), Mp and Kp."""
+
+    keep: object
+    xq: int
+    xs: int
+    mp: int
+    kp: int
+
+
 def linear_plan(
     qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, x_dtype: torch.dtype
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
@@ -198,23 +211,22 @@ def linear_plan(
         x = rows_in_place(x)
         return finish(call(x), x, bias)
 
-    def sharing(x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
+    def sharing(x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, PlannedRows]:
         """``launch(x, bias)`` and the quantized rows its buffer holds, for ``on_quantized`` of other plans of this M
-        and K: (the buffer, which keeps them, the rows' and their scales' addresses, Mp, Kp)."""
+        and K."""
         x = rows_in_place(x)
         buf = call(x)
         xq = buf.data_ptr() + ws_offset
-        return finish(buf, x, bias), (buf, xq, xq + mp * kp, mp, kp)
+        return finish(buf, x, bias), PlannedRows(buf, xq, xq + mp * kp, mp, kp)
 
-    def on_quantized(shared: tuple, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The GEMM alone, on the rows another plan's ``sharing`` quantized from ``x``: the bits of
-        ``launch(x, bias)``."""
-        _, xq, xs, rows_mp, rows_kp = shared
-        if (rows_mp, rows_kp) != (mp, kp):
-            raise ValueError(f"rows quantized for [{rows_mp}, {rows_kp}], not this plan's [{mp}, {kp}]")
+    def on_quantized(rows: PlannedRows, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The GEMM alone, on ``rows`` quantized from the input ``x`` stands for (``x`` itself, or a tensor of its
+        shape and dtype): the bits of ``launch`` on that input."""
+        if (rows.mp, rows.kp) != (mp, kp):
+            raise ValueError(f"rows quantized for [{rows.mp}, {rows.kp}], not this plan's [{mp}, {kp}]")
         buf = torch.empty(gemm_rows, np_, dtype=torch.bfloat16, device=device)
         y = buf.data_ptr()
-        err = gemm(handle, xq, xs, y, y + ws_offset if gemm_ws else None, raw_stream(index))
+        err = gemm(handle, rows.xq, rows.xs, y, y + ws_offset if gemm_ws else None, raw_stream(index))
         if err:
             raise RuntimeError(f"cuBLASLt blockwise GEMM failed for M={m}: {_why(err)}")
         return finish(buf, x, bias)

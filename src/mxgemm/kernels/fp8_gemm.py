@@ -40,6 +40,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 # W, S, s_stride, X, XS, bias, Y, ldy, M, Mp, N, Np, Kp
 _GEMM_ARGS = [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
 _QUANT_ARGS = [_P, _I, _I, _I, _I, _P, _P, _I, _I, _P]  # X, ldx, x_fp16, M, K, XQ, XS, Mp, Kp, stream
+_GATED_ARGS = [_P, _I, *_QUANT_ARGS]  # G, ldg, then U, ldu, ... as _QUANT_ARGS
 _RUN_ARGS = [_P, _P, _I, _P, _P, _P]  # plan, X, ldx, bias, Y, stream
 # how mxgemm_fp8_linear_run launches: quantizer + GEMM, the fused kernel, or that one unless the stream is capturing
 _FUSED = {False: 0, True: 1, "auto": 2}
@@ -56,13 +57,14 @@ class _LinearPlan(ctypes.Structure):
 @functools.cache
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel for sm_90a. Raises RuntimeError when it cannot be built."""
-    names = ("mxgemm_fp8_gemm", "mxgemm_fp8_gemm_tokm", "mxgemm_quant_1x128", "mxgemm_fp8_linear_run",
-             "mxgemm_fp8_linear_plan_free")  # fmt: skip
+    names = ("mxgemm_fp8_gemm", "mxgemm_fp8_gemm_tokm", "mxgemm_quant_1x128", "mxgemm_quant_gated_1x128",
+             "mxgemm_fp8_linear_run", "mxgemm_fp8_linear_plan_free")  # fmt: skip
     lib = nvcc.build(_SOURCE, capability, suffix="a", symbols=names)
     for name, args in (
         ("mxgemm_fp8_gemm", [*_GEMM_ARGS, *[_I] * 6, _P]),  # + tn, rw, kc, splits, stages, pdl, stream
         ("mxgemm_fp8_gemm_tokm", [*_GEMM_ARGS, *[_I] * 5, _P]),  # + tn, wn, splits, stages, pdl, stream
         ("mxgemm_quant_1x128", _QUANT_ARGS),
+        ("mxgemm_quant_gated_1x128", _GATED_ARGS),
         ("mxgemm_fp8_linear_run", _RUN_ARGS),
     ):
         fn = getattr(lib, name)
@@ -182,19 +184,30 @@ def fp8_gemm(
     return y
 
 
-def quantize_1x128(x: torch.Tensor, rows_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_1x128(
+    x: torch.Tensor, rows_multiple: int = 1, up: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA 1x128 quantizer, with the contract of :func:`mxgemm.kernels.act_quant.quantize_1x128_padded`
     (bit-exact to :func:`mxgemm.block128.quantize_1x128`): ``x`` [M, K] bf16/fp16 (unit stride along K) ->
-    (float8_e4m3fn [Mp, Kp], fp32 scale view [Mp, Kp/128] with strides (1, Mp)), zeros past M and K."""
+    (float8_e4m3fn [Mp, Kp], fp32 scale view [Mp, Kp/128] with strides (1, Mp)), zeros past M and K. With ``up`` (as
+    ``x``), of the product a gated MLP feeds its down projection instead, ``silu(x) * up`` as PyTorch computes it in
+    ``x.dtype``, read from the two in one kernel: the same bits as quantizing that product."""
     m, k = x.shape
     mp, kp = padded_1x128_shape(m, k, rows_multiple)
-    if x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
-        raise ValueError(f"x must be bf16/fp16 with unit stride along K, got {x.dtype} strides {x.stride()}")
+    for t in (x,) if up is None else (x, up):
+        if t.dtype not in (torch.bfloat16, torch.float16) or t.stride(1) != 1 or t.shape != x.shape:
+            raise ValueError(f"x (and up) must be bf16/fp16 [M, K] with unit stride along K, got {t.dtype} "
+                             f"{tuple(t.shape)} strides {t.stride()}")  # fmt: skip
+    if up is not None and up.dtype != x.dtype:
+        raise ValueError(f"up must be {x.dtype} as x, got {up.dtype}")
     q = torch.empty((mp, kp), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((kp // 128, mp), dtype=torch.float32, device=x.device)
     lib = library(torch.cuda.get_device_capability(x.device))
-    err = lib.mxgemm_quant_1x128(x.data_ptr(), x.stride(0), int(x.dtype == torch.float16), m, k, q.data_ptr(),
-                                 s.data_ptr(), mp, kp, raw_stream(x.device.index))  # fmt: skip
+    args = (int(x.dtype == torch.float16), m, k, q.data_ptr(), s.data_ptr(), mp, kp, raw_stream(x.device.index))
+    if up is None:
+        err = lib.mxgemm_quant_1x128(x.data_ptr(), x.stride(0), *args)
+    else:
+        err = lib.mxgemm_quant_gated_1x128(x.data_ptr(), x.stride(0), up.data_ptr(), up.stride(0), *args)
     if err:
         raise RuntimeError(f"mxgemm 1x128 quantizer failed to launch (cudaError {err}) for x {tuple(x.shape)}")
     return q, s.t()

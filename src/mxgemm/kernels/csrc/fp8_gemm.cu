@@ -527,29 +527,66 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
   }
 }
 
-// The 1x128 activation quantizer (quant_values' rule), in two shapes with the same bits. Both write the scales
-// K-group-major ([Kp/128, Mp]) and zeros in rows past M and columns past K (K % 32 == 0).
+// N consecutive values of row `row` from column `col` (a multiple of N; zeros past M and K, K % 32 == 0) as floats:
+// one 8-byte load (N = 4) or two 16-byte loads (N = 16) where the rows are so aligned
+template <typename T, int N>
+__device__ __forceinline__ void load_values(const T* __restrict__ X, int ldx, int row, int col, int M, int K,
+                                            float (&v)[N]) {
+  static_assert(N == 4 || N == 16, "4 or 16 values");
+  constexpr int ALIGN = N == 4 ? 8 : 16;  // bytes
+  if (reinterpret_cast<uintptr_t>(X) % ALIGN == 0 && ldx % (ALIGN / 2) == 0 && row < M && col < K) {  // all inside K
+    if constexpr (N == 4) {
+      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(X + (size_t)row * ldx + col));
+      const T* t = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < N; ++i) v[i] = static_cast<float>(t[i]);
+    } else {
+      const uint4* p = reinterpret_cast<const uint4*>(X + (size_t)row * ldx + col);
+      const uint4 raw[2] = {__ldg(p), __ldg(p + 1)};
+      const T* t = reinterpret_cast<const T*>(raw);
+#pragma unroll
+      for (int i = 0; i < N; ++i) v[i] = static_cast<float>(t[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = row < M && col + i < K ? static_cast<float>(X[(size_t)row * ldx + col + i]) : 0.f;
+  }
+}
+
+// The values a quantizer takes: X's, or (GATED) the product a gated MLP feeds its down projection, act(X) * U, as
+// PyTorch computes it in T: SiLU as X / (1 + exp(-X)) in fp32 (an IEEE division and expf), rounded to T, times U in
+// fp32, rounded to T (the bits of torch.nn.functional.silu(x) * u)
+template <typename T, bool GATED, int N>
+__device__ __forceinline__ void input_values(const T* __restrict__ X, int ldx, const T* __restrict__ U, int ldu,
+                                             int row, int col, int M, int K, float (&v)[N]) {
+  load_values<T, N>(X, ldx, row, col, M, K, v);
+  if constexpr (GATED) {
+    float u[N];
+    load_values<T, N>(U, ldu, row, col, M, K, u);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float act = static_cast<float>(static_cast<T>(__fdiv_rn(v[i], __fadd_rn(1.f, expf(-v[i])))));
+      v[i] = static_cast<float>(static_cast<T>(__fmul_rn(act, u[i])));
+    }
+  }
+}
+
+// The 1x128 activation quantizer (quant_values' rule), in two shapes with the same bits, of X or (GATED) of the
+// product act(X) * U (input_values). Both write the scales K-group-major ([Kp/128, Mp]) and zeros in rows past M and
+// columns past K (K % 32 == 0).
 //
 // quant_1x128_kernel: a warp per row and 128-wide K group, 4 elements a lane (one 8-byte load where rows are 8-byte
 // aligned). It lets the GEMM launched after it as a programmatic dependent start at once, to load its first weight
 // tiles meanwhile: for grids of less than two waves, where the GEMM's waiting CTAs take no SMs its blocks need.
-template <typename T>
-__global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ X, int ldx, int M, int K,
-                                                          uint32_t* __restrict__ Q, float* __restrict__ XS, int Mp,
-                                                          int Kp) {
+template <typename T, bool GATED>
+__global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ X, int ldx, const T* __restrict__ U,
+                                                          int ldu, int M, int K, uint32_t* __restrict__ Q,
+                                                          float* __restrict__ XS, int Mp, int Kp) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
   const int col = blockIdx.y * BK + 4 * lane;
   float v[4];
-  if (reinterpret_cast<uintptr_t>(X) % 8 == 0 && ldx % 4 == 0 && row < M && col < K) {  // all 4 inside K
-    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(X + (size_t)row * ldx + col));
-    const T* t = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = static_cast<float>(t[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = row < M && col + i < K ? static_cast<float>(X[(size_t)row * ldx + col + i]) : 0.f;
-  }
+  input_values<T, GATED>(X, ldx, U, ldu, row, col, M, K, v);
   uint32_t bits[1];
   const float scale = quant_values<4, 32>(v, bits);
   Q[((size_t)row * Kp + col) / 4] = bits[0];
@@ -560,24 +597,16 @@ __global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ 
 // the pace of the one-group warp: a warp per row and four consecutive K groups, 8 lanes a group and 16 elements a
 // lane (two 16-byte loads where rows are 16-byte aligned), so that a group costs 3 shuffle steps and two divisions
 // per 16 elements instead of 5 and two per 4. The GEMM after it starts as its blocks finish.
-template <typename T>
-__global__ void __launch_bounds__(128) quant_1x128_wide_kernel(const T* __restrict__ X, int ldx, int M, int K,
+template <typename T, bool GATED>
+__global__ void __launch_bounds__(128) quant_1x128_wide_kernel(const T* __restrict__ X, int ldx,
+                                                               const T* __restrict__ U, int ldu, int M, int K,
                                                                uint4* __restrict__ Q, float* __restrict__ XS, int Mp,
                                                                int Kp) {
   const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = blockIdx.y * 4 + lane / 8;
   const int col = group * BK + 16 * (lane % 8);
   float v[16];
-  if (reinterpret_cast<uintptr_t>(X) % 16 == 0 && ldx % 8 == 0 && row < M && col < K) {  // all 16 inside K
-    const uint4* p = reinterpret_cast<const uint4*>(X + (size_t)row * ldx + col);
-    const uint4 raw[2] = {__ldg(p), __ldg(p + 1)};
-    const T* t = reinterpret_cast<const T*>(raw);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(t[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = row < M && col + i < K ? static_cast<float>(X[(size_t)row * ldx + col + i]) : 0.f;
-  }
+  input_values<T, GATED>(X, ldx, U, ldu, row, col, M, K, v);
   uint32_t bits[4];
   const float scale = quant_values<16, 8>(v, bits);
   Q[((size_t)row * Kp + col) / 16] = make_uint4(bits[0], bits[1], bits[2], bits[3]);
@@ -588,18 +617,19 @@ __global__ void __launch_bounds__(128) quant_1x128_wide_kernel(const T* __restri
 // The wide quantizer from this many one-group blocks (two waves of them at 16 blocks an SM)
 constexpr int QUANT_WIDE_FROM = 4096;
 
-template <typename T>
-cudaError_t launch_quant(const void* X, int ldx, int M, int K, void* XQ, void* XS, int Mp, int Kp, cudaStream_t st) {
+template <typename T, bool GATED = false>
+cudaError_t launch_quant(const void* X, int ldx, const void* U, int ldu, int M, int K, void* XQ, void* XS, int Mp,
+                         int Kp, cudaStream_t st) {
   const bool wide = Mp / 4 * (Kp / BK) >= QUANT_WIDE_FROM && Kp % (4 * BK) == 0;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(Mp / 4, Kp / ((wide ? 4 : 1) * BK));
   config.blockDim = dim3(128);
   config.stream = st;
   using graph_launch::launch_or_record;
-  return wide ? launch_or_record(quant_1x128_wide_kernel<T>, config, (const T*)X, ldx, M, K, (uint4*)XQ, (float*)XS,
-                                 Mp, Kp)
-              : launch_or_record(quant_1x128_kernel<T>, config, (const T*)X, ldx, M, K, (uint32_t*)XQ, (float*)XS,
-                                 Mp, Kp);
+  return wide ? launch_or_record(quant_1x128_wide_kernel<T, GATED>, config, (const T*)X, ldx, (const T*)U, ldu, M, K,
+                                 (uint4*)XQ, (float*)XS, Mp, Kp)
+              : launch_or_record(quant_1x128_kernel<T, GATED>, config, (const T*)X, ldx, (const T*)U, ldu, M, K,
+                                 (uint32_t*)XQ, (float*)XS, Mp, Kp);
 }
 
 // a 2-D tensor map over a row-major matrix [rows, cols] with row stride `ld` elements, boxes of [box_rows x 128]:
@@ -837,8 +867,19 @@ extern "C" int mxgemm_quant_1x128(const void* X, int ldx, int x_fp16, int M, int
                                   void* stream) {
   if (M < 1 || M > Mp || Mp % 4 || K % 32 || K > Kp || Kp % BK) return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
-  const cudaError_t err = x_fp16 ? launch_quant<__half>(X, ldx, M, K, XQ, XS, Mp, Kp, st)
-                                 : launch_quant<__nv_bfloat16>(X, ldx, M, K, XQ, XS, Mp, Kp, st);
+  const cudaError_t err = x_fp16 ? launch_quant<__half>(X, ldx, nullptr, 0, M, K, XQ, XS, Mp, Kp, st)
+                                 : launch_quant<__nv_bfloat16>(X, ldx, nullptr, 0, M, K, XQ, XS, Mp, Kp, st);
+  return (int)(err != cudaSuccess ? err : cudaGetLastError());
+}
+
+// The same quantizer on the product a gated MLP feeds its down projection, silu(g) * u as PyTorch computes it in
+// g's dtype (input_values): g and u [M, K] bf16 (x_fp16 = 0) or fp16 with row strides ldg and ldu.
+extern "C" int mxgemm_quant_gated_1x128(const void* G, int ldg, const void* U, int ldu, int x_fp16, int M, int K,
+                                        void* XQ, void* XS, int Mp, int Kp, void* stream) {
+  if (M < 1 || M > Mp || Mp % 4 || K % 32 || K > Kp || Kp % BK) return (int)cudaErrorInvalidValue;
+  cudaStream_t st = (cudaStream_t)stream;
+  const cudaError_t err = x_fp16 ? launch_quant<__half, true>(G, ldg, U, ldu, M, K, XQ, XS, Mp, Kp, st)
+                                 : launch_quant<__nv_bfloat16, true>(G, ldg, U, ldu, M, K, XQ, XS, Mp, Kp, st);
   return (int)(err != cudaSuccess ? err : cudaGetLastError());
 }
 

@@ -1,0 +1,80 @@
+"""Gated MLPs, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with SiLU (Hugging Face's Llama, Mistral, Qwen and most
+decoder models), whose product reaches ``down_proj`` quantized by one kernel.
+
+Where ``down_proj`` quantizes its input apart from its GEMM (:meth:`Backend.quantize_gated`: ``hybrid_sm90``'s cuBLAS
+path, the prefill's rows), one kernel reads the gate and up projections' outputs and writes the 1x128-quantized
+product ``down_proj``'s GEMM reads, where the model runs SiLU, the product and ``down_proj``'s quantizer as three
+kernels (the product written in bf16 and read back twice): the same bits (:meth:`MXFP8Linear.on_gated`). Elsewhere
+(rows the backend does not quantize apart, traced calls, gradients, hooks on ``act_fn`` or ``down_proj``) the model's
+own steps run.
+
+A module is taken where its class's ``forward`` is that expression (its bytecode the same as :func:`_written_so`'s or
+:func:`_returned_so`'s), ``act_fn`` is SiLU and the three projections are :class:`MXFP8Linear`. Its class becomes a
+subclass of its own, of the same name, with that forward; parameters, buffers and state dict stay as they were.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .linear import MXFP8Linear
+
+__all__ = ["GATED", "fuse_gated_mlps"]
+
+GATED = ": act_fn(gate_proj) * up_proj quantized for down_proj in one kernel"
+
+
+def _written_so(self, x):
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+
+
+def _returned_so(self, x):
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+_FORMS = {(f.__code__.co_code, f.__code__.co_names) for f in (_written_so, _returned_so)}
+
+
+def _is_silu(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls is nn.SiLU or (cls.__name__ == "SiLUActivation" and cls.__module__ == "transformers.activations")
+
+
+def _gated_mlp(module: nn.Module) -> bool:
+    code = getattr(type(module).forward, "__code__", None)
+    layers = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+    return (code is not None and (code.co_code, code.co_names) in _FORMS and _is_silu(getattr(module, "act_fn", None))
+            and all(isinstance(layer, MXFP8Linear) for layer in layers))  # fmt: skip
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+@functools.cache
+def _gated_class(cls: type) -> type:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return cls.forward(self, x)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        down, act = self.down_proj, self.act_fn
+        y = None if _hooked(down) or _hooked(act) else down.on_gated(gate, up)
+        return down(act(gate) * up) if y is None else y
+
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def fuse_gated_mlps(model: nn.Module) -> list[str]:
+    """Make each gated MLP of ``model`` (module docstring) hand ``down_proj`` its product quantized by one kernel, in
+    place. Returns what it did, a line a module (``"model.layers.0.mlp: act_fn(gate_proj) * up_proj quantized for
+    down_proj in one kernel"``)."""
+    done = []
+    for name, module in model.named_modules():
+        if _gated_mlp(module):
+            module.__class__ = _gated_class(type(module))
+            done.append(name + GATED)
+    return done

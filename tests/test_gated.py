@@ -1,0 +1,180 @@
+"""Gated MLPs hand down_proj their product quantized by one kernel (mxgemm.gated): the same outputs as the model's own
+steps, taken only where the module's forward is the gated expression with SiLU, and the model's steps wherever the
+kernel does not run (fewer rows, hooks, gradients, traced calls)."""
+
+import copy
+
+import pytest
+import torch
+from helpers import random_act, random_mx_weight
+from torch import nn
+
+import mxgemm
+from mxgemm import MXFP8Linear
+from mxgemm.backends import hybrid_sm90
+from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
+from mxgemm.gated import GATED, fuse_gated_mlps
+from mxgemm.kernels import cublaslt, fp8_gemm
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(**kw):
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=500, **kw)  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def _pair(**kw):
+    """(the model quantized without fusions, the same with them, the latter's report) on the emulation backend."""
+    model = _llama(**kw)
+    plain, fused = copy.deepcopy(model), model
+    mxgemm.quantize_model(plain, backend="emulation", recipe="hybrid-block128", fuse=False)
+    report = mxgemm.quantize_model(fused, backend="emulation", recipe="hybrid-block128")
+    return plain, fused, report
+
+
+@pytest.fixture
+def gated_calls(monkeypatch):
+    """What each ``on_gated`` call answered: True where the quantized product ran."""
+    calls, on_gated = [], MXFP8Linear.on_gated
+    monkeypatch.setattr(MXFP8Linear, "on_gated", lambda self, g, u: calls.append(
+        (y := on_gated(self, g, u)) is not None) or y)  # fmt: skip
+    return calls
+
+
+@pytest.mark.parametrize("mlp_bias", [False, True])
+def test_gated_mlps_compute_what_the_models_steps_do(mlp_bias, gated_calls):
+    plain, fused, report = _pair(mlp_bias=mlp_bias)
+    assert report.fusion[-2:] == tuple(f"model.layers.{i}.mlp{GATED}" for i in range(2))
+    assert str(report).endswith(f"2 gated MLPs{GATED}")
+    mlp = fused.model.layers[0].mlp
+    assert isinstance(mlp, transformers.models.llama.modeling_llama.LlamaMLP) and type(mlp).__name__ == "LlamaMLP"
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    crossover = mlp.down_proj.prepared.info["crossover"]
+    with torch.no_grad():
+        for rows in (1, crossover - 1, crossover, 300):
+            ids = torch.randint(0, 500, (1, rows), generator=torch.Generator().manual_seed(rows))
+            gated_calls.clear()
+            assert torch.equal(fused(ids).logits, plain(ids).logits), rows
+            assert gated_calls == [rows >= crossover] * 2, rows  # the exact regime multiplies the bf16 product
+    assert fuse_gated_mlps(fused) == []  # taken once
+
+
+def test_only_the_gated_expression_with_silu_is_taken():
+    class Swapped(nn.Module):  # up's activation instead of gate's
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(64, 96), nn.Linear(64, 96), nn.Linear(96, 64)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.gate_proj(x) * self.act_fn(self.up_proj(x)))
+
+    class Gated(Swapped):
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    class Gelu(Gated):
+        def __init__(self):
+            super().__init__()
+            self.act_fn = nn.GELU()
+
+    model = nn.ModuleDict({"swapped": Swapped(), "gated": Gated(), "gelu": Gelu(), "plain": Gated()})
+    report = mxgemm.quantize_model(model, backend="emulation", skip=("plain.down_proj",))
+    assert [line for line in report.fusion if line.endswith(GATED)] == [f"gated{GATED}"]  # plain's down: nn.Linear
+    assert type(model["gated"]) is not Gated and isinstance(model["gated"], Gated)
+    assert all(type(model[n]) is c for n, c in (("swapped", Swapped), ("gelu", Gelu), ("plain", Gated)))
+
+
+def test_the_models_steps_run_with_hooks_gradients_and_traced(gated_calls):
+    plain, fused, _ = _pair()
+    ids = torch.randint(0, 500, (1, 300))
+    with torch.no_grad():
+        ref = plain(ids).logits
+    mlp = fused.model.layers[0].mlp
+    seen = []
+    handle = mlp.down_proj.register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    with torch.no_grad():
+        assert torch.equal(fused(ids).logits, ref)
+    handle.remove()
+    assert seen == [(1, 300, 384)] and gated_calls == [True]  # layer 0 ran its own steps, for its hook; layer 1 not
+    x = random_act(300, 256).view(1, 300, 256).requires_grad_()
+    y = mlp(x)
+    y.float().sum().backward()
+    assert x.grad is not None and gated_calls == [True, False]
+    with torch.no_grad():
+        compiled = torch.compile(fused, backend="eager", fullgraph=True)
+        assert torch.equal(compiled(ids).logits, ref)
+    assert gated_calls == [True, False]  # traced: the module's own forward, never on_gated
+
+
+def _weight(crossover):
+    q, s = random_mx_weight(256, 384)
+    weight = HybridSM90Backend().prepare(q, s, "hybrid-block128")
+    weight.info.update(crossover=crossover, fp8_sms=132)
+    return weight
+
+
+def test_hybrid_quantizes_the_product_for_the_route_its_call_takes(monkeypatch):
+    """On the cuBLAS path the CUDA gated quantizer's rows: as ``PlannedRows`` where planned calls run (their GEMM alone
+    reads them), as the quantizer's tensors for ``torch._scaled_mm`` elsewhere; nothing below it."""
+    q, s = torch.zeros(304, 384, dtype=torch.float8_e4m3fn), torch.zeros(3, 304).t()
+    quantized = []
+    monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda g, up: quantized.append((g, up)) or (q, s))
+    backend, weight = HybridSM90Backend(), _weight(crossover=17)
+    g, u = random_act(300, 384), random_act(300, 384, seed=2)
+    assert backend.quantize_gated(g[:64], u[:64], weight) is None  # the FP8 kernel quantizes in its own launch
+    assert backend.quantize_gated(g.t().contiguous().t(), u, weight) is None  # not unit stride along K
+    assert backend.quantize_gated(g, u, weight) == (q, s) and quantized == [(g, u)]
+    weight = _weight(crossover=17)  # its plans not yet made
+    weight.info["blockwise_plan"] = True
+    monkeypatch.setattr(hybrid_sm90.cublaslt, "linear_plan", lambda *a: object())
+    rows = backend.quantize_gated(g, u, weight)
+    assert rows == cublaslt.PlannedRows((q, s), q.data_ptr(), s.data_ptr(), 304, 384)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", [(1, 96), (5, 4160), (130, 416), (300, 14336), (2048, 14336)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_gated_quantizer_is_the_quantizer_of_the_product_on_the_gpu(m, k, dtype):
+    """Bit for bit the CUDA quantizer of ``silu(gate) * up`` as PyTorch computes it, both kernels' shapes (the wide
+    one from 2048 x 14336), on column views of one [M, 2K] output as a joined gate/up GEMM gives them, with values
+    whose exponentials overflow and underflow."""
+    from helpers import skip_unless_backend_runs
+
+    skip_unless_backend_runs("hybrid_sm90")
+    both = random_act(m, 2 * k, dtype=dtype, device="cuda") * 4
+    both[0, :6] = torch.tensor([-1e4, 1e4, -90.0, 90.0, 0.0, -0.0])
+    gate, up = both[:, :k], both[:, k:]
+    q, s = fp8_gemm.quantize_1x128(gate, up=up)
+    ref_q, ref_s = fp8_gemm.quantize_1x128(torch.nn.functional.silu(gate) * up)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+
+
+@pytest.mark.gpu
+def test_gated_mlps_on_the_gpu(gated_calls):
+    """hybrid_sm90 on the H200: a Llama's gated MLPs give the logits of the model's own steps, at every M (the small-M
+    kernel, the FP8 kernel, cuBLASLt with the groups run as one and above ``MAX_ROWS`` apart), eagerly; the product
+    reaches down_proj quantized where its call takes the cuBLAS path."""
+    from helpers import skip_unless_backend_runs
+
+    skip_unless_backend_runs("hybrid_sm90")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=1024, intermediate_size=3584, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=1000)).to("cuda", torch.bfloat16).eval()  # fmt: skip
+    plain = copy.deepcopy(model)
+    mxgemm.quantize_model(plain, backend="hybrid_sm90", fuse=False)
+    report = mxgemm.quantize_model(model, backend="hybrid_sm90")
+    assert f"2 gated MLPs{GATED}" in str(report)
+    down = model.model.layers[0].mlp.down_proj
+    backend = mxgemm.backends.get_backend("hybrid_sm90")
+    with torch.no_grad():
+        for rows in (1, 16, 64, 300, 1100, 2048):
+            ids = torch.randint(0, 1000, (1, rows), device="cuda")
+            gated_calls.clear()
+            assert torch.equal(model(ids).logits, plain(ids).logits), rows
+            cublas = backend._default(rows, down.prepared).path == hybrid_sm90.Path.CUBLAS
+            assert gated_calls == [cublas] * 2, rows
+    assert cublas  # 2048 rows ran it
