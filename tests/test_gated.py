@@ -14,7 +14,7 @@ from mxgemm import MXFP8Linear
 from mxgemm.backends import hybrid_sm90
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
 from mxgemm.gated import GATED, fuse_gated_mlps
-from mxgemm.kernels import cublaslt, fp8_gemm
+from mxgemm.kernels import fp8_gemm
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,22 +117,34 @@ def _weight(crossover):
     return weight
 
 
-def test_hybrid_quantizes_the_product_for_the_route_its_call_takes(monkeypatch):
-    """On the cuBLAS path the CUDA gated quantizer's rows: as ``PlannedRows`` where planned calls run (their GEMM alone
-    reads them), as the quantizer's tensors for ``torch._scaled_mm`` elsewhere; nothing below it."""
-    q, s = torch.zeros(304, 384, dtype=torch.float8_e4m3fn), torch.zeros(3, 304).t()
-    quantized = []
-    monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda g, up: quantized.append((g, up)) or (q, s))
+def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
+    """On the cuBLAS path: the planned call's ``.gated`` where planned calls run, else the CUDA gated quantizer's rows
+    through ``torch._scaled_mm``; None below it (the FP8 kernel quantizes in its own launch) and for strided inputs.
+    The route is chosen once per M."""
+    rows, seen, made = object(), [], []
+    monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda g, up: rows if (g, up) == (gate, up_) else None)
+    monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda x, qd, bs, n, bias, quantize: seen.append(
+        (x, qd, bs, n, bias, quantize(x))) or x)  # fmt: skip
     backend, weight = HybridSM90Backend(), _weight(crossover=17)
-    g, u = random_act(300, 384), random_act(300, 384, seed=2)
-    assert backend.quantize_gated(g[:64], u[:64], weight) is None  # the FP8 kernel quantizes in its own launch
-    assert backend.quantize_gated(g.t().contiguous().t(), u, weight) is None  # not unit stride along K
-    assert backend.quantize_gated(g, u, weight) == (q, s) and quantized == [(g, u)]
-    weight = _weight(crossover=17)  # its plans not yet made
+    gate, up_, bias = random_act(300, 384), random_act(300, 384, seed=2), torch.randn(256).bfloat16()
+    assert backend.run_gated(gate[:64], up_[:64], weight, None) is None
+    assert backend.run_gated(gate.t().contiguous().t(), up_, weight, None) is None  # not unit stride along K
+    assert backend.run_gated(gate, up_, weight, bias) is gate
+    t = weight.tensors
+    assert seen == [(gate, t["qdata"], t["block_scale"], 256, bias, rows)]
+
+    def linear_plan(*args):
+        made.append(args)
+        launch = lambda x, bias: pytest.fail("the plan's own call")  # noqa: E731
+        launch.gated = lambda g, u, b: ("gated", g, u, b)
+        return launch
+
+    weight = _weight(crossover=17)
     weight.info["blockwise_plan"] = True
-    monkeypatch.setattr(hybrid_sm90.cublaslt, "linear_plan", lambda *a: object())
-    rows = backend.quantize_gated(g, u, weight)
-    assert rows == cublaslt.PlannedRows((q, s), q.data_ptr(), s.data_ptr(), 304, 384)
+    monkeypatch.setattr(hybrid_sm90.cublaslt, "linear_plan", linear_plan)
+    for _ in range(2):
+        assert backend.run_gated(gate, up_, weight, bias) == ("gated", gate, up_, bias)
+    assert len(made) == 1 and len(seen) == 1
 
 
 @pytest.mark.gpu
@@ -154,27 +166,34 @@ def test_the_gated_quantizer_is_the_quantizer_of_the_product_on_the_gpu(m, k, dt
 
 
 @pytest.mark.gpu
-def test_gated_mlps_on_the_gpu(gated_calls):
-    """hybrid_sm90 on the H200: a Llama's gated MLPs give the logits of the model's own steps, at every M (the small-M
-    kernel, the FP8 kernel, cuBLASLt with the groups run as one and above ``MAX_ROWS`` apart), eagerly; the product
-    reaches down_proj quantized where its call takes the cuBLAS path."""
+def test_gated_mlps_on_the_gpu(gated_calls, monkeypatch):
+    """hybrid_sm90 on the H200: a Llama's gated MLPs give the logits of the model's own steps (the same model with
+    ``on_gated`` answering None) at every M (the small-M kernel, the FP8 kernel, cuBLASLt planned and through
+    ``torch._scaled_mm``), eagerly; the product reaches down_proj quantized where its call takes the cuBLAS path."""
     from helpers import skip_unless_backend_runs
 
     skip_unless_backend_runs("hybrid_sm90")
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=1024, intermediate_size=3584, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
         vocab_size=1000)).to("cuda", torch.bfloat16).eval()  # fmt: skip
-    plain = copy.deepcopy(model)
-    mxgemm.quantize_model(plain, backend="hybrid_sm90", fuse=False)
     report = mxgemm.quantize_model(model, backend="hybrid_sm90")
     assert f"2 gated MLPs{GATED}" in str(report)
     down = model.model.layers[0].mlp.down_proj
     backend = mxgemm.backends.get_backend("hybrid_sm90")
-    with torch.no_grad():
-        for rows in (1, 16, 64, 300, 1100, 2048):
-            ids = torch.randint(0, 1000, (1, rows), device="cuda")
-            gated_calls.clear()
-            assert torch.equal(model(ids).logits, plain(ids).logits), rows
-            cublas = backend._default(rows, down.prepared).path == hybrid_sm90.Path.CUBLAS
-            assert gated_calls == [cublas] * 2, rows
-    assert cublas  # 2048 rows ran it
+    on_gated = MXFP8Linear.on_gated
+    for planned in (True, False):
+        for layer in model.modules():
+            if isinstance(layer, MXFP8Linear):
+                layer.prepared.plans.clear()
+                layer.prepared.info["blockwise_plan"] = planned and layer.prepared.info.get("blockwise_plan")
+        with torch.no_grad():
+            for rows in (1, 16, 64, 300, 1100, 2048, 4100):
+                ids = torch.randint(0, 1000, (1, rows), device="cuda")
+                gated_calls.clear()
+                y = model(ids).logits
+                cublas = backend._default(rows, down.prepared).path == hybrid_sm90.Path.CUBLAS
+                assert gated_calls == [cublas] * 2, rows
+                monkeypatch.setattr(MXFP8Linear, "on_gated", lambda self, g, u: None)
+                assert torch.equal(y, model(ids).logits), (planned, rows)
+                monkeypatch.setattr(MXFP8Linear, "on_gated", on_gated)
+    assert cublas  # 4100 rows ran it

@@ -5,7 +5,8 @@ and the host gaps within it, its kernels by kind (mxgemm's, cuBLAS's, attention'
 called: above it the members of a q/k/v or gate/up group run their own GEMMs), and with ``--unshared`` again with each
 member quantizing the input itself (its backend's ``run_sharing`` answering None); with ``--qkv-max-rows`` again with
 the three-member (q/k/v) groups' threshold set apart from the two-member (gate/up) groups'; with ``--ungated`` again
-with the gated MLPs' products computed as the model's own steps do (``MXFP8Linear.on_gated`` answering None).
+with the gated MLPs' products computed as the model's own steps do (``MXFP8Linear.on_gated`` answering None) and their
+gate/up groups' threshold ``MAX_ROWS`` as the others' (not ``fusion.GATED_MAX_ROWS``).
 
 Run on the device: PYTHONPATH=src python3 bench/explore/prefill_anatomy.py --layers 32 --json prefill-anatomy.json
 """
@@ -110,14 +111,20 @@ def main() -> None:
             for shared, qkv, gated in variants:
                 if not shared:  # the instance's attribute shadows the method until deleted
                     backend.run_sharing = lambda x, weight, bias: None
+                groups = {id(m.shared[0]): m.shared[0] for m in model.modules() if getattr(m, "shared", None)}
+                kept = {key: g.max_rows for key, g in groups.items()}
                 if not gated:
                     MXFP8Linear.on_gated = lambda self, gate, up: None
+                    for g in groups.values():
+                        g.max_rows = None
                 with qkv_max_rows(qkv):
                     rows.append({**anatomy(model, who, args, shared, gated), "qkv_max_rows": qkv or fusion.MAX_ROWS})
                 if not shared:
                     del backend.run_sharing
                 if not gated:
                     MXFP8Linear.on_gated = on_gated
+                    for key, g in groups.items():
+                        g.max_rows = kept[key]
                 print(json.dumps(rows[-1], indent=1), flush=True)
                 if args.json:
                     doc = {"device": torch.cuda.get_device_name(), "rows": rows}

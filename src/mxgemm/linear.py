@@ -208,25 +208,22 @@ class MXFP8Linear(nn.Module):
 
     def on_gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
         """``self(silu(gate) * up)``, the product quantized by one kernel that reads ``gate`` and ``up``
-        (:meth:`Backend.quantize_gated`, :mod:`mxgemm.gated`): the same bits. None where that does not run (traced,
+        (:meth:`Backend.run_gated`, :mod:`mxgemm.gated`): the same bits. None where that does not run (traced,
         subclass or fp32 inputs, gradients, an M or backend whose call quantizes no input apart from its GEMM): the
         caller then computes the product and calls the layer. Hooks on the layer are the caller's to honour."""
+        if type(gate) is not torch.Tensor or type(up) is not torch.Tensor or torch.compiler.is_compiling():
+            return None
         bias = self._buffers.get("bias", _ABSENT)
         if bias is _ABSENT:
             bias = self.bias
-        if (type(gate) is not torch.Tensor or type(up) is not torch.Tensor or gate.dtype in _WIDE
-                or up.dtype != gate.dtype or up.shape != gate.shape or not gate.numel() or torch.compiler.is_compiling()
+        if (gate.dtype in _WIDE or up.dtype != gate.dtype or up.shape != gate.shape or not gate.numel()
                 or wants_grad(gate, bias) or wants_grad(up, None)):  # fmt: skip
             return None
         w = self._prepared
         check_inputs(gate, w.in_features, w.out_features, w.device, bias)
         g, u = gate.reshape(-1, w.in_features), up.reshape(-1, w.in_features)
-        backend = get_backend(w.backend)
-        rows = backend.quantize_gated(g, u, w)
-        if rows is None:
-            return None
-        y = backend.run_quantized(g, rows, w, bias)
-        return y.reshape(*gate.shape[:-1], y.shape[-1])
+        y = get_backend(w.backend).run_gated(g, u, w, bias)
+        return None if y is None else y.reshape(*gate.shape[:-1], y.shape[-1])
 
     def _traced(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` as ``torch.compile`` traces it, with the same steps. Without gradients it reads only values the

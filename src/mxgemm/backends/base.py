@@ -217,11 +217,13 @@ class Backend(ABC):
         weight of the same input size and regime)."""
         raise NotImplementedError(f"{self.name} does not share quantized activations")
 
-    def quantize_gated(self, gate: torch.Tensor, up: torch.Tensor, weight: PreparedWeight) -> Any:
-        """The ``rows`` :meth:`run_quantized` (called with ``gate`` as ``x``) reads for the input ``silu(gate) * up``
-        ([M, K] each, as a gated MLP computes it in their dtype), quantized by one kernel that reads the two, where
-        this weight's call quantizes that input apart from its GEMM; None elsewhere (this default): the caller then
-        computes the product and calls the weight on it (:mod:`mxgemm.gated`)."""
+    def run_gated(
+        self, gate: torch.Tensor, up: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """What :meth:`run` answers for the input ``silu(gate) * up`` ([M, K] each, as a gated MLP computes that
+        product in their dtype), that product quantized by one kernel that reads ``gate`` and ``up``, where this
+        weight's call at M quantizes its input apart from its GEMM; None elsewhere (this default): the caller then
+        computes the product and runs the weight on it (:mod:`mxgemm.gated`)."""
         return None
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:

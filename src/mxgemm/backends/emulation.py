@@ -91,11 +91,11 @@ class EmulationBackend(Backend):
     def run_quantized(self, x, rows, weight, bias) -> torch.Tensor:
         return _product(rows, weight, bias, x.dtype)
 
-    def quantize_gated(self, gate, up, weight) -> torch.Tensor | None:
+    def run_gated(self, gate, up, weight, bias) -> torch.Tensor | None:
         """The product as the model computes it, quantized as :meth:`run_sharing` quantizes an input: the twin of a
         backend's gated quantizer."""
         x = torch.nn.functional.silu(gate) * up
-        return _effective_activation(x, weight) if _quantizes(x, weight) else None
+        return self.run_quantized(x, _effective_activation(x, weight), weight, bias) if _quantizes(x, weight) else None
 
     def joined_info(self, members: Sequence[PreparedWeight], out_features: int) -> dict:
         """Hybrid weights whose crossovers are all the recipe's for their sizes: the recipe's for the joined size;

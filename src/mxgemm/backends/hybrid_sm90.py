@@ -287,17 +287,31 @@ class HybridSM90Backend(Backend):
         t, n = weight.tensors, weight.out_features
         return blockwise_linear(x, t["qdata"], t["block_scale"], n, bias, quantize=lambda _: rows)
 
-    def quantize_gated(self, gate, up, weight) -> Any:
-        """On the cuBLAS path, where the CUDA quantizer runs: ``silu(gate) * up`` quantized by one kernel from the two
-        (:func:`fp8_gemm.quantize_1x128`), as rows of the route this weight's call takes at that M."""
-        m = gate.shape[0]
-        if (self._default(m, weight).path != Path.CUBLAS or "fp8_sms" not in weight.info or gate.stride(1) != 1
-                or up.stride(1) != 1):  # fmt: skip
+    def run_gated(self, gate, up, weight, bias) -> torch.Tensor | None:
+        """On the cuBLAS path, where the CUDA quantizer runs: the product quantized by one kernel from ``gate`` and
+        ``up`` (unit stride along K), then the GEMM of this weight's route at that M (its planned call's, or
+        ``torch._scaled_mm``). The route is made once per M and kept beside the weight's plans."""
+        if gate.stride(1) != 1 or up.stride(1) != 1:
             return None
-        q, s = fp8_gemm.quantize_1x128(gate, up=up)
-        if _rows_plan(weight, m, gate.dtype):
-            return cublaslt.PlannedRows((q, s), q.data_ptr(), s.data_ptr(), *q.shape)
-        return q, s
+        m = gate.shape[0]
+        key = ("gated", m, gate.dtype)
+        run = weight.plans.get(key)
+        if run is None:
+            run = weight.plans[key] = self._gated_route(weight, m, gate.dtype)
+        return run(gate, up, bias) if run else None
+
+    def _gated_route(self, weight: PreparedWeight, m: int, x_dtype: torch.dtype):
+        if self._default(m, weight).path != Path.CUBLAS or "fp8_sms" not in weight.info:
+            return False
+        planned = _rows_plan(weight, m, x_dtype)
+        if planned:
+            return planned.gated
+        qd, bs, n = weight.tensors["qdata"], weight.tensors["block_scale"], weight.out_features
+
+        def run(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return blockwise_linear(gate, qd, bs, n, bias, quantize=lambda g: fp8_gemm.quantize_1x128(g, up=up))
+
+        return run
 
     def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
         return BLOCK128_ROWS

@@ -191,7 +191,10 @@ def linear_plan(
     # the GEMM alone (on_quantized): the output, then cuBLASLt's workspace where a call's buffer holds the rows
     gemm_ws = lib.mxgemm_blockwise_plan_workspace(handle)
     gemm_rows = -(-(ws_offset + gemm_ws) // (2 * np_))
+    lt_offset = lib.mxgemm_blockwise_plan_bytes(handle) - gemm_ws  # where a call's buffer holds the workspace
     run, gemm, index = lib.mxgemm_blockwise_run, lib.mxgemm_blockwise_gemm, device.index
+    gated_quantizer, fp16 = fp8_library(torch.cuda.get_device_capability(device)).mxgemm_quant_gated_1x128, int(
+        x_dtype == torch.float16)  # fmt: skip
     as_is = n == np_ and x_dtype == torch.bfloat16  # without a bias, the output is the buffer's first M rows
 
     def finish(buf: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -231,7 +234,23 @@ def linear_plan(
             raise RuntimeError(f"cuBLASLt blockwise GEMM failed for M={m}: {_why(err)}")
         return finish(buf, x, bias)
 
+    def gated(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``launch(silu(gate) * up, bias)``, the product (as PyTorch computes it in ``x_dtype``) quantized into the
+        call's buffer by one kernel that reads ``gate`` and ``up`` ([M, k] each, unit stride along K): the same
+        bits."""
+        buf = torch.empty(rows, np_, dtype=torch.bfloat16, device=device)
+        y, stream = buf.data_ptr(), raw_stream(index)
+        xq = y + ws_offset
+        err = gated_quantizer(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), fp16, m, k, xq,
+                              xq + mp * kp, mp, kp, stream)  # fmt: skip
+        if not err:
+            err = gemm(handle, xq, xq + mp * kp, y, y + lt_offset if gemm_ws else None, stream)
+        if err:
+            raise RuntimeError(f"cuBLASLt blockwise GEMM on a gated product failed for M={m}: {_why(err)}")
+        return finish(buf, gate, bias)
+
     launch.sharing = sharing
+    launch.gated = gated
     launch.on_quantized = on_quantized
     weakref.finalize(launch, lib.mxgemm_blockwise_plan_destroy, handle)
     return launch
