@@ -197,3 +197,16 @@ def test_gated_mlps_on_the_gpu(gated_calls, monkeypatch):
                 assert torch.equal(y, model(ids).logits), (planned, rows)
                 monkeypatch.setattr(MXFP8Linear, "on_gated", on_gated)
     assert cublas  # 4100 rows ran it
+
+
+def test_a_gated_model_pickles_and_copies_as_gated(gated_calls, tmp_path):
+    plain, fused, _ = _pair()
+    torch.save(fused, tmp_path / "model.pt")
+    for model in (torch.load(tmp_path / "model.pt", weights_only=False), copy.deepcopy(fused)):
+        mlp = model.model.layers[1].mlp
+        assert type(mlp) is type(fused.model.layers[1].mlp) and fuse_gated_mlps(model) == []
+        ids = torch.randint(0, 500, (1, 300))
+        gated_calls.clear()
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, plain(ids).logits)
+        assert gated_calls == [True] * 2

@@ -65,7 +65,24 @@ def _gated_class(cls: type) -> type:
         y = None if _hooked(down) or _hooked(act) else down.on_gated(gate, up)
         return down(act(gate) * up) if y is None else y
 
-    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__})
+    def __reduce_ex__(self, protocol):
+        # pickled as an instance of the class it was made from, re-gated when loaded: the subclass, made at run time,
+        # is found by no name
+        _, _, *rest = cls.__reduce_ex__(self, protocol)
+        return (_instance, (cls,), *rest)
+
+    namespace = {
+        "forward": forward,
+        "__reduce_ex__": __reduce_ex__,
+        "__module__": cls.__module__,
+        "__doc__": cls.__doc__,
+    }
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _instance(cls: type) -> nn.Module:
+    gated = _gated_class(cls)
+    return gated.__new__(gated)
 
 
 def fuse_gated_mlps(model: nn.Module) -> list[str]:
