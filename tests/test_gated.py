@@ -119,15 +119,16 @@ def _weight(crossover):
 
 def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
     """On the cuBLAS path: the planned call's ``.gated`` where planned calls run, else the CUDA gated quantizer's rows
-    through ``torch._scaled_mm``; None below it (the FP8 kernel quantizes in its own launch) and for strided inputs.
-    The route is chosen once per M."""
+    through ``torch._scaled_mm``; None below it (the FP8 kernel quantizes in its own launch; ``gated_from`` says
+    where it starts) and for strided inputs. The route is chosen once per M."""
     rows, seen, made = object(), [], []
     monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda g, up: rows if (g, up) == (gate, up_) else None)
     monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda x, qd, bs, n, bias, quantize: seen.append(
         (x, qd, bs, n, bias, quantize(x))) or x)  # fmt: skip
     backend, weight = HybridSM90Backend(), _weight(crossover=17)
+    assert backend.gated_from(weight) == 129  # the FP8 kernel's CTAs fit on the SMs in one wave up to M = 128
     gate, up_, bias = random_act(300, 384), random_act(300, 384, seed=2), torch.randn(256).bfloat16()
-    assert backend.run_gated(gate[:64], up_[:64], weight, None) is None
+    assert backend.run_gated(gate[:128], up_[:128], weight, None) is None
     assert backend.run_gated(gate.t().contiguous().t(), up_, weight, None) is None  # not unit stride along K
     assert backend.run_gated(gate, up_, weight, bias) is gate
     t = weight.tensors
@@ -139,6 +140,8 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
         launch.gated = lambda g, u, b: ("gated", g, u, b)
         return launch
 
+    del weight.info["fp8_sms"]  # no CUDA quantizer: never
+    assert backend.gated_from(weight) is None and backend.run_gated(gate[:1], up_[:1], weight, None) is None
     weight = _weight(crossover=17)
     weight.info["blockwise_plan"] = True
     monkeypatch.setattr(hybrid_sm90.cublaslt, "linear_plan", linear_plan)

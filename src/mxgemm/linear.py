@@ -120,6 +120,7 @@ class MXFP8Linear(nn.Module):
     def _hold(self, prepared: PreparedWeight) -> None:
         self._prepared = prepared
         self._op = prepared.traced_args()  # what a traced call reads (_traced)
+        self._gated_from = get_backend(prepared.backend).gated_from(prepared)  # on_gated's fewest rows, or None
 
     @torch.no_grad()
     def load_mx_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
@@ -211,7 +212,10 @@ class MXFP8Linear(nn.Module):
         (:meth:`Backend.run_gated`, :mod:`mxgemm.gated`): the same bits. None where that does not run (traced,
         subclass or fp32 inputs, gradients, an M or backend whose call quantizes no input apart from its GEMM): the
         caller then computes the product and calls the layer. Hooks on the layer are the caller's to honour."""
-        if type(gate) is not torch.Tensor or type(up) is not torch.Tensor or torch.compiler.is_compiling():
+        start = self._gated_from  # fewer rows, or a backend that never runs it: at once
+        if start is None or type(gate) is not torch.Tensor or gate.numel() < start * gate.shape[-1]:
+            return None
+        if type(up) is not torch.Tensor or torch.compiler.is_compiling():
             return None
         bias = self._buffers.get("bias", _ABSENT)
         if bias is _ABSENT:

@@ -226,6 +226,11 @@ class Backend(ABC):
         computes the product and runs the weight on it (:mod:`mxgemm.gated`)."""
         return None
 
+    def gated_from(self, weight: PreparedWeight) -> int | None:
+        """The fewest rows for which :meth:`run_gated` may answer (it answers None for fewer), or None where it never
+        does (this default): a layer's calls of fewer rows skip it at no cost."""
+        return None
+
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         """The MX checkpoint tensors (float8 ``[N, K]``, uint8 E8M0 ``[N, K/32]``) that dequantize to exactly the
         weight this backend computes with, rebuilt from the prepared tensors (views of them where the layout allows):

@@ -97,6 +97,11 @@ class EmulationBackend(Backend):
         x = torch.nn.functional.silu(gate) * up
         return self.run_quantized(x, _effective_activation(x, weight), weight, bias) if _quantizes(x, weight) else None
 
+    def gated_from(self, weight) -> int | None:
+        if weight.recipe == Recipe.W8A16:
+            return None
+        return weight.info["crossover"] if weight.recipe == Recipe.HYBRID_BLOCK128 else 1
+
     def joined_info(self, members: Sequence[PreparedWeight], out_features: int) -> dict:
         """Hybrid weights whose crossovers are all the recipe's for their sizes: the recipe's for the joined size;
         crossovers given to :meth:`prepare` must be the same, and stay."""

@@ -17,6 +17,7 @@ refused, and ``auto`` then gives that layer to the next backend (the exact ``tri
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -299,6 +300,13 @@ class HybridSM90Backend(Backend):
         if run is None:
             run = weight.plans[key] = self._gated_route(weight, m, gate.dtype)
         return run(gate, up, bias) if run else None
+
+    def gated_from(self, weight: PreparedWeight) -> int | None:
+        """The first M on the cuBLAS path (above the FP8 kernel's M, from the crossover on)."""
+        if "fp8_sms" not in weight.info:
+            return None
+        rows = itertools.count(weight.info["crossover"])
+        return next(m for m in rows if self._default(m, weight).path == Path.CUBLAS)
 
     def _gated_route(self, weight: PreparedWeight, m: int, x_dtype: torch.dtype):
         if self._default(m, weight).path != Path.CUBLAS or "fp8_sms" not in weight.info:
