@@ -10,7 +10,7 @@ from helpers import random_act, random_mx_weight
 from torch import nn
 
 import mxgemm
-from mxgemm import MXFP8Linear
+from mxgemm import MXFP8Linear, fusion
 from mxgemm.backends import hybrid_sm90
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
 from mxgemm.gated import GATED, fuse_gated_mlps
@@ -60,6 +60,8 @@ def test_gated_mlps_compute_what_the_models_steps_do(mlp_bias, gated_calls):
             assert torch.equal(fused(ids).logits, plain(ids).logits), rows
             assert gated_calls == [rows >= crossover] * 2, rows  # the exact regime multiplies the bf16 product
     assert fuse_gated_mlps(fused) == []  # taken once
+    assert mlp.gate_proj.shared[0].max_rows == fusion.GATED_MAX_ROWS  # its gate/up group: one GEMM up to 4096 rows
+    assert fused.model.layers[0].self_attn.q_proj.shared[0].max_rows is None  # q/k/v: fusion.MAX_ROWS
 
 
 def test_only_the_gated_expression_with_silu_is_taken():

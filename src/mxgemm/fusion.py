@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .backends import PreparedWeight, get_backend
-from .gated import GATED, fuse_gated_mlps
+from .gated import GATED, fuse_gated_mlps, is_gated
 from .linear import MXFP8Linear
 from .weights import linear, wants_grad
 
@@ -225,12 +225,11 @@ def fuse(model: nn.Module) -> list[str]:
     (:func:`fuse_shared_inputs`), then gated MLPs hand ``down_proj`` their product quantized in one kernel
     (:func:`mxgemm.gated.fuse_gated_mlps`), their gate/up groups running as one up to ``GATED_MAX_ROWS`` rows.
     Their accounts, one after the other."""
-    account, gated = fuse_shared_inputs(model), fuse_gated_mlps(model)
-    for line in gated:
-        shared = model.get_submodule(line.removesuffix(GATED)).gate_proj.shared
-        if shared is not None:
-            shared[0].max_rows = GATED_MAX_ROWS
-    return account + gated
+    account = fuse_shared_inputs(model) + fuse_gated_mlps(model)
+    for module in model.modules():
+        if is_gated(module) and module.gate_proj.shared is not None:
+            module.gate_proj.shared[0].max_rows = GATED_MAX_ROWS
+    return account
 
 
 _NOT_FUSED = ": not fused ("

@@ -22,7 +22,7 @@ from torch import nn
 
 from .linear import MXFP8Linear
 
-__all__ = ["GATED", "fuse_gated_mlps"]
+__all__ = ["GATED", "fuse_gated_mlps", "is_gated"]
 
 GATED = ": act_fn(gate_proj) * up_proj quantized for down_proj in one kernel"
 
@@ -74,10 +74,16 @@ def _gated_class(cls: type) -> type:
     namespace = {
         "forward": forward,
         "__reduce_ex__": __reduce_ex__,
+        "_mxgemm_gated": True,
         "__module__": cls.__module__,
         "__doc__": cls.__doc__,
     }
     return type(cls.__name__, (cls,), namespace)
+
+
+def is_gated(module: nn.Module) -> bool:
+    """Whether :func:`fuse_gated_mlps` took this module."""
+    return getattr(type(module), "_mxgemm_gated", False)
 
 
 def _instance(cls: type) -> nn.Module:
