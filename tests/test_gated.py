@@ -12,6 +12,7 @@ from torch import nn
 import mxgemm
 from mxgemm import MXFP8Linear, fusion
 from mxgemm.backends import hybrid_sm90
+from mxgemm.backends.base import MAX_PLANS
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
 from mxgemm.gated import GATED, fuse_gated_mlps
 from mxgemm.kernels import fp8_gemm
@@ -129,7 +130,7 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
         (x, qd, bs, n, bias, quantize(x))) or x)  # fmt: skip
     backend, weight = HybridSM90Backend(), _weight(crossover=17)
     assert backend.gated_from(weight) == 129  # the FP8 kernel's CTAs fit on the SMs in one wave up to M = 128
-    gate, up_, bias = random_act(300, 384), random_act(300, 384, seed=2), torch.randn(256).bfloat16()
+    gate, up_, bias = random_act(400, 384), random_act(400, 384, seed=2), torch.randn(256).bfloat16()
     assert backend.run_gated(gate[:128], up_[:128], weight, None) is None
     assert backend.run_gated(gate.t().contiguous().t(), up_, weight, None) is None  # not unit stride along K
     assert backend.run_gated(gate, up_, weight, bias) is gate
@@ -150,6 +151,9 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
     for _ in range(2):
         assert backend.run_gated(gate, up_, weight, bias) == ("gated", gate, up_, bias)
     assert len(made) == 1 and len(seen) == 1
+    for m in range(129, 129 + MAX_PLANS):  # a workload of many prompt lengths: the plans kept stay bounded
+        backend.run_gated(gate[:m], up_[:m], weight, bias)
+    assert len(weight.plans) <= MAX_PLANS and len(made) == MAX_PLANS + 1
 
 
 @pytest.mark.gpu

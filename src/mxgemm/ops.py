@@ -41,9 +41,6 @@ def _define(schema: str, impl, fake):
     return getattr(torch.ops.mxgemm, name).default
 
 
-_MAX_PLANS = 256  # per weight; a workload with more distinct M starts over
-
-
 def run_planned(x: Tensor, weight: PreparedWeight, bias: Tensor | None) -> Tensor:
     """Run ``x`` [M, K] (or [..., K], its leading dimensions M rows; the output [..., N]) through the weight's plan
     for (M, dtype), made on first use with the tactic the tuner gives (:func:`mxgemm.autotune.tactic_for_call`, which
@@ -52,13 +49,14 @@ def run_planned(x: Tensor, weight: PreparedWeight, bias: Tensor | None) -> Tenso
     key = (m, x.dtype, autotune.generation())
     plan = weight.plans.get(key)
     if plan is None:
-        backend = get_backend(weight.backend)
-        rows = x.reshape(m, weight.in_features)
-        plan = backend.plan(weight, m, x.dtype, autotune.tactic_for_call(backend, weight, rows))
-        if len(weight.plans) >= _MAX_PLANS:
-            weight.plans.clear()
-        weight.plans[key] = plan
+        plan = weight.cached(key, lambda: _plan(x, weight, m))
     return plan(x, bias)
+
+
+def _plan(x: Tensor, weight: PreparedWeight, m: int):
+    backend = get_backend(weight.backend)
+    rows = x.reshape(m, weight.in_features)
+    return backend.plan(weight, m, x.dtype, autotune.tactic_for_call(backend, weight, rows))
 
 
 def _linear(x: Tensor, tensors: list[Tensor], bias: Tensor | None, backend: str, meta: str) -> Tensor:

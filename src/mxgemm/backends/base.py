@@ -50,6 +50,7 @@ class UnsupportedWeightError(Exception):
 
 
 _FP8 = {str(d): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}
+MAX_PLANS = 256  # launch plans a prepared weight keeps (PreparedWeight.cached)
 
 
 def any_rows(plan: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]):
@@ -117,6 +118,16 @@ class PreparedWeight:
         object.__setattr__(self, "op_tensors", views)
         object.__setattr__(self, "op_meta", json.dumps(meta, sort_keys=True))
         _LIVE[id(views[0])] = self
+
+    def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``plans[key]``, made by ``make()`` on first use; past ``MAX_PLANS`` entries (a workload of that many
+        distinct M) the plans start over."""
+        plan = self.plans.get(key)
+        if plan is None:
+            if len(self.plans) >= MAX_PLANS:
+                self.plans.clear()
+            plan = self.plans[key] = make()
+        return plan
 
     def __getstate__(self) -> dict[str, Any]:  # pickling and deep copies: plans hold raw pointers, make new ones
         return {**self.__dict__, "plans": {}}

@@ -295,10 +295,7 @@ class HybridSM90Backend(Backend):
         if gate.stride(1) != 1 or up.stride(1) != 1:
             return None
         m = gate.shape[0]
-        key = ("gated", m, gate.dtype)
-        run = weight.plans.get(key)
-        if run is None:
-            run = weight.plans[key] = self._gated_route(weight, m, gate.dtype)
+        run = weight.cached(("gated", m, gate.dtype), lambda: self._gated_route(weight, m, gate.dtype))
         return run(gate, up, bias) if run else None
 
     def gated_from(self, weight: PreparedWeight) -> int | None:
@@ -312,8 +309,8 @@ class HybridSM90Backend(Backend):
         if self._default(m, weight).path != Path.CUBLAS or "fp8_sms" not in weight.info:
             return False
         planned = _rows_plan(weight, m, x_dtype)
-        if planned:
-            return planned.gated
+        if planned:  # the route holds the plan itself, whose cuBLASLt handle lives as long as the plan
+            return lambda gate, up, bias: planned.gated(gate, up, bias)
         qd, bs, n = weight.tensors["qdata"], weight.tensors["block_scale"], weight.out_features
 
         def run(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -352,11 +349,7 @@ def _blockwise_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):
 def _rows_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):
     """The planned call that shares its quantized rows (:meth:`HybridSM90Backend.run_sharing`) for M, made once and
     kept beside the weight's plans for its own calls; False where planned calls do not run."""
-    key = ("shared rows", m, x_dtype)
-    planned = weight.plans.get(key)
-    if planned is None:
-        planned = weight.plans[key] = _blockwise_plan(weight, m, x_dtype) or False
-    return planned
+    return weight.cached(("shared rows", m, x_dtype), lambda: _blockwise_plan(weight, m, x_dtype) or False)
 
 
 def _quantized_rows(weight: PreparedWeight, x: torch.Tensor):
