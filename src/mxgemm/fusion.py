@@ -5,12 +5,13 @@ The members' prepared weights become row views of one prepared weight (one copy 
 of a member on an input runs the whole weight once and keeps the other members' outputs (views of its output) until
 each takes its own, called on the same, unchanged tensor; traced (``torch.compile``), the same steps
 (``MXFP8Linear._traced_group_output``, on plain values each member holds) leave one ``mxgemm::linear`` op per group in
-the graph and no state behind. Eager inputs of more than ``MAX_ROWS`` rows run each member's own GEMM (contiguous
-outputs), on the input quantized once, by the first member's call, for the members called on it in turn where the
-backend quantizes activations apart from its GEMM (``Backend.run_sharing``: ``hybrid_sm90``'s cuBLAS path,
-``emulation``). Everything else runs the member alone on its view: fp32 inputs, traced inputs of more than
-``MAX_ROWS`` rows, a member called on another input (the group then stops running as one: the layers do not share
-their input), or a member whose bias was replaced or that was re-prepared.
+the graph and no state behind. Eager inputs of more than ``MAX_ROWS`` rows (``GATED_MAX_ROWS`` for the gate/up group
+of a gated MLP, :func:`fuse`) run each member's own GEMM (contiguous outputs), on the input quantized once, by the
+first member's call, for the members called on it in turn where the backend quantizes activations apart from its GEMM
+(``Backend.run_sharing``: ``hybrid_sm90``'s cuBLAS path, ``emulation``). Everything else runs the member alone on its
+view: fp32 inputs, traced inputs of more than ``MAX_ROWS`` rows, a member called on another input (the group then
+stops running as one: the layers do not share their input), or a member whose bias was replaced or that was
+re-prepared.
 
 Each member's output is the same recipe on the same weight bits as its own call: below ``hybrid-block128``'s
 crossover exactly the same, from it the quantized GEMM's accumulation order may differ, as between any two tactics.
