@@ -52,6 +52,7 @@ def test_gated_mlps_compute_what_the_models_steps_do(mlp_bias, gated_calls):
     assert str(report).endswith(f"2 gated MLPs{GATED}")
     mlp = fused.model.layers[0].mlp
     assert isinstance(mlp, transformers.models.llama.modeling_llama.LlamaMLP) and type(mlp).__name__ == "LlamaMLP"
+    assert repr(mlp).startswith("LlamaMLP(\n  product quantized for down_proj in one kernel\n  (gate_proj)")
     assert fused.state_dict().keys() == plain.state_dict().keys()
     crossover = mlp.down_proj.prepared.info["crossover"]
     with torch.no_grad():

@@ -10,7 +10,8 @@ run.
 
 A module is taken where its class's ``forward`` is that expression (its bytecode the same as :func:`_written_so`'s or
 :func:`_returned_so`'s), ``act_fn`` is SiLU and the three projections are :class:`MXFP8Linear`. Its class becomes a
-subclass of its own, of the same name, with that forward; parameters, buffers and state dict stay as they were.
+subclass of its own, of the same name, with that forward (its repr says so); parameters, buffers and state dict stay
+as they were.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def _gated_class(cls: type) -> type:
         y = None if _hooked(down) or _hooked(act) else down.on_gated(gate, up)
         return down(act(gate) * up) if y is None else y
 
+    def extra_repr(self) -> str:
+        return ", ".join(filter(None, (cls.extra_repr(self), "product quantized for down_proj in one kernel")))
+
     def __reduce_ex__(self, protocol):
         # pickled as an instance of the class it was made from, re-gated when loaded: the subclass, made at run time,
         # is found by no name
@@ -73,6 +77,7 @@ def _gated_class(cls: type) -> type:
 
     namespace = {
         "forward": forward,
+        "extra_repr": extra_repr,
         "__reduce_ex__": __reduce_ex__,
         "_mxgemm_gated": True,
         "__module__": cls.__module__,
