@@ -157,6 +157,26 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
     assert len(weight.plans) <= MAX_PLANS and len(made) == MAX_PLANS + 1
 
 
+def test_a_tuned_fp8_tactic_keeps_the_weights_own_call(monkeypatch):
+    """Where the tuning cache gives a weight's M the FP8 kernel, its own call runs that: no gated product, no shared
+    rows taken or read (cuBLASLt on them would be another accumulation order than the call's)."""
+    from mxgemm import autotune
+    from mxgemm.backends.base import Tactic
+
+    backend, weight = HybridSM90Backend(), _weight(crossover=17)
+    fp8 = Tactic(hybrid_sm90.Path.FP8, hybrid_sm90.fp8_default(300, 256, 384, 132))
+    monkeypatch.setattr(autotune, "tactic_for_call", lambda b, w, x: fp8)
+    monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda *a, **k: pytest.fail("quantized apart"))
+    own = []
+    monkeypatch.setattr(HybridSM90Backend, "plan", lambda self, w, m, dtype, tactic=None: lambda x, bias: own.append(
+        (m, tactic)) or x)  # fmt: skip
+    gate, up = random_act(300, 384), random_act(300, 384, seed=2)
+    assert backend.run_gated(gate, up, weight, None) is None
+    assert backend.run_sharing(gate, weight, None) is None
+    assert backend.run_quantized(gate, ("rows", "of another member"), weight, None) is gate
+    assert own == [(300, fp8)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k", [(1, 96), (5, 4160), (130, 416), (300, 14336), (2048, 14336)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

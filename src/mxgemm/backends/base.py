@@ -238,8 +238,8 @@ class Backend(ABC):
         return None
 
     def gated_from(self, weight: PreparedWeight) -> int | None:
-        """The fewest rows for which :meth:`run_gated` may answer (it answers None for fewer), or None where it never
-        does (this default): a layer's calls of fewer rows skip it at no cost."""
+        """The fewest rows a layer asks :meth:`run_gated` for (calls of fewer run the model's own steps at the cost of
+        one comparison), or None where it never asks (this default)."""
         return None
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:

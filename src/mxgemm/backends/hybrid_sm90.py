@@ -266,7 +266,7 @@ class HybridSM90Backend(Backend):
         holds (:func:`cublaslt.linear_plan`); where planned calls do not run, the CUDA quantizer's rows and
         ``torch._scaled_mm``."""
         m = x.shape[0]
-        if self._default(m, weight).path != Path.CUBLAS:
+        if not self._own_cublas(weight, x):
             return None
         planned = _rows_plan(weight, m, x.dtype)
         if planned:
@@ -277,7 +277,11 @@ class HybridSM90Backend(Backend):
     def run_quantized(self, x, rows, weight, bias) -> torch.Tensor:
         """cuBLASLt's blockwise GEMM on the shared rows, as this weight's own call runs it. Rows made by the other
         route (cuBLASLt planned one member's call and refused another's) are not read: the call quantizes ``x``
-        itself, the same bits."""
+        itself, the same bits. A weight whose own call at M takes another path (a tuned FP8 tactic) runs that call."""
+        if not self._own_cublas(weight, x):
+            from ..ops import run_planned
+
+            return run_planned(x, weight, bias)
         planned = _rows_plan(weight, x.shape[0], x.dtype)
         if isinstance(rows, cublaslt.PlannedRows):
             if planned:
@@ -292,21 +296,31 @@ class HybridSM90Backend(Backend):
         """On the cuBLAS path, where the CUDA quantizer runs: the product quantized by one kernel from ``gate`` and
         ``up`` (unit stride along K), then the GEMM of this weight's route at that M (its planned call's, or
         ``torch._scaled_mm``). The route is made once per M and kept beside the weight's plans."""
-        if gate.stride(1) != 1 or up.stride(1) != 1:
+        if gate.stride(1) != 1 or up.stride(1) != 1 or not self._own_cublas(weight, gate):
             return None
         m = gate.shape[0]
         run = weight.cached(("gated", m, gate.dtype), lambda: self._gated_route(weight, m, gate.dtype))
         return run(gate, up, bias) if run else None
 
     def gated_from(self, weight: PreparedWeight) -> int | None:
-        """The first M on the cuBLAS path (above the FP8 kernel's M, from the crossover on)."""
+        """The first M of the default's cuBLAS path (above the FP8 kernel's M, from the crossover on)."""
         if "fp8_sms" not in weight.info:
             return None
         rows = itertools.count(weight.info["crossover"])
         return next(m for m in rows if self._default(m, weight).path == Path.CUBLAS)
 
+    def _own_cublas(self, weight: PreparedWeight, x: torch.Tensor) -> bool:
+        """Whether this weight's own call for ``x``'s M runs cuBLASLt's blockwise GEMM: the path of the tactic
+        ``ops.run_planned`` gives it (the tuned one where the tuning cache has one, else the default), kept per M and
+        tuning generation. Rows shared or gated for cuBLASLt then give exactly the bits of that call."""
+        from .. import autotune
+
+        m = x.shape[0]
+        return weight.cached(("cublas", m, x.dtype, autotune.generation()), lambda: self.choose(
+            m, weight, autotune.tactic_for_call(self, weight, x)).path == Path.CUBLAS)  # fmt: skip
+
     def _gated_route(self, weight: PreparedWeight, m: int, x_dtype: torch.dtype):
-        if self._default(m, weight).path != Path.CUBLAS or "fp8_sms" not in weight.info:
+        if "fp8_sms" not in weight.info:
             return False
         planned = _rows_plan(weight, m, x_dtype)
         if planned:  # the route holds the plan itself, whose cuBLASLt handle lives as long as the plan
