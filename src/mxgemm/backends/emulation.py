@@ -94,8 +94,8 @@ class EmulationBackend(Backend):
     def run_gated(self, gate, up, weight, bias) -> torch.Tensor | None:
         """The product as the model computes it, quantized as :meth:`run_sharing` quantizes an input: the twin of a
         backend's gated quantizer."""
-        x = torch.nn.functional.silu(gate) * up
-        return self.run_quantized(x, _effective_activation(x, weight), weight, bias) if _quantizes(x, weight) else None
+        shared = self.run_sharing(torch.nn.functional.silu(gate) * up, weight, bias)
+        return None if shared is None else shared[0]
 
     def gated_from(self, weight) -> int | None:
         if weight.recipe == Recipe.W8A16:
