@@ -46,6 +46,14 @@ def _pair(recipe, bias=False, **kw):
     return alone, fused, report
 
 
+def _apart_above(model, rows, monkeypatch):
+    """Every group of ``model`` runs its members' own GEMMs above ``rows`` rows."""
+    monkeypatch.setattr(fusion, "MAX_ROWS", rows)
+    for layer in model.modules():
+        if getattr(layer, "shared", None) is not None:
+            layer.shared[0].max_rows = None
+
+
 def _bits(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
@@ -67,7 +75,7 @@ def test_groups_compute_what_each_layer_does_alone(recipe, bias):
 
 def test_inputs_of_many_rows_run_each_layer_alone(monkeypatch):
     alone, fused, _ = _pair("hybrid-block128")
-    monkeypatch.setattr(fusion, "MAX_ROWS", 64)
+    _apart_above(fused, 64, monkeypatch)
     names = ("q_proj", "k_proj", "v_proj")
     group = fused.self_attn["q_proj"].shared[0]
     with torch.no_grad():
@@ -88,7 +96,7 @@ def test_above_max_rows_the_members_share_one_quantization_of_their_input(monkey
     from mxgemm.backends.emulation import EmulationBackend
 
     alone, fused, _ = _pair(recipe)
-    monkeypatch.setattr(fusion, "MAX_ROWS", 64)
+    _apart_above(fused, 64, monkeypatch)
     calls = []
     run_sharing = EmulationBackend.run_sharing
     monkeypatch.setattr(EmulationBackend, "run_sharing", lambda self, x, w, b: calls.append(x.shape) or run_sharing(
@@ -332,7 +340,8 @@ def test_unfit_groups_stay_as_they_are_and_the_report_says_why():
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden,kv,ffn", [(1024, 256, 2048), (896, 128, 4864)])  # 896: views at 64-byte offsets
 def test_hybrid_sm90_groups_on_the_gpu(hidden, kv, ffn):
-    """On the H200: below the crossover (the exact regime) and above ``MAX_ROWS`` the same bits as each layer alone;
+    """On the H200: below the crossover (the exact regime) and above the group's threshold (``JOINED_MAX_ROWS`` for
+    q/k/v, ``MAX_ROWS`` for this gate/up group, not a gated MLP's) the same bits as each layer alone;
     between them the quantized GEMM's own rounding at most, eager and replayed from a CUDA graph."""
     from helpers import skip_unless_backend_runs
 
@@ -344,14 +353,15 @@ def test_hybrid_sm90_groups_on_the_gpu(hidden, kv, ffn):
     assert len(mxgemm.quantize_model(fused, backend="hybrid_sm90").fusion) == 2
     crossover = fused.self_attn["q_proj"].shared[0].weight.info["crossover"]
     with torch.no_grad():
-        for m in (1, 8, 16, 24, 64, 300, 2048):
+        for m in (1, 8, 16, 24, 64, 300, 2048, 4097):
             x = torch.randn(1, m, hidden, device="cuda", dtype=torch.bfloat16)
             for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
                 ys = [getattr(fused, part)[n](x) for n in names]  # in turn on one input: one GEMM for the group
+                limit = getattr(fused, part)[names[0]].shared[0].max_rows or fusion.MAX_ROWS
                 for y, n in zip(ys, names, strict=True):
                     ref = getattr(alone, part)[n](x)
-                    # below the crossover, and above MAX_ROWS (each member's own GEMM on one quantization of x)
-                    if m < crossover or m > fusion.MAX_ROWS:
+                    # below the crossover, and above the threshold (each member's own GEMM on one quantization of x)
+                    if m < crossover or m > limit:
                         assert torch.equal(y, ref), (m, n)
                     else:
                         assert (y.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max(), (m, n)

@@ -62,8 +62,9 @@ def test_gated_mlps_compute_what_the_models_steps_do(mlp_bias, gated_calls):
             assert torch.equal(fused(ids).logits, plain(ids).logits), rows
             assert gated_calls == [rows >= crossover] * 2, rows  # the exact regime multiplies the bf16 product
     assert fuse_gated_mlps(fused) == []  # taken once
-    assert mlp.gate_proj.shared[0].max_rows == fusion.GATED_MAX_ROWS  # its gate/up group: one GEMM up to 4096 rows
-    assert fused.model.layers[0].self_attn.q_proj.shared[0].max_rows is None  # q/k/v: fusion.MAX_ROWS
+    # its gate/up group and q/k/v: one GEMM up to 4096 rows
+    assert mlp.gate_proj.shared[0].max_rows == fusion.JOINED_MAX_ROWS
+    assert fused.model.layers[0].self_attn.q_proj.shared[0].max_rows == fusion.JOINED_MAX_ROWS
 
 
 def test_only_the_gated_expression_with_silu_is_taken():
@@ -90,6 +91,9 @@ def test_only_the_gated_expression_with_silu_is_taken():
     assert [line for line in report.fusion if line.endswith(GATED)] == [f"gated{GATED}"]  # plain's down: nn.Linear
     assert type(model["gated"]) is not Gated and isinstance(model["gated"], Gated)
     assert all(type(model[n]) is c for n, c in (("swapped", Swapped), ("gelu", Gelu), ("plain", Gated)))
+    # one GEMM up to fusion.JOINED_MAX_ROWS rows for the gated MLP's gate/up group only
+    assert [model[n].gate_proj.shared[0].max_rows for n in ("gated", "swapped", "gelu", "plain")] == [
+        fusion.JOINED_MAX_ROWS, None, None, None]  # fmt: skip
 
 
 def test_the_models_steps_run_with_hooks_gradients_and_traced(gated_calls):

@@ -1,12 +1,13 @@
 """Where the eager 2048-token prefill of a Llama at 8B dimensions spends its time, bf16 against mxgemm, as
 ``bench/model_e2e.py`` runs it (``generate`` of one token, compile off): the call's wall time, the GPU's busy time
 and the host gaps within it, its kernels by kind (mxgemm's, cuBLAS's, attention's, the rest) and the top kernels.
-``--max-rows``: mxgemm's model measured once for each value of ``mxgemm.fusion.MAX_ROWS`` (eager calls read it when
-called: above it the members of a q/k/v or gate/up group run their own GEMMs), and with ``--unshared`` again with each
-member quantizing the input itself (its backend's ``run_sharing`` answering None); with ``--qkv-max-rows`` again with
-the three-member (q/k/v) groups' threshold set apart from the two-member (gate/up) groups'; with ``--ungated`` again
-with the gated MLPs' products computed as the model's own steps do (``MXFP8Linear.on_gated`` answering None) and their
-gate/up groups' threshold ``MAX_ROWS`` as the others' (not ``fusion.GATED_MAX_ROWS``).
+``--max-rows``: mxgemm's model measured once for each value of ``mxgemm.fusion.MAX_ROWS`` (eager calls of groups
+without a threshold of their own read it when called: above it the members run their own GEMMs), and with
+``--unshared`` again with each member quantizing the input itself (its backend's ``run_sharing`` answering None); with
+``--qkv-max-rows`` again with the three-member (q/k/v) groups' threshold set to each value (as shipped:
+``fusion.JOINED_MAX_ROWS``); with ``--ungated`` again with the gated MLPs' products computed as the model's own steps
+do (``MXFP8Linear.on_gated`` answering None) and their gate/up groups' threshold ``MAX_ROWS`` (not
+``fusion.JOINED_MAX_ROWS``).
 
 Run on the device: PYTHONPATH=src python3 bench/explore/prefill_anatomy.py --layers 32 --json prefill-anatomy.json
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import itertools
 import json
 import statistics
@@ -64,28 +64,6 @@ def anatomy(model, who: str, args, shared: bool = True, gated: bool = True) -> d
     return row
 
 
-@contextlib.contextmanager
-def qkv_max_rows(rows: int | None):
-    """Eager calls of three-member groups (q/k/v) read ``rows`` as ``fusion.MAX_ROWS``; the others its value."""
-    original = fusion.SharedInput.output
-    if rows is not None:
-
-        def output(self, index, x, bias):
-            if len(self.sizes) != 3:
-                return original(self, index, x, bias)
-            saved, fusion.MAX_ROWS = fusion.MAX_ROWS, rows
-            try:
-                return original(self, index, x, bias)
-            finally:
-                fusion.MAX_ROWS = saved
-
-        fusion.SharedInput.output = output
-    try:
-        yield
-    finally:
-        fusion.SharedInput.output = original
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=32)
@@ -115,16 +93,19 @@ def main() -> None:
                 kept = {key: g.max_rows for key, g in groups.items()}
                 if not gated:
                     MXFP8Linear.on_gated = lambda self, gate, up: None
-                    for g in groups.values():
+                for g in groups.values():
+                    if len(g.sizes) == 3 and qkv is not None:
+                        g.max_rows = qkv
+                    elif len(g.sizes) == 2 and not gated:
                         g.max_rows = None
-                with qkv_max_rows(qkv):
-                    rows.append({**anatomy(model, who, args, shared, gated), "qkv_max_rows": qkv or fusion.MAX_ROWS})
+                qkv_rows = next((g.max_rows for g in groups.values() if len(g.sizes) == 3), None)
+                rows.append({**anatomy(model, who, args, shared, gated), "qkv_max_rows": qkv_rows})
                 if not shared:
                     del backend.run_sharing
                 if not gated:
                     MXFP8Linear.on_gated = on_gated
-                    for key, g in groups.items():
-                        g.max_rows = kept[key]
+                for key, g in groups.items():
+                    g.max_rows = kept[key]
                 print(json.dumps(rows[-1], indent=1), flush=True)
                 if args.json:
                     doc = {"device": torch.cuda.get_device_name(), "rows": rows}

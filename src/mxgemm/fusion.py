@@ -5,12 +5,12 @@ The members' prepared weights become row views of one prepared weight (one copy 
 of a member on an input runs the whole weight once and keeps the other members' outputs (views of its output) until
 each takes its own, called on the same, unchanged tensor; traced (``torch.compile``), the same steps
 (``MXFP8Linear._traced_group_output``, on plain values each member holds) leave one ``mxgemm::linear`` op per group in
-the graph and no state behind. Eager inputs of more than ``MAX_ROWS`` rows (``GATED_MAX_ROWS`` for the gate/up group
-of a gated MLP, :func:`fuse`) run each member's own GEMM (contiguous outputs), on the input quantized once, by the
-first member's call, for the members called on it in turn where the backend quantizes activations apart from its GEMM
-(``Backend.run_sharing``: ``hybrid_sm90``'s cuBLAS path, ``emulation``). Everything else runs the member alone on its
-view: fp32 inputs, traced inputs of more than ``MAX_ROWS`` rows, a member called on another input (the group then
-stops running as one: the layers do not share their input), or a member whose bias was replaced or that was
+the graph and no state behind. Eager inputs of more than ``MAX_ROWS`` rows (``JOINED_MAX_ROWS`` for q/k/v groups and
+the gate/up group of a gated MLP, :func:`fuse`) run each member's own GEMM (contiguous outputs), on the input quantized
+once, by the first member's call, for the members called on it in turn where the backend quantizes activations apart
+from its GEMM (``Backend.run_sharing``: ``hybrid_sm90``'s cuBLAS path, ``emulation``). Everything else runs the member
+alone on its view: fp32 inputs, traced inputs of more than ``MAX_ROWS`` rows, a member called on another input (the
+group then stops running as one: the layers do not share their input), or a member whose bias was replaced or that was
 re-prepared.
 
 Each member's output is the same recipe on the same weight bits as its own call: below ``hybrid-block128``'s
@@ -51,11 +51,13 @@ GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_pr
 # member takes its view, also holds more memory than the members' outputs do one by one (a Llama-3-8B layer's gate/up
 # at 32768 rows: 1.9 GB at once against 0.94 GB twice). Traced calls take the value a group was made with.
 MAX_ROWS = 1024
-# The gate/up group of a gated MLP whose product down_proj reads quantized (mxgemm.gated) runs as one up to this many
-# rows: one kernel reads the group's column views at full speed where SiLU and the product would run strided, and
-# each call saves the host a GEMM's launch. On the H200 the 32-layer prefill of 2048 tokens kept the GPU as busy
-# (42.3 ms against 42.0 with members apart) and took 49.3 ms against 56.3 on a machine whose host bound it.
-GATED_MAX_ROWS = 4096
+# Groups whose outputs are read at full speed as views run as one up to this many rows (:func:`fuse`): the gate/up
+# group of a gated MLP whose product down_proj reads quantized (mxgemm.gated), where SiLU and the product would run
+# strided, and q/k/v groups, whose rotary and cache copies cost on views what the joined GEMM saves. Each call saves
+# the host a GEMM's launch (two for q/k/v). On the H200 the 32-layer prefill of 2048 tokens kept the GPU as busy with
+# gate/up joined (42.3 ms against 42.0 with members apart) and took 49.3 ms against 56.3 on a machine whose host bound
+# it; q/k/v joined as well: busy 41.6 ms against 41.7, 64 kernels fewer, 61.6 ms against 62.6 on a host-bound machine.
+JOINED_MAX_ROWS = 4096
 
 
 class SharedInput:
@@ -224,12 +226,13 @@ def fuse_shared_inputs(model: nn.Module, groups: Sequence[Sequence[str]] = GROUP
 def fuse(model: nn.Module) -> list[str]:
     """mxgemm's fusions of ``model``'s layers, in place: those that read the same input run as one
     (:func:`fuse_shared_inputs`), then gated MLPs hand ``down_proj`` their product quantized in one kernel
-    (:func:`mxgemm.gated.fuse_gated_mlps`), their gate/up groups running as one up to ``GATED_MAX_ROWS`` rows.
-    Their accounts, one after the other."""
+    (:func:`mxgemm.gated.fuse_gated_mlps`); q/k/v groups and gated MLPs' gate/up groups run as one up to
+    ``JOINED_MAX_ROWS`` rows. Their accounts, one after the other."""
     account = fuse_shared_inputs(model) + fuse_gated_mlps(model)
     for module in model.modules():
-        if is_gated(module) and module.gate_proj.shared is not None:
-            module.gate_proj.shared[0].max_rows = GATED_MAX_ROWS
+        for layer in (getattr(module, "q_proj", None), module.gate_proj if is_gated(module) else None):
+            if isinstance(layer, MXFP8Linear) and layer.shared is not None:
+                layer.shared[0].max_rows = JOINED_MAX_ROWS
     return account
 
 
