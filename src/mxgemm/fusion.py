@@ -43,13 +43,14 @@ logger = logging.getLogger("mxgemm")
 
 GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-# Inputs of more rows run each member's own GEMM: there each GEMM fills the GPU and the call's host time is hidden
-# behind it, while the members' outputs, column views of the group's output, make the ops that read them (rotary, SiLU
-# and the product after it) run at strided speed: on the H200 a 32-layer Llama at 8B dimensions prefilled 2048 tokens
-# in 48.6 ms with its members' own GEMMs on one shared quantization of the input against 50.7-50.8 as groups, its
-# elementwise kernels 3.2-3.3 ms faster, its GEMMs 0.3 ms slower. The group's output, whole until the layer's last
-# member takes its view, also holds more memory than the members' outputs do one by one (a Llama-3-8B layer's gate/up
-# at 32768 rows: 1.9 GB at once against 0.94 GB twice). Traced calls take the value a group was made with.
+# Inputs of more rows run each member's own GEMM (JOINED_MAX_ROWS below for the groups that read their views at full
+# speed): there each GEMM fills the GPU and the call's host time is hidden behind it, while the members' outputs, column
+# views of the group's output, make the ops that read them (SiLU and the product of an MLP not gated) run at strided
+# speed: on the H200 a 32-layer Llama at 8B dimensions, its MLPs not gated, prefilled 2048 tokens in 48.6 ms with its
+# members' own GEMMs on one shared quantization of the input against 50.7-50.8 as groups, its elementwise kernels
+# 3.2-3.3 ms faster, its GEMMs 0.3 ms slower. The group's output, whole until the layer's last member takes its view,
+# also holds more memory than the members' outputs do one by one (a Llama-3-8B layer's gate/up at 32768 rows: 1.9 GB
+# at once against 0.94 GB twice). Traced calls take the value a group was made with.
 MAX_ROWS = 1024
 # Groups whose outputs are read at full speed as views run as one up to this many rows (:func:`fuse`): the gate/up
 # group of a gated MLP whose product down_proj reads quantized (mxgemm.gated), where SiLU and the product would run
