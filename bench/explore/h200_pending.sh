@@ -23,6 +23,8 @@
 #           wall and GPU time by kernel kind, bf16 vs mxgemm
 #   anatomy bench/explore/decode_anatomy.py (ANATOMY_ARGS, default --layers 32 --batch 1): a graphed decode step's
 #           wall time, GPU busy time, kernels by kind and the projections alone, bf16 vs mxgemm
+#   ttft    bench/explore/ttft_probe.py (TTFT_ARGS, default --modes eager --batches 1 --repeats 9): every generate call
+#           with its time, its garbage-collector time and the CUDA allocator's segments and retries
 #   launch  bench/explore/launch_cost.py: host time of one and two launches, and of a graph of them replayed
 #   lt-algos  bench/explore/lt_algos.py: each cuBLASLt blockwise algorithm of the planned call against _scaled_mm
 #   new-lengths  bench/explore/new_lengths.py: eager prefills of prompt lengths not seen before (plans made) and again
@@ -120,6 +122,10 @@ for stage in "$@"; do
     lt-algos)
       timeout 400 python3 bench/explore/lt_algos.py --json "$out/lt-algos-h200.json" > /tmp/lt.log 2>&1
       tail -20 /tmp/lt.log ;;
+    ttft)
+      timeout 400 python3 bench/explore/ttft_probe.py ${TTFT_ARGS:---modes eager --batches 1 --repeats 9} \
+        > "$out/ttft-probe.txt" 2>&1
+      grep -E "^model" "$out/ttft-probe.txt" | tail -40 ;;
     launch)
       timeout 120 python3 bench/explore/launch_cost.py --json "$out/launch-cost-h200.json" 2>&1 | tail -10 ;;
     eager)
