@@ -288,6 +288,24 @@ def test_traced_calls_run_each_group_as_one_op():
     assert not _TRACED_GROUPS  # every member took its view
 
 
+def test_traced_calls_take_each_groups_threshold():
+    """Traced calls run a group's members apart above the group's threshold, as eager calls do: q/k/v's set to 64
+    rows here, gate/up's ``MAX_ROWS``."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    _, fused, _ = _pair("hybrid-block128")
+    assert fused.self_attn["q_proj"]._traced_group["max_rows"] == fusion.JOINED_MAX_ROWS  # set by fuse
+    fused.self_attn["q_proj"].shared[0].max_rows = 64
+    assert fused.self_attn["v_proj"]._traced_group["max_rows"] == 64
+    assert fused.mlp["up_proj"]._traced_group["max_rows"] == fusion.MAX_ROWS
+    graphs = EagerAndRecordGraphs()
+    compiled = torch.compile(fused, backend=graphs, fullgraph=True)
+    with torch.no_grad():
+        x = torch.randn(100, 256, dtype=torch.bfloat16)
+        assert torch.equal(compiled(x), fused(x))
+    assert graphs.graphs[0].code.count("mxgemm.linear") == 6  # q, k, v, o, gate/up, down
+
+
 def test_compiled_layers_guard_only_plain_values_of_their_own():
     """Every MXFP8Linear of a compiled block (groups and lone layers) reads only plain values in its own __dict__:
     with Dynamo's recursive dict tags (on by default in torch 2.11) its guards are skipped while the __dict__ is

@@ -50,7 +50,8 @@ GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_pr
 # members' own GEMMs on one shared quantization of the input against 50.7-50.8 as groups, its elementwise kernels
 # 3.2-3.3 ms faster, its GEMMs 0.3 ms slower. The group's output, whole until the layer's last member takes its view,
 # also holds more memory than the members' outputs do one by one (a Llama-3-8B layer's gate/up at 32768 rows: 1.9 GB
-# at once against 0.94 GB twice). Traced calls take the value a group was made with.
+# at once against 0.94 GB twice). Traced calls take the value of a group's threshold when it was set
+# (``SharedInput.max_rows``).
 MAX_ROWS = 1024
 # Groups whose outputs are read at full speed as views run as one up to this many rows (:func:`fuse`): the gate/up
 # group of a gated MLP whose product down_proj reads quantized (mxgemm.gated), where SiLU and the product would run
@@ -73,7 +74,7 @@ class SharedInput:
         self.bias = bias
         self.bias_views = tuple(bias_views)
         self.enabled = True
-        self.max_rows: int | None = None  # eager calls of more rows run each member's own GEMM (None: MAX_ROWS)
+        self._max_rows: int | None = None
         # what each member's traced call reads, a plain dict the member holds (MXFP8Linear._traced)
         self.traced = [
             {**weight.traced_args(), "on": True, "key": id(self), "start": sum(self.sizes[:i]),
@@ -87,6 +88,18 @@ class SharedInput:
         # above MAX_ROWS: (weak input, its version, its quantized rows, the members still to call on them)
         self._quantized: tuple | None = None
         self.members: list[PreparedWeight] = []  # each member's row view of the weight, set by _group
+
+    @property
+    def max_rows(self) -> int | None:
+        """Calls of more rows run each member's own GEMM: eager ones read it (None: ``MAX_ROWS``) at each call, traced
+        ones take it (or ``MAX_ROWS``) as it was set, so compiled and eager calls run the same GEMMs."""
+        return self._max_rows
+
+    @max_rows.setter
+    def max_rows(self, rows: int | None) -> None:
+        self._max_rows = rows
+        for traced in self.traced:
+            traced["max_rows"] = rows or MAX_ROWS
 
     def output(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """Member ``index``'s output for ``x`` (its ``bias`` as it holds it now) in an eager call, or None where it
@@ -108,7 +121,7 @@ class SharedInput:
         if self._pending:  # a member asked for another input while others had not taken theirs
             self.disable("its members were called on different inputs")
             return None
-        if x.numel() > (self.max_rows or MAX_ROWS) * x.shape[-1]:
+        if x.numel() > (self._max_rows or MAX_ROWS) * x.shape[-1]:
             return self._own_gemm(index, x, bias, version)
         # split_with_sizes: Tensor.split's Python wrapper costs 1.4 µs more on a CPU host
         ys = linear(x, self.weight, self.bias).split_with_sizes(self.sizes, -1)
