@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--skip", nargs="*", default=[], help="layers quantize_model leaves in bf16 (e.g. lm_head)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=128, help="new tokens of the decode measurement")
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill measurement")
