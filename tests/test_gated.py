@@ -112,10 +112,32 @@ def test_the_models_steps_run_with_hooks_gradients_and_traced(gated_calls):
     y = mlp(x)
     y.float().sum().backward()
     assert x.grad is not None and gated_calls == [True, False]
-    with torch.no_grad():
-        compiled = torch.compile(fused, backend="eager", fullgraph=True)
-        assert torch.equal(compiled(ids).logits, ref)
-    assert gated_calls == [True, False]  # traced: the module's own forward, never on_gated
+    assert gated_calls == [True, False]
+
+
+def test_traced_gated_mlps_run_one_op_with_the_eager_bits(gated_calls):
+    """Traced, a gated MLP leaves one ``mxgemm::linear_gated`` op where the model's steps left SiLU, the product and
+    ``down_proj``'s op, from the rows ``on_gated`` takes (the crossover here); it gives the eager call's bits (the
+    product as PyTorch computes it eagerly). Fewer rows keep the model's steps. With gradients the traced module
+    runs the model's steps."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    plain, fused, _ = _pair()
+    crossover = fused.model.layers[0].mlp.down_proj._gated_from
+    assert crossover == fused.model.layers[0].mlp.down_proj.prepared.info["crossover"] > 3
+    for rows, ops in ((3, 0), (300, 2)):
+        graphs = EagerAndRecordGraphs()
+        torch._dynamo.reset()
+        compiled = torch.compile(fused, backend=graphs, fullgraph=True)
+        with torch.no_grad():
+            ids = torch.randint(0, 500, (1, rows), generator=torch.Generator().manual_seed(rows))
+            assert torch.equal(compiled(ids).logits, plain(ids).logits), rows
+        assert [g.code.count("mxgemm.linear_gated") for g in graphs.graphs] == [ops], rows
+    assert not gated_calls  # traced: the op, never on_gated
+    mlp = torch.compile(fused.model.layers[0].mlp, backend=graphs, fullgraph=True)
+    x = random_act(8, 256).view(1, 8, 256).requires_grad_()
+    mlp(x).float().sum().backward()
+    assert x.grad is not None and "linear_gated" not in graphs.graphs[-1].code
 
 
 def _weight(crossover):
@@ -126,33 +148,44 @@ def _weight(crossover):
 
 
 def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
-    """On the cuBLAS path: the planned call's ``.gated`` where planned calls run, else the CUDA gated quantizer's rows
-    through ``torch._scaled_mm``; None below it (the FP8 kernel quantizes in its own launch; ``gated_from`` says
-    where it starts) and for strided inputs. The route is chosen once per M."""
-    rows, seen, made = object(), [], []
+    """From the crossover: on the FP8 kernel's path its plan's ``.gated`` (the plan of the call's config); on the
+    cuBLAS path the planned call's ``.gated`` where planned calls run, else the CUDA gated quantizer's rows through
+    ``torch._scaled_mm``. None below the crossover (``gated_from`` says where it starts), for strided inputs and
+    without the CUDA quantizer. The route is made once per M."""
+    rows, seen, made, fp8_made = object(), [], [], []
     monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda g, up: rows if (g, up) == (gate, up_) else None)
     monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda x, qd, bs, n, bias, quantize: seen.append(
         (x, qd, bs, n, bias, quantize(x))) or x)  # fmt: skip
+
+    def plan_with_gated(made_here):
+        def linear_plan(*args):
+            made_here.append(args)
+            launch = lambda x, bias: pytest.fail("the plan's own call")  # noqa: E731
+            launch.gated = lambda g, u, b: ("gated", g, u, b)
+            return launch
+
+        return linear_plan
+
+    monkeypatch.setattr(fp8_gemm, "linear_plan", plan_with_gated(fp8_made))
     backend, weight = HybridSM90Backend(), _weight(crossover=17)
-    assert backend.gated_from(weight) == 129  # the FP8 kernel's CTAs fit on the SMs in one wave up to M = 128
+    assert backend.gated_from(weight) == 17
     gate, up_, bias = random_act(400, 384), random_act(400, 384, seed=2), torch.randn(256).bfloat16()
-    assert backend.run_gated(gate[:128], up_[:128], weight, None) is None
+    assert backend.run_gated(gate[:16], up_[:16], weight, None) is None  # the exact regime below the crossover
     assert backend.run_gated(gate.t().contiguous().t(), up_, weight, None) is None  # not unit stride along K
+    g, u = gate[:128], up_[:128]
+    for _ in range(2):
+        assert backend.run_gated(g, u, weight, bias) == ("gated", g, u, bias)
+    config = hybrid_sm90.fp8_default(128, *weight.tensors["qdata"].shape, 132)
+    assert [a[3:] for a in fp8_made] == [(384, 128, config, hybrid_sm90.fused_for(128, 256, 384))]
     assert backend.run_gated(gate, up_, weight, bias) is gate
     t = weight.tensors
     assert seen == [(gate, t["qdata"], t["block_scale"], 256, bias, rows)]
-
-    def linear_plan(*args):
-        made.append(args)
-        launch = lambda x, bias: pytest.fail("the plan's own call")  # noqa: E731
-        launch.gated = lambda g, u, b: ("gated", g, u, b)
-        return launch
 
     del weight.info["fp8_sms"]  # no CUDA quantizer: never
     assert backend.gated_from(weight) is None and backend.run_gated(gate[:1], up_[:1], weight, None) is None
     weight = _weight(crossover=17)
     weight.info["blockwise_plan"] = True
-    monkeypatch.setattr(hybrid_sm90.cublaslt, "linear_plan", linear_plan)
+    monkeypatch.setattr(hybrid_sm90.cublaslt, "linear_plan", plan_with_gated(made))
     for _ in range(2):
         assert backend.run_gated(gate, up_, weight, bias) == ("gated", gate, up_, bias)
     assert len(made) == 1 and len(seen) == 1
@@ -161,24 +194,45 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
     assert len(weight.plans) <= MAX_PLANS and len(made) == MAX_PLANS + 1
 
 
-def test_a_tuned_fp8_tactic_keeps_the_weights_own_call(monkeypatch):
-    """Where the tuning cache gives a weight's M the FP8 kernel, its own call runs that: no gated product, no shared
-    rows taken or read (cuBLASLt on them would be another accumulation order than the call's)."""
+def test_hybrid_leaves_the_rows_below_the_crossover_to_the_models_steps(monkeypatch):
+    """Below the crossover, where the small-M kernel runs, the model's own steps: the small-M kernel's ``.gated``
+    (its product made in every CTA) is not routed."""
+    monkeypatch.setattr(hybrid_sm90, "small_m_plan", lambda *a: pytest.fail("routed to the small-M kernel"))
+    backend, weight = HybridSM90Backend(), _weight(crossover=17)
+    weight.info["small_m"] = True
+    assert backend.gated_from(weight) == 17
+    gate, up = random_act(4, 384), random_act(4, 384, seed=2)
+    assert backend.run_gated(gate, up, weight, None) is None
+
+
+def test_a_tuned_tactic_runs_the_gated_product_on_its_own_path(monkeypatch):
+    """Where the tuning cache gives a weight's M the FP8 kernel, the gated product runs that kernel's plan of the
+    tuned config; no shared rows are taken or read (cuBLASLt on them would be another accumulation order than the
+    call's)."""
     from mxgemm import autotune
     from mxgemm.backends.base import Tactic
 
     backend, weight = HybridSM90Backend(), _weight(crossover=17)
-    fp8 = Tactic(hybrid_sm90.Path.FP8, hybrid_sm90.fp8_default(300, 256, 384, 132))
-    monkeypatch.setattr(autotune, "tactic_for_call", lambda b, w, x: fp8)
+    tuned = Tactic(hybrid_sm90.Path.FP8, hybrid_sm90.fp8_default(64, 256, 384, 132))
+    monkeypatch.setattr(autotune, "tactic_for_call", lambda b, w, x: tuned)
     monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda *a, **k: pytest.fail("quantized apart"))
-    own = []
+    made, own = [], []
+
+    def linear_plan(qd, bs, n, k, m, config, fused):
+        made.append((m, config, fused))
+        launch = lambda x, bias: pytest.fail("the plan's own call")  # noqa: E731
+        launch.gated = lambda g, u, b: g
+        return launch
+
+    monkeypatch.setattr(fp8_gemm, "linear_plan", linear_plan)
     monkeypatch.setattr(HybridSM90Backend, "plan", lambda self, w, m, dtype, tactic=None: lambda x, bias: own.append(
         (m, tactic)) or x)  # fmt: skip
     gate, up = random_act(300, 384), random_act(300, 384, seed=2)
-    assert backend.run_gated(gate, up, weight, None) is None
+    assert backend.run_gated(gate, up, weight, None) is gate
+    assert made == [(300, tuned.config, False)]
     assert backend.run_sharing(gate, weight, None) is None
     assert backend.run_quantized(gate, ("rows", "of another member"), weight, None) is gate
-    assert own == [(300, fp8)]
+    assert own == [(300, tuned)]
 
 
 @pytest.mark.gpu
@@ -203,7 +257,8 @@ def test_the_gated_quantizer_is_the_quantizer_of_the_product_on_the_gpu(m, k, dt
 def test_gated_mlps_on_the_gpu(gated_calls, monkeypatch):
     """hybrid_sm90 on the H200: a Llama's gated MLPs give the logits of the model's own steps (the same model with
     ``on_gated`` answering None) at every M (the small-M kernel, the FP8 kernel, cuBLASLt planned and through
-    ``torch._scaled_mm``), eagerly; the product reaches down_proj quantized where its call takes the cuBLAS path."""
+    ``torch._scaled_mm``), eagerly; the product reaches down_proj quantized by one kernel wherever its call quantizes
+    (the FP8 kernel's path and the cuBLAS path)."""
     from helpers import skip_unless_backend_runs
 
     skip_unless_backend_runs("hybrid_sm90")
@@ -214,7 +269,7 @@ def test_gated_mlps_on_the_gpu(gated_calls, monkeypatch):
     assert f"2 gated MLPs{GATED}" in str(report)
     down = model.model.layers[0].mlp.down_proj
     backend = mxgemm.backends.get_backend("hybrid_sm90")
-    on_gated = MXFP8Linear.on_gated
+    on_gated, paths = MXFP8Linear.on_gated, set()
     for planned in (True, False):
         for layer in model.modules():
             if isinstance(layer, MXFP8Linear):
@@ -225,12 +280,13 @@ def test_gated_mlps_on_the_gpu(gated_calls, monkeypatch):
                 ids = torch.randint(0, 1000, (1, rows), device="cuda")
                 gated_calls.clear()
                 y = model(ids).logits
-                cublas = backend._default(rows, down.prepared).path == hybrid_sm90.Path.CUBLAS
-                assert gated_calls == [cublas] * 2, rows
+                path = backend._default(rows, down.prepared).path
+                paths.add(path)
+                assert gated_calls == [path.quantized] * 2, rows
                 monkeypatch.setattr(MXFP8Linear, "on_gated", lambda self, g, u: None)
                 assert torch.equal(y, model(ids).logits), (planned, rows)
                 monkeypatch.setattr(MXFP8Linear, "on_gated", on_gated)
-    assert cublas  # 4100 rows ran it
+    assert paths == {hybrid_sm90.Path.SMALL_M, hybrid_sm90.Path.FP8, hybrid_sm90.Path.CUBLAS}
 
 
 def test_a_gated_model_pickles_and_copies_as_gated(gated_calls, tmp_path):

@@ -193,3 +193,39 @@ def test_graphed_plans_give_the_direct_launches_bits_call_after_call(m, n, k):
         captured = graphed(x, None)
     graph.replay()
     assert torch.equal(captured, direct(x, None))
+
+
+@pytest.mark.parametrize("m", [16, 64, 100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gated_calls_give_the_plain_calls_bits_on_the_product(m, dtype):
+    """A plan's ``.gated`` (the gated quantizer, then the GEMM) == the plain call on ``silu(gate) * up`` as PyTorch
+    computes it, bit for bit, on column views of one [M, 2K] output as a joined gate/up GEMM gives them, with and
+    without a bias, for plans of every launch kind (graphed, fused, direct), call after call on fresh inputs and
+    alternating with plain calls on the same plan; under capture it launches the two kernels."""
+    n, k = 1024, 3584
+    q, s = random_mx_weight(n, k, seed=m, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = {fp8_default(m, *qd.shape, sms), SwapAB(16, splits=2, stages=4), TokensAsM(64, 64, splits=2, stages=4)}
+    direct = {cfg: fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, fused=False, graphed=False) for cfg in configs}
+    for cfg, (fused, graphed) in itertools.product(configs, (("auto", True), (True, False), (False, False))):
+        plan = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, fused, graphed)
+        for i in range(3):
+            both = random_act(m, 2 * k, seed=i, dtype=dtype, device="cuda") * 4
+            both[0, :4] = torch.tensor([-1e4, 1e4, -90.0, 90.0])
+            gate, up = both[:, :k], both[:, k:]
+            bias = torch.randn(n, device="cuda").bfloat16() if i % 2 else None
+            product = torch.nn.functional.silu(gate) * up
+            want = direct[cfg](product, bias)
+            assert torch.equal(plan.gated(gate, up, bias), want), (cfg, fused, graphed, i)
+            if fused is not True:  # (the fused kernel is built for some configs only, bf16 only)
+                assert torch.equal(plan(product, bias), want), (cfg, fused, graphed, i)
+    plan = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg)
+    names = kernels_launched(lambda: plan.gated(gate, up, None))
+    assert len(names) == 2 and any("quant_1x128" in n for n in names), names
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = plan.gated(gate, up, None)
+    graph.replay()
+    assert torch.equal(captured, direct[cfg](product, None))

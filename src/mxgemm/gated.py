@@ -1,12 +1,12 @@
 """Gated MLPs, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with SiLU (Hugging Face's Llama, Mistral, Qwen and most
 decoder models), whose product reaches ``down_proj`` quantized by one kernel.
 
-Where ``down_proj`` quantizes its input apart from its GEMM (:meth:`Backend.run_gated`: ``hybrid_sm90``'s cuBLAS path,
-the prefill's rows), one kernel reads the gate and up projections' outputs and writes the 1x128-quantized product
-``down_proj``'s GEMM reads, where the model runs SiLU, the product and ``down_proj``'s quantizer as three kernels (the
-product written in bf16 and read back twice): the same bits (:meth:`MXFP8Linear.on_gated`). Elsewhere (rows the
-backend does not quantize apart, traced calls, gradients, hooks on ``act_fn`` or ``down_proj``) the model's own steps
-run.
+Where ``down_proj`` quantizes its input (:meth:`Backend.run_gated`: ``hybrid_sm90`` from its crossover, on cuBLASLt's
+path and on our FP8 kernel's), one kernel reads the gate and up projections' outputs and writes the 1x128-quantized
+product ``down_proj``'s GEMM reads, where the model runs SiLU, the product and ``down_proj``'s quantizer as three
+kernels (the product written in bf16 and read back twice): the same bits (:meth:`MXFP8Linear.on_gated`). Elsewhere
+(rows the backend does not quantize, traced calls, gradients, hooks on ``act_fn`` or ``down_proj``) the model's own
+steps run.
 
 A module is taken where its class's ``forward`` is that expression (its bytecode the same as :func:`_written_so`'s or
 :func:`_returned_so`'s), ``act_fn`` is SiLU and the three projections are :class:`MXFP8Linear`. Its class becomes a
@@ -59,11 +59,14 @@ def _hooked(module: nn.Module) -> bool:
 @functools.cache
 def _gated_class(cls: type) -> type:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return cls.forward(self, x)
         gate, up = self.gate_proj(x), self.up_proj(x)
         down, act = self.down_proj, self.act_fn
-        y = None if _hooked(down) or _hooked(act) else down.on_gated(gate, up)
+        if _hooked(down) or _hooked(act):
+            y = None
+        elif torch.compiler.is_compiling():
+            y = down.traced_gated(gate, up)
+        else:
+            y = down.on_gated(gate, up)
         return down(act(gate) * up) if y is None else y
 
     def extra_repr(self) -> str:

@@ -7,7 +7,7 @@ from torch import nn
 
 from .backends import get_backend
 from .format import SCALE_DTYPES, ScaleMode, check_mx_pair, quantize
-from .weights import PreparedWeight, check_inputs, linear, op_linear, prepare_weight, wants_grad
+from .weights import PreparedWeight, check_inputs, linear, op_linear, op_linear_gated, prepare_weight, wants_grad
 
 __all__ = ["MXFP8Linear"]
 
@@ -210,7 +210,7 @@ class MXFP8Linear(nn.Module):
     def on_gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
         """``self(silu(gate) * up)``, the product quantized by one kernel that reads ``gate`` and ``up``
         (:meth:`Backend.run_gated`, :mod:`mxgemm.gated`): the same bits. None where that does not run (traced,
-        subclass or fp32 inputs, gradients, an M or backend whose call quantizes no input apart from its GEMM): the
+        subclass or fp32 inputs, gradients, an M or backend whose call does not quantize its input): the
         caller then computes the product and calls the layer. Hooks on the layer are the caller's to honour."""
         start = self._gated_from  # fewer rows, or a backend that never runs it: at once
         if start is None or type(gate) is not torch.Tensor or gate.numel() < start * gate.shape[-1]:
@@ -228,6 +228,21 @@ class MXFP8Linear(nn.Module):
         g, u = gate.reshape(-1, w.in_features), up.reshape(-1, w.in_features)
         y = get_backend(w.backend).run_gated(g, u, w, bias)
         return None if y is None else y.reshape(*gate.shape[:-1], y.shape[-1])
+
+    def traced_gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`on_gated` as ``torch.compile`` traces it: one ``mxgemm::linear_gated`` op, whose implementation runs
+        the product as an eager call does, or computes it first where that does not run (the same bits, those of the
+        model's steps run eagerly). None where the caller runs its own steps: fewer rows than :meth:`on_gated` takes
+        (a compiled decode step then keeps the model's SiLU and product, which the compiler fuses into one kernel), fp32
+        inputs, gradients. Reads what ``_traced`` reads, and the layer's ``_gated_from``."""
+        bias, start = self.bias, self._gated_from
+        if start is None or gate.numel() < start * gate.shape[-1]:
+            return None
+        if (gate.dtype in _WIDE or up.dtype != gate.dtype or up.shape != gate.shape or wants_grad(gate, bias)
+                or wants_grad(up, None)):  # fmt: skip
+            return None
+        check_inputs(gate, self.in_features, self.out_features, _device(self._op), bias)
+        return op_linear_gated(gate, up, self._op, self.out_features, bias)
 
     def _traced(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` as ``torch.compile`` traces it, with the same steps. Without gradients it reads only values the

@@ -26,7 +26,7 @@ from .backends import PreparedWeight, get_backend
 from .block128 import padded_1x128_shape
 from .format import BLOCK_SIZE, quantize
 
-__all__ = ["linear_op", "quantize_1x128_op", "quantize_mx_op", "run_planned"]
+__all__ = ["linear_gated_op", "linear_op", "quantize_1x128_op", "quantize_mx_op", "run_planned"]
 
 _LIB = torch.library.Library("mxgemm", "DEF")
 
@@ -71,6 +71,25 @@ linear_op = _define("linear(Tensor x, Tensor[] tensors, Tensor? bias, str backen
                     _linear_fake)  # fmt: skip
 """``mxgemm::linear``: ``x`` [M, K] -> [M, N] in ``x.dtype`` on ``backend``, for the prepared weight described by
 (tensors, meta)."""
+
+
+def _linear_gated(gate: Tensor, up: Tensor, tensors: list[Tensor], bias: Tensor | None, backend: str,
+                  meta: str) -> Tensor:  # fmt: skip
+    weight = PreparedWeight.from_op_args(backend, tensors, meta)
+    y = get_backend(backend).run_gated(gate, up, weight, bias)
+    return run_planned(torch.nn.functional.silu(gate) * up, weight, bias) if y is None else y
+
+
+def _linear_gated_fake(gate: Tensor, up: Tensor, tensors: list[Tensor], bias: Tensor | None, backend: str,
+                       meta: str) -> Tensor:  # fmt: skip
+    return gate.new_empty((gate.shape[0], json.loads(meta)["out_features"]))
+
+
+linear_gated_op = _define("linear_gated(Tensor gate, Tensor up, Tensor[] tensors, Tensor? bias, str backend, str meta) "
+                          "-> Tensor", _linear_gated, _linear_gated_fake)  # fmt: skip
+"""``mxgemm::linear_gated``: ``mxgemm::linear`` on ``silu(gate) * up`` as PyTorch computes it in their dtype (gate and
+up [M, K]), the product made by one kernel with the GEMM's input where the backend runs it (:meth:`Backend.run_gated`),
+else computed first: the same bits either way."""
 
 
 def _quantize_mx(x: Tensor, scale_mode: str, elem_dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -6,10 +6,11 @@ import torch
 
 from .backends import PreparedWeight, get_backend
 from .format import MXTensor, check_mx_pair, dequantize, e8m0_bytes
-from .ops import linear_op, run_planned
+from .ops import linear_gated_op, linear_op, run_planned
 from .resolve import resolve_and_prepare
 
-__all__ = ["ACTIVATION_DTYPES", "PreparedWeight", "check_inputs", "linear", "op_linear", "prepare_weight", "wants_grad"]
+__all__ = ["ACTIVATION_DTYPES", "PreparedWeight", "check_inputs", "linear", "op_linear", "op_linear_gated",
+           "prepare_weight", "wants_grad"]  # fmt: skip
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -61,6 +62,14 @@ def op_linear(x: torch.Tensor, op: dict, n: int, bias: torch.Tensor | None) -> t
     arguments ``op`` holds (:meth:`PreparedWeight.traced_args`): what a traced call leaves in the graph."""
     tensors = list(op["tensors"].values())
     return _on_rows(x, n, lambda rows: linear_op(rows, tensors, bias, op["backend"], op["meta"]))
+
+
+def op_linear_gated(gate: torch.Tensor, up: torch.Tensor, op: dict, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``silu(gate) * up`` ([..., K] each, checked) through one ``mxgemm::linear_gated`` op on their [M, K] rows, as
+    :func:`op_linear`."""
+    tensors = list(op["tensors"].values())
+    return _on_rows(gate, n, lambda rows: linear_gated_op(rows, up.reshape(rows.shape), tensors, bias, op["backend"],
+                                                          op["meta"]))  # fmt: skip
 
 
 def _on_rows(x: torch.Tensor, n: int, run) -> torch.Tensor:

@@ -233,7 +233,7 @@ class Backend(ABC):
     ) -> torch.Tensor | None:
         """What :meth:`run` answers for the input ``silu(gate) * up`` ([M, K] each, as a gated MLP computes that
         product in their dtype), that product quantized by one kernel that reads ``gate`` and ``up``, where this
-        weight's call at M quantizes its input apart from its GEMM; None elsewhere (this default): the caller then
+        weight's call at M quantizes its input; None elsewhere (this default): the caller then
         computes the product and runs the weight on it (:mod:`mxgemm.gated`)."""
         return None
 

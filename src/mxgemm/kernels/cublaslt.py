@@ -222,16 +222,21 @@ def linear_plan(
         xq = buf.data_ptr() + ws_offset
         return finish(buf, x, bias), PlannedRows(buf, xq, xq + mp * kp, mp, kp)
 
+    def gemm_alone(xq: int, xs: int, buf: torch.Tensor, ws_at: int) -> None:
+        """The plan's GEMM on quantized rows at ``xq`` / ``xs`` into ``buf``, cuBLASLt's workspace ``ws_at`` bytes into
+        it."""
+        y = buf.data_ptr()
+        err = gemm(handle, xq, xs, y, y + ws_at if gemm_ws else None, raw_stream(index))
+        if err:
+            raise RuntimeError(f"cuBLASLt blockwise GEMM failed for M={m}: {_why(err)}")
+
     def on_quantized(rows: PlannedRows, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The GEMM alone, on ``rows`` quantized from the input ``x`` stands for (``x`` itself, or a tensor of its
         shape and dtype): the bits of ``launch`` on that input."""
         if (rows.mp, rows.kp) != (mp, kp):
             raise ValueError(f"rows quantized for [{rows.mp}, {rows.kp}], not this plan's [{mp}, {kp}]")
         buf = torch.empty(gemm_rows, np_, dtype=torch.bfloat16, device=device)
-        y = buf.data_ptr()
-        err = gemm(handle, rows.xq, rows.xs, y, y + ws_offset if gemm_ws else None, raw_stream(index))
-        if err:
-            raise RuntimeError(f"cuBLASLt blockwise GEMM failed for M={m}: {_why(err)}")
+        gemm_alone(rows.xq, rows.xs, buf, ws_offset)
         return finish(buf, x, bias)
 
     def gated(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -239,14 +244,12 @@ def linear_plan(
         call's buffer by one kernel that reads ``gate`` and ``up`` ([M, k] each, unit stride along K): the same
         bits."""
         buf = torch.empty(rows, np_, dtype=torch.bfloat16, device=device)
-        y, stream = buf.data_ptr(), raw_stream(index)
-        xq = y + ws_offset
+        xq = buf.data_ptr() + ws_offset
         err = gated_quantizer(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), fp16, m, k, xq,
-                              xq + mp * kp, mp, kp, stream)  # fmt: skip
-        if not err:
-            err = gemm(handle, xq, xq + mp * kp, y, y + lt_offset if gemm_ws else None, stream)
+                              xq + mp * kp, mp, kp, raw_stream(index))  # fmt: skip
         if err:
-            raise RuntimeError(f"cuBLASLt blockwise GEMM on a gated product failed for M={m}: {_why(err)}")
+            raise RuntimeError(f"mxgemm gated 1x128 quantizer failed to launch (cudaError {err}) for M={m}")
+        gemm_alone(xq, xq + mp * kp, buf, lt_offset)
         return finish(buf, gate, bias)
 
     launch.sharing = sharing

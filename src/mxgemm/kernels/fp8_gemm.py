@@ -42,6 +42,7 @@ _GEMM_ARGS = [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
 _QUANT_ARGS = [_P, _I, _I, _I, _I, _P, _P, _I, _I, _P]  # X, ldx, x_fp16, M, K, XQ, XS, Mp, Kp, stream
 _GATED_ARGS = [_P, _I, *_QUANT_ARGS]  # G, ldg, then U, ldu, ... as _QUANT_ARGS
 _RUN_ARGS = [_P, _P, _I, _P, _P, _P]  # plan, X, ldx, bias, Y, stream
+_GATED_RUN_ARGS = [_P, _P, _I, _P, _I, _P, _P, _P]  # plan, G, ldg, U, ldu, bias, Y, stream
 # how mxgemm_fp8_linear_run launches: quantizer + GEMM, the fused kernel, or that one unless the stream is capturing
 _FUSED = {False: 0, True: 1, "auto": 2}
 
@@ -58,7 +59,7 @@ class _LinearPlan(ctypes.Structure):
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel for sm_90a. Raises RuntimeError when it cannot be built."""
     names = ("mxgemm_fp8_gemm", "mxgemm_fp8_gemm_tokm", "mxgemm_quant_1x128", "mxgemm_quant_gated_1x128",
-             "mxgemm_fp8_linear_run", "mxgemm_fp8_linear_plan_free")  # fmt: skip
+             "mxgemm_fp8_linear_run", "mxgemm_fp8_linear_gated_run", "mxgemm_fp8_linear_plan_free")  # fmt: skip
     lib = nvcc.build(_SOURCE, capability, suffix="a", symbols=names)
     for name, args in (
         ("mxgemm_fp8_gemm", [*_GEMM_ARGS, *[_I] * 6, _P]),  # + tn, rw, kc, splits, stages, pdl, stream
@@ -66,6 +67,7 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL:
         ("mxgemm_quant_1x128", _QUANT_ARGS),
         ("mxgemm_quant_gated_1x128", _GATED_ARGS),
         ("mxgemm_fp8_linear_run", _RUN_ARGS),
+        ("mxgemm_fp8_linear_gated_run", _GATED_RUN_ARGS),
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, _I
@@ -233,7 +235,10 @@ def linear_plan(
     capturing a CUDA graph (eager calls are bound by host time, and it saves a launch), else the two (under graph replay
     only device time counts). ``graphed`` (with ``fused`` False or "auto"): outside stream capture, the quantizer and
     the GEMM launch as one CUDA graph of the plan's (made on the first such call), their arguments set per call: one
-    launch's host time for both, and the two kernels' device time."""
+    launch's host time for both, and the two kernels' device time. ``.gated(gate, up, bias)``: the call on the product
+    a gated MLP feeds its down projection, ``silu(gate) * up`` as PyTorch computes it in their dtype ([M, k] each,
+    unit stride along K), quantized by one kernel that reads both, then the GEMM: the bits of the call on that
+    product (never the fused kernel; a graph of its own)."""
     np_, kp = qdata.shape
     if not config.valid(kp) or fused not in _FUSED:
         raise ValueError(f"the FP8 kernel cannot run config {config} (fused={fused!r}) on a [{np_}, {kp}] weight")
@@ -251,9 +256,15 @@ def linear_plan(
                        int(tokm), config.tn, config.wn if tokm else config.rw, 1 if tokm else config.kc,
                        config.splits, config.stages, _FUSED[fused], ws_offset, q_bytes)  # fmt: skip
     plan.graphed = int(graphed)
-    plans = {torch.bfloat16: plan, torch.float16: _LinearPlan.from_buffer_copy(plan)}
-    plans[torch.float16].x_fp16 = 1
-    addresses = {dtype: ctypes.addressof(p) for dtype, p in plans.items()}
+    # one plan a dtype and kind of call (plain, gated): each keeps the graph of its own kernels
+    plans = {(dtype, gated): _LinearPlan.from_buffer_copy(plan) for dtype in (torch.bfloat16, torch.float16)
+             for gated in (False, True)}  # fmt: skip
+    for (dtype, gated), p in plans.items():
+        p.x_fp16 = int(dtype == torch.float16)
+        p.fused = 0 if gated and p.fused == 1 else p.fused
+    addresses = {dtype: ctypes.addressof(plans[dtype, False]) for dtype in (torch.bfloat16, torch.float16)}
+    gated_addresses = {dtype: ctypes.addressof(plans[dtype, True]) for dtype in (torch.bfloat16, torch.float16)}
+    gated_fn = lib.mxgemm_fp8_linear_gated_run
     index = device.index
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -264,13 +275,26 @@ def linear_plan(
         err = fn(addresses[x.dtype], x.data_ptr(), x.stride(0) if x.dim() == 2 else k,
                  None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))  # fmt: skip
         if err:
-            why = f"cudaError {err}" if err > 0 else "no fused kernel for this config, or its stages exceed smem"
-            raise RuntimeError(f"mxgemm FP8 linear failed to launch ({why}) for M={m} config {config} fused={fused}")
+            _launch_failed(err, m, config, fused)
         return shaped_as(y, x, m, n)
 
+    def gated(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
+        err = gated_fn(gated_addresses[gate.dtype], gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))  # fmt: skip
+        if err:
+            _launch_failed(err, m, config, fused)
+        return shaped_as(y, gate, m, n)
+
+    launch.gated = gated
     launch.plans = plans  # the structures the addresses point into live as long as the launcher
     free_with(launch, lib.mxgemm_fp8_linear_plan_free, plans.values())
     return launch
+
+
+def _launch_failed(err: int, m: int, config: Fp8Config, fused: bool | str) -> None:
+    why = f"cudaError {err}" if err > 0 else "no fused kernel for this config, or its stages exceed smem"
+    raise RuntimeError(f"mxgemm FP8 linear failed to launch ({why}) for M={m} config {config} fused={fused}")
 
 
 def fp8_linear(

@@ -31,6 +31,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "gated.cuh"
 #include "graph_launch.cuh"
 
 #include <type_traits>
@@ -553,9 +554,8 @@ __device__ __forceinline__ void load_values(const T* __restrict__ X, int ldx, in
   }
 }
 
-// The values a quantizer takes: X's, or (GATED) the product a gated MLP feeds its down projection, act(X) * U, as
-// PyTorch computes it in T: SiLU as X / (1 + exp(-X)) in fp32 (an IEEE division and expf), rounded to T, times U in
-// fp32, rounded to T (the bits of torch.nn.functional.silu(x) * u)
+// The values a quantizer takes: X's, or (GATED) the product a gated MLP feeds its down projection, silu(X) * U
+// (gated_value)
 template <typename T, bool GATED, int N>
 __device__ __forceinline__ void input_values(const T* __restrict__ X, int ldx, const T* __restrict__ U, int ldu,
                                              int row, int col, int M, int K, float (&v)[N]) {
@@ -564,10 +564,7 @@ __device__ __forceinline__ void input_values(const T* __restrict__ X, int ldx, c
     float u[N];
     load_values<T, N>(U, ldu, row, col, M, K, u);
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const float act = static_cast<float>(static_cast<T>(__fdiv_rn(v[i], __fadd_rn(1.f, expf(-v[i])))));
-      v[i] = static_cast<float>(static_cast<T>(__fmul_rn(act, u[i])));
-    }
+    for (int i = 0; i < N; ++i) v[i] = gated_value<T>(v[i], u[i]);
   }
 }
 
@@ -838,6 +835,52 @@ int gemm_xq(const void* W, const void* S, int s_stride, const void* XQ, const vo
   return gemm(W, Activations{XQ, false, Kp, Kp}, a, tokm, tn, rows, kc, splits, stages, pdl, st);
 }
 
+// The 1x128 quantizer of X, or (U not null) of the product a gated MLP feeds its down projection, silu(X) * U as
+// PyTorch computes it in X's dtype (input_values); arguments as for mxgemm_quant_1x128.
+int quant_1x128(const void* X, int ldx, const void* U, int ldu, int x_fp16, int M, int K, void* XQ, void* XS, int Mp,
+                int Kp, cudaStream_t st) {
+  if (M < 1 || M > Mp || Mp % 4 || K % 32 || K > Kp || Kp % BK) return (int)cudaErrorInvalidValue;
+  cudaError_t err;
+  if (U)
+    err = x_fp16 ? launch_quant<__half, true>(X, ldx, U, ldu, M, K, XQ, XS, Mp, Kp, st)
+                 : launch_quant<__nv_bfloat16, true>(X, ldx, U, ldu, M, K, XQ, XS, Mp, Kp, st);
+  else
+    err = x_fp16 ? launch_quant<__half>(X, ldx, nullptr, 0, M, K, XQ, XS, Mp, Kp, st)
+                 : launch_quant<__nv_bfloat16>(X, ldx, nullptr, 0, M, K, XQ, XS, Mp, Kp, st);
+  return (int)(err != cudaSuccess ? err : cudaGetLastError());
+}
+
+// One call for a whole FP8 linear on X, or (U not null) on silu(X) * U (tokm: tokens-as-M kernel with `rows` = wn,
+// else swap-AB with `rows` = rw; other arguments as for mxgemm_fp8_gemm below), one of two ways with the same result
+// bit for bit: the quantizer into XQ / XS, then the GEMM as its programmatic dependent (fused = 0); or one fused
+// kernel that loads the bf16 rows with TMA and quantizes them in shared memory (fused = 1: bf16 x, ldx % 8 == 0, x
+// 16-byte aligned, a config gemm_fused is built for whose larger stages fit in shared memory). fused = 2: the fused
+// kernel where it can run and the stream is not being captured (it saves a launch's host time; under graph replay the
+// two kernels' device time is what counts), else the two. With U: the gated quantizer (quant_1x128), then the GEMM;
+// never the fused kernel (fused = 1 is refused).
+int fp8_linear(const void* X, int ldx, const void* U, int ldu, int x_fp16, int K, void* XQ, void* XS, const void* W,
+               const void* S, int s_stride, const void* bias, void* Y, int ldy, int M, int Mp, int N, int Np, int Kp,
+               int tokm, int tn, int rows, int kc, int splits, int stages, int fused, cudaStream_t st) {
+  const bool fusable =
+      !U && !x_fp16 && ldx % 8 == 0 && reinterpret_cast<uintptr_t>(X) % 16 == 0 && K % 32 == 0 && K <= Kp;
+  if (fused == 1 && !fusable) return (int)cudaErrorInvalidValue;
+  if (fused == 2 && fusable) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t cerr = cudaStreamIsCapturing(st, &capture);
+    if (cerr != cudaSuccess) return (int)cerr;
+    if (capture != cudaStreamCaptureStatusNone) fused = 0;
+  }
+  if (fused && fusable && M >= 1) {
+    const Args a{(const float*)S, s_stride, nullptr, (__nv_bfloat16*)Y, M, M, N, Np, Kp, ldy, 0,
+                 (const __nv_bfloat16*)bias};
+    const int err = gemm_fused(W, Activations{X, true, ldx, K}, a, tokm, tn, rows, kc, splits, stages, st);
+    if (err != kNoFusedKernel || fused == 1) return err;
+  }
+  const int err = quant_1x128(X, ldx, U, ldu, x_fp16, M, K, XQ, XS, Mp, Kp, st);
+  if (err) return err;
+  return gemm_xq(W, S, s_stride, XQ, XS, bias, Y, ldy, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages, 1, st);
+}
+
 }  // namespace
 
 // The entry point mxgemm calls through ctypes; returns a cudaError_t (0: launched).
@@ -865,53 +908,14 @@ extern "C" int mxgemm_fp8_gemm_tokm(const void* W, const void* S, int s_stride, 
 // xs [Kp/128, Mp] fp32 (Mp % 4 == 0, K % 32 == 0, K <= Kp, Kp % 128 == 0).
 extern "C" int mxgemm_quant_1x128(const void* X, int ldx, int x_fp16, int M, int K, void* XQ, void* XS, int Mp, int Kp,
                                   void* stream) {
-  if (M < 1 || M > Mp || Mp % 4 || K % 32 || K > Kp || Kp % BK) return (int)cudaErrorInvalidValue;
-  cudaStream_t st = (cudaStream_t)stream;
-  const cudaError_t err = x_fp16 ? launch_quant<__half>(X, ldx, nullptr, 0, M, K, XQ, XS, Mp, Kp, st)
-                                 : launch_quant<__nv_bfloat16>(X, ldx, nullptr, 0, M, K, XQ, XS, Mp, Kp, st);
-  return (int)(err != cudaSuccess ? err : cudaGetLastError());
+  return quant_1x128(X, ldx, nullptr, 0, x_fp16, M, K, XQ, XS, Mp, Kp, (cudaStream_t)stream);
 }
 
 // The same quantizer on the product a gated MLP feeds its down projection, silu(g) * u as PyTorch computes it in
 // g's dtype (input_values): g and u [M, K] bf16 (x_fp16 = 0) or fp16 with row strides ldg and ldu.
 extern "C" int mxgemm_quant_gated_1x128(const void* G, int ldg, const void* U, int ldu, int x_fp16, int M, int K,
                                         void* XQ, void* XS, int Mp, int Kp, void* stream) {
-  if (M < 1 || M > Mp || Mp % 4 || K % 32 || K > Kp || Kp % BK) return (int)cudaErrorInvalidValue;
-  cudaStream_t st = (cudaStream_t)stream;
-  const cudaError_t err = x_fp16 ? launch_quant<__half, true>(G, ldg, U, ldu, M, K, XQ, XS, Mp, Kp, st)
-                                 : launch_quant<__nv_bfloat16, true>(G, ldg, U, ldu, M, K, XQ, XS, Mp, Kp, st);
-  return (int)(err != cudaSuccess ? err : cudaGetLastError());
-}
-
-// One call for a whole FP8 linear (tokm: tokens-as-M kernel with `rows` = wn, else swap-AB with `rows` = rw; other
-// arguments as above), one of two ways with the same result bit for bit: the quantizer into XQ / XS, then the GEMM
-// as its programmatic dependent (fused = 0); or one fused kernel that loads the bf16 rows with TMA and quantizes
-// them in shared memory (fused = 1: bf16 x, ldx % 8 == 0, x 16-byte aligned, a config gemm_fused is built for whose
-// larger stages fit in shared memory). fused = 2: the fused kernel where it can run and the stream is not being
-// captured (it saves a launch's host time; under graph replay the two kernels' device time is what counts), else
-// the two.
-extern "C" int mxgemm_fp8_linear(const void* X, int ldx, int x_fp16, int K, void* XQ, void* XS, const void* W,
-                                 const void* S, int s_stride, const void* bias, void* Y, int ldy, int M, int Mp, int N,
-                                 int Np, int Kp, int tokm, int tn, int rows, int kc, int splits, int stages, int fused,
-                                 void* stream) {
-  cudaStream_t st = (cudaStream_t)stream;
-  const bool fusable = !x_fp16 && ldx % 8 == 0 && reinterpret_cast<uintptr_t>(X) % 16 == 0 && K % 32 == 0 && K <= Kp;
-  if (fused == 1 && !fusable) return (int)cudaErrorInvalidValue;
-  if (fused == 2 && fusable) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    const cudaError_t cerr = cudaStreamIsCapturing(st, &capture);
-    if (cerr != cudaSuccess) return (int)cerr;
-    if (capture != cudaStreamCaptureStatusNone) fused = 0;
-  }
-  if (fused && fusable && M >= 1) {
-    const Args a{(const float*)S, s_stride, nullptr, (__nv_bfloat16*)Y, M, M, N, Np, Kp, ldy, 0,
-                 (const __nv_bfloat16*)bias};
-    const int err = gemm_fused(W, Activations{X, true, ldx, K}, a, tokm, tn, rows, kc, splits, stages, st);
-    if (err != kNoFusedKernel || fused == 1) return err;
-  }
-  const int err = mxgemm_quant_1x128(X, ldx, x_fp16, M, K, XQ, XS, Mp, Kp, stream);
-  if (err) return err;
-  return gemm_xq(W, S, s_stride, XQ, XS, bias, Y, ldy, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages, 1, st);
+  return quant_1x128(G, ldg, U, ldu, x_fp16, M, K, XQ, XS, Mp, Kp, (cudaStream_t)stream);
 }
 
 // What mxgemm_fp8_linear_run takes besides the call's pointers: everything fixed for one weight, config and M (one
@@ -930,26 +934,42 @@ static_assert(sizeof(LinearPlan) == 112, "fp8_gemm._LinearPlan mirrors this layo
 
 namespace {
 
-int run_plan(const LinearPlan* p, const void* X, int ldx, const void* bias, void* Y, void* stream) {
+// the plan's call on X, or (U not null) on silu(X) * U
+int run_plan(const LinearPlan* p, const void* X, int ldx, const void* U, int ldu, const void* bias, void* Y,
+             cudaStream_t stream) {
   uint8_t* xq = static_cast<uint8_t*>(Y) + p->ws_offset;
-  return mxgemm_fp8_linear(X, ldx, p->x_fp16, p->K, xq, xq + p->q_bytes, p->W, p->S, p->s_stride, bias, Y, p->N,
-                           p->M, p->Mp, p->N, p->Np, p->Kp, p->tokm, p->tn, p->rows, p->kc, p->splits, p->stages,
-                           p->fused, stream);
+  return fp8_linear(X, ldx, U, ldu, p->x_fp16, p->K, xq, xq + p->q_bytes, p->W, p->S, p->s_stride, bias, Y, p->N,
+                    p->M, p->Mp, p->N, p->Np, p->Kp, p->tokm, p->tn, p->rows, p->kc, p->splits, p->stages, p->fused,
+                    stream);
 }
 
-}  // namespace
-
-extern "C" int mxgemm_fp8_linear_run(LinearPlan* p, const void* X, int ldx, const void* bias, void* Y, void* stream) {
+int run_graphed(LinearPlan* p, const void* X, int ldx, const void* U, int ldu, const void* bias, void* Y,
+                cudaStream_t stream) {
   if (p->graphed && p->fused != 1) {  // fused = 1 asks for the fused kernel itself
     // the quantizer and the GEMM, never the fused kernel: launched as one graph (graph_launch.cuh), two kernels cost
     // no more host time, and they take less device time
     LinearPlan two = *p;
     two.fused = 0;
     const int err = graph_launch::run_as_graph(
-        &p->graph, [&](cudaStream_t s) { return run_plan(&two, X, ldx, bias, Y, s); }, (cudaStream_t)stream);
+        &p->graph, [&](cudaStream_t s) { return run_plan(&two, X, ldx, U, ldu, bias, Y, s); }, stream);
     if (err != graph_launch::kNotGraphed) return err;
   }
-  return run_plan(p, X, ldx, bias, Y, stream);
+  return run_plan(p, X, ldx, U, ldu, bias, Y, stream);
+}
+
+}  // namespace
+
+extern "C" int mxgemm_fp8_linear_run(LinearPlan* p, const void* X, int ldx, const void* bias, void* Y, void* stream) {
+  return run_graphed(p, X, ldx, nullptr, 0, bias, Y, (cudaStream_t)stream);
+}
+
+// The plan's call on the product a gated MLP feeds its down projection, silu(g) * u (mxgemm_quant_gated_1x128), with
+// the plain call's bits on that product: the gated quantizer, then the GEMM (fused = 1 is refused). A plan's graph
+// is made for the kind of call it ran first; the other kind may launch directly: give each kind a plan of its own.
+extern "C" int mxgemm_fp8_linear_gated_run(LinearPlan* p, const void* G, int ldg, const void* U, int ldu,
+                                           const void* bias, void* Y, void* stream) {
+  if (p->fused == 1) return (int)cudaErrorInvalidValue;
+  return run_graphed(p, G, ldg, U, ldu, bias, Y, (cudaStream_t)stream);
 }
 
 // Frees what a plan made (its graph); the plan's memory is its owner's
