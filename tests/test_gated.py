@@ -140,6 +140,22 @@ def test_traced_gated_mlps_run_one_op_with_the_eager_bits(gated_calls):
     assert x.grad is not None and "linear_gated" not in graphs.graphs[-1].code
 
 
+def test_a_gated_mlp_compiled_by_inductor_gives_the_eager_bits():
+    """Through inductor (the compiler Hugging Face's CUDA-graph mode uses), a gated MLP's ``mxgemm::linear_gated`` op
+    lowers as an opaque call with its fake's shape, at M from the crossover, static and then dynamic: the eager
+    call's bits."""
+    _, fused, _ = _pair()
+    mlp = fused.model.layers[0].mlp
+    crossover = mlp.down_proj._gated_from
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp, fullgraph=True, backend="inductor")
+    with torch.no_grad():
+        for rows in (crossover, crossover + 5, crossover + 40):
+            x = random_act(rows, 256, seed=rows).view(1, rows, 256)
+            assert torch.equal(compiled(x), mlp(x)), rows
+    torch._dynamo.reset()
+
+
 def _weight(crossover):
     q, s = random_mx_weight(256, 384)
     weight = HybridSM90Backend().prepare(q, s, "hybrid-block128")
