@@ -220,8 +220,7 @@ class MXFP8Linear(nn.Module):
         bias = self._buffers.get("bias", _ABSENT)
         if bias is _ABSENT:
             bias = self.bias
-        if (gate.dtype in _WIDE or up.dtype != gate.dtype or up.shape != gate.shape or not gate.numel()
-                or wants_grad(gate, bias) or wants_grad(up, None)):  # fmt: skip
+        if not gate.numel() or not _gated_operands(gate, up, bias):
             return None
         w = self._prepared
         check_inputs(gate, w.in_features, w.out_features, w.device, bias)
@@ -238,8 +237,7 @@ class MXFP8Linear(nn.Module):
         bias, start = self.bias, self._gated_from
         if start is None or gate.numel() < start * gate.shape[-1]:
             return None
-        if (gate.dtype in _WIDE or up.dtype != gate.dtype or up.shape != gate.shape or wants_grad(gate, bias)
-                or wants_grad(up, None)):  # fmt: skip
+        if not _gated_operands(gate, up, bias):
             return None
         check_inputs(gate, self.in_features, self.out_features, _device(self._op), bias)
         return op_linear_gated(gate, up, self._op, self.out_features, bias)
@@ -295,6 +293,13 @@ class MXFP8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"backend={self.backend}, recipe={self.recipe}{shared}"
         )
+
+
+def _gated_operands(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a gated call takes these operands: gate and up of one shape and a kernel dtype (not fp32), no
+    gradients asked for."""
+    return (gate.dtype not in _WIDE and up.dtype == gate.dtype and up.shape == gate.shape
+            and not wants_grad(gate, bias) and not wants_grad(up, None))  # fmt: skip
 
 
 def _device(op: dict) -> torch.device:
