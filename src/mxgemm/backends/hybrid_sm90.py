@@ -295,16 +295,13 @@ class HybridSM90Backend(Backend):
         """Where this weight's own call at M quantizes its activations (from the crossover on): the product quantized
         by one kernel from ``gate`` and ``up`` (unit stride along K), then the GEMM of that call's path and config
         (cuBLASLt's, through its planned call or ``torch._scaled_mm``, or our FP8 kernel's). The route is made once per
-        M and tuning generation and kept beside the weight's plans. Below the crossover none: the small-M kernel's
-        ``.gated``, which makes the product as it loads its activations, computes it again in every CTA, in the lanes
-        of the call's tokens only, on its loads' path; routed there, a 32-layer Llama's graphed decode at batch 1 ran
-        at 1.13x bf16's tokens/s in one run, against 1.52x in the run before with SiLU and the product apart."""
+        M and tuning generation and kept beside the weight's plans. Below the crossover none: the small-M kernel reads
+        bf16 activations, and making the product as it loads them costs more than SiLU and the product apart."""
         if gate.stride(1) != 1 or up.stride(1) != 1:
             return None
         from .. import autotune
 
-        m = gate.shape[0]
-        key = ("gated", m, gate.dtype, autotune.generation())
+        key = ("gated", gate.shape[0], gate.dtype, autotune.generation())
         run = weight.cached(key, lambda: self._gated_route(weight, gate))
         return run(gate, up, bias) if run else None
 
@@ -312,23 +309,25 @@ class HybridSM90Backend(Backend):
         """The crossover, from which every path quantizes activations, where the CUDA quantizer is built."""
         return weight.info["crossover"] if "fp8_sms" in weight.info else None
 
-    def _own_cublas(self, weight: PreparedWeight, x: torch.Tensor) -> bool:
-        """Whether this weight's own call for ``x``'s M runs cuBLASLt's blockwise GEMM: the path of the tactic
-        ``ops.run_planned`` gives it (the tuned one where the tuning cache has one, else the default), kept per M and
-        tuning generation. Rows shared or gated for cuBLASLt then give exactly the bits of that call."""
+    def _own_tactic(self, weight: PreparedWeight, x: torch.Tensor) -> Tactic:
+        """The tactic of this weight's own call for ``x``'s M: the one ``ops.run_planned`` gives it (the tuned one where
+        the tuning cache has one, else the default), kept per M and tuning generation. Rows shared or gated for it
+        then give exactly the bits of that call."""
         from .. import autotune
 
         m = x.shape[0]
-        return weight.cached(("cublas", m, x.dtype, autotune.generation()), lambda: self.choose(
-            m, weight, autotune.tactic_for_call(self, weight, x)).path == Path.CUBLAS)  # fmt: skip
+        return weight.cached(("tactic", m, x.dtype, autotune.generation()),
+                             lambda: self.choose(m, weight, autotune.tactic_for_call(self, weight, x)))  # fmt: skip
+
+    def _own_cublas(self, weight: PreparedWeight, x: torch.Tensor) -> bool:
+        """Whether this weight's own call for ``x``'s M runs cuBLASLt's blockwise GEMM."""
+        return self._own_tactic(weight, x).path == Path.CUBLAS
 
     def _gated_route(self, weight: PreparedWeight, gate: torch.Tensor):
         """``(gate, up, bias) -> y`` for the tactic this weight's own call at ``gate``'s M runs, or False where that
         does not quantize its activations (or the gated quantizer is not built)."""
-        from .. import autotune
-
         m, dtype = gate.shape[0], gate.dtype
-        chosen = self.choose(m, weight, autotune.tactic_for_call(self, weight, gate))
+        chosen = self._own_tactic(weight, gate)
         if "fp8_sms" not in weight.info or not chosen.path.quantized:
             return False
         qd, bs, n, k = weight.tensors["qdata"], weight.tensors["block_scale"], weight.out_features, weight.in_features

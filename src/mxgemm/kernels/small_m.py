@@ -44,14 +44,12 @@ _K_PER_CTA = 512  # 4 warps x 128
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel library for a GPU architecture. Raises RuntimeError with
     nvcc's message when it cannot be built."""
-    names = ("mxgemm_small_m", "mxgemm_small_m_run", "mxgemm_small_m_gated_run", "mxgemm_small_m_plan_free")
-    lib = nvcc.build(_SOURCE, capability, symbols=names)
+    lib = nvcc.build(_SOURCE, capability, symbols=("mxgemm_small_m", "mxgemm_small_m_run", "mxgemm_small_m_plan_free"))
     p, i = ctypes.c_void_p, ctypes.c_int
     # W, S, s_stride, X, bias, Y, ldy, M, K, N, Np, Kp, rt, splits, stages, stream
     lib.mxgemm_small_m.argtypes = [p, p, i, p, p, p, *[i] * 9, p]
     lib.mxgemm_small_m_run.argtypes = [p, p, p, p, p]  # plan, X, bias, Y, stream
-    lib.mxgemm_small_m_gated_run.argtypes = [p, p, i, p, i, p, p, p]  # plan, G, ldg, U, ldu, bias, Y, stream
-    lib.mxgemm_small_m.restype = lib.mxgemm_small_m_run.restype = lib.mxgemm_small_m_gated_run.restype = i
+    lib.mxgemm_small_m.restype = lib.mxgemm_small_m_run.restype = i
     lib.mxgemm_small_m_plan_free.argtypes, lib.mxgemm_small_m_plan_free.restype = [p], None
     return lib
 
@@ -109,11 +107,6 @@ def _aligned_rows(x: torch.Tensor) -> bool:
     return x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
-def _gated_rows(t: torch.Tensor) -> bool:
-    """Whether the gated call reads ``t`` [M, k] in place: unit stride along K, rows 16-byte aligned."""
-    return t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
-
-
 def linear_plan(
     qdata: torch.Tensor,
     block_scale: torch.Tensor,
@@ -128,10 +121,7 @@ def linear_plan(
     ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128]. One ctypes call per launch, its arguments
     but the call's pointers computed here, once. ``graphed``: outside stream capture, the kernel launches as a CUDA
     graph of the plan's (made on the first such call), its arguments set per call, which costs less host time than a
-    launch (``csrc/graph_launch.cuh``). ``.gated(gate, up, bias)``: the call on the product a gated MLP feeds its down
-    projection, ``silu(gate) * up`` as PyTorch computes it in bf16 (``gate`` and ``up`` bf16 [M, k]), made by the
-    kernel as it loads them: the bits of the call on that product (computed first where the rows are not unit-stride
-    and 16-byte aligned); a graph of its own."""
+    launch (``csrc/graph_launch.cuh``)."""
     np_, kp = qdata.shape
     if not 1 <= m <= MAX_M or not config.valid(np_, kp):
         raise ValueError(f"the small-M kernel cannot run M={m} with config {config} on a [{np_}, {kp}] weight")
@@ -140,43 +130,21 @@ def linear_plan(
     fn = lib.mxgemm_small_m_run
     plan = _Plan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), m, k, n, np_, kp, config.rt,
                  config.splits, config.stages, None, int(graphed))  # fmt: skip
-    gated_plan = _Plan.from_buffer_copy(plan)  # the graph of the gated kernel
-    address, gated_address = ctypes.addressof(plan), ctypes.addressof(gated_plan)
-    gated_fn = lib.mxgemm_small_m_gated_run
+    address = ctypes.addressof(plan)
     index = device.index
-
-    def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The kernel on contiguous, 16-byte aligned ``x``: [m, n]."""
-        y = torch.empty(m, n, dtype=torch.bfloat16, device=device)  # integer sizes: less host time than a tuple
-        err = fn(address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))
-        if err:
-            _launch_failed(err, m, config)
-        return y
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not _aligned_rows(x):  # strided or misaligned: a copy the kernel takes
             x = x.clone(memory_format=torch.contiguous_format)
-        y = run(x, bias)
+        y = torch.empty(m, n, dtype=torch.bfloat16, device=device)  # integer sizes: less host time than a tuple
+        err = fn(address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))
+        if err:
+            raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {config}")
         return y if x.dim() == 2 else shaped_as(y, x, m, n)
 
-    def gated(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not (_gated_rows(gate) and _gated_rows(up)):
-            return run(torch.nn.functional.silu(gate) * up, bias)
-        y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
-        err = gated_fn(gated_address, gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
-                       None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))  # fmt: skip
-        if err:
-            _launch_failed(err, m, config)
-        return y
-
-    launch.gated = gated
-    launch.plans = (plan, gated_plan)  # the structures the addresses point into live as long as the launcher
-    free_with(launch, lib.mxgemm_small_m_plan_free, launch.plans)
+    launch.plan = plan  # the structure the address points into lives as long as the launcher
+    free_with(launch, lib.mxgemm_small_m_plan_free, [plan])
     return launch
-
-
-def _launch_failed(err: int, m: int, config: SmallMConfig) -> None:
-    raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {config}")
 
 
 def small_m_linear(

@@ -964,11 +964,11 @@ extern "C" int mxgemm_fp8_linear_run(LinearPlan* p, const void* X, int ldx, cons
 }
 
 // The plan's call on the product a gated MLP feeds its down projection, silu(g) * u (mxgemm_quant_gated_1x128), with
-// the plain call's bits on that product: the gated quantizer, then the GEMM (fused = 1 is refused). A plan's graph
-// is made for the kind of call it ran first; the other kind may launch directly: give each kind a plan of its own.
+// the plain call's bits on that product: the gated quantizer, then the GEMM (fused = 1 is refused by fp8_linear: the
+// fused kernel quantizes plain activations). A plan's graph is made for the kind of call it ran first; the other kind
+// may launch directly: give each kind a plan of its own.
 extern "C" int mxgemm_fp8_linear_gated_run(LinearPlan* p, const void* G, int ldg, const void* U, int ldu,
                                            const void* bias, void* Y, void* stream) {
-  if (p->fused == 1) return (int)cudaErrorInvalidValue;
   return run_graphed(p, G, ldg, U, ldu, bias, Y, (cudaStream_t)stream);
 }
 

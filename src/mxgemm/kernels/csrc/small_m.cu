@@ -10,9 +10,6 @@
 // Decode in registers: e4m3 bits moved into bf16 bits give w * 2^-120 exactly (subnormals included); activations
 // are scaled by 2^64 (exact for |x| < 2^64) and each 128-deep block's partial sum by scale * 2^56.
 //
-// Gated (U not null): the activations are the product a gated MLP feeds its down projection, silu(X) * U as PyTorch
-// computes it in bf16 (gated.cuh), made from X and U as they are loaded: the bits of the plain kernel on that product.
-//
 // Loads: each warp streams its weight bytes through a private ring of ST (2, 3) shared-memory stages filled by
 // cp.async, ST - 1 slices ahead; every lane copies and reads back only its own 16-byte chunks, so lanes never wait
 // on each other. Activations and scales of the next slice are loaded one iteration ahead into registers.
@@ -25,7 +22,6 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#include "gated.cuh"
 #include "graph_launch.cuh"
 
 namespace cg = cooperative_groups;
@@ -86,25 +82,10 @@ struct Args {
   __nv_bfloat16* Y;
   int ldy;
   const __nv_bfloat16* bias;  // [N] added in fp32 before the output's one rounding; null: none
-  const __nv_bfloat16* U;     // gated: silu(X) * U; null: X
-  int ldx, ldu;               // row strides (elements) of X and U: multiples of 8, rows 16-byte aligned
 };
 
-// silu(g) * u of two bf16 pairs, as bf16 bits
-__device__ __forceinline__ uint32_t gated_pair(uint32_t g, uint32_t u) {
-  const float2 gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g));
-  const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
-  const __nv_bfloat162 r =
-      __floats2bfloat162_rn(gated_value<__nv_bfloat16>(gf.x, uf.x), gated_value<__nv_bfloat16>(gf.y, uf.y));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
-__device__ __forceinline__ uint4 gated8(uint4 g, uint4 u) {
-  return make_uint4(gated_pair(g.x, u.x), gated_pair(g.y, u.y), gated_pair(g.z, u.z), gated_pair(g.w, u.w));
-}
-
-// this lane's 16 activations per 64-chunk of the warp's K slice at k0 (zeros past M or K); GATED: of silu(X) * U
-template <int NT, bool GATED>
+// this lane's 16 activations per 64-chunk of the warp's K slice at k0 (zeros past M or K)
+template <int NT>
 __device__ __forceinline__ void load_x(const Args& a, int k0, int g, int t, uint4 (&xr)[NT][2][2]) {
 #pragma unroll
   for (int n = 0; n < NT; ++n)
@@ -113,15 +94,9 @@ __device__ __forceinline__ void load_x(const Args& a, int k0, int g, int t, uint
       const int m = 8 * n + g, k = k0 + 64 * c + 16 * t;
       xr[n][c][0] = xr[n][c][1] = make_uint4(0, 0, 0, 0);
       if (m < a.M && k < a.K) {
-        const uint4* p = reinterpret_cast<const uint4*>(a.X + (size_t)m * a.ldx + k);
-        if constexpr (GATED) {
-          const uint4* q = reinterpret_cast<const uint4*>(a.U + (size_t)m * a.ldu + k);
-          xr[n][c][0] = gated8(__ldg(p), __ldg(q));
-          xr[n][c][1] = gated8(__ldg(p + 1), __ldg(q + 1));
-        } else {
-          xr[n][c][0] = __ldg(p);
-          xr[n][c][1] = __ldg(p + 1);
-        }
+        const uint4* p = reinterpret_cast<const uint4*>(a.X + (size_t)m * a.K + k);
+        xr[n][c][0] = __ldg(p);
+        xr[n][c][1] = __ldg(p + 1);
       }
     }
 }
@@ -168,7 +143,7 @@ __device__ __forceinline__ void slice_mma(const uint4 (&wv)[RT][2][2], const uin
   }
 }
 
-template <int NT, int RT, int ST, bool GATED>
+template <int NT, int RT, int ST>
 __global__ void __launch_bounds__(128) small_m_kernel(const Args a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int row0 = blockIdx.x * (16 * RT);
@@ -197,14 +172,14 @@ __global__ void __launch_bounds__(128) small_m_kernel(const Args a) {
   for (int s = 0; s < ST - 1; ++s) issue(s);
   uint4 xr[NT][2][2];
   float sc[RT];
-  load_x<NT, GATED>(a, k_of(0), g, t, xr);
+  load_x<NT>(a, k_of(0), g, t, xr);
   load_scales<RT>(a, row0, k_of(0), sc);
   for (int it = 0; it < a.kiters; ++it) {
     issue(it + ST - 1);  // into the slot read, and used by the MMAs, in the previous iteration
     uint4 xn[NT][2][2];
     float sn[RT];
     const int kn = k_of(it + 1 < a.kiters ? it + 1 : it);
-    load_x<NT, GATED>(a, kn, g, t, xn);
+    load_x<NT>(a, kn, g, t, xn);
     load_scales<RT>(a, row0, kn, sn);
     cp_async_wait<ST - 1>();  // this iteration's slice has landed
     const uint4* slot = mine + (it % ST) * CH * 32;
@@ -307,9 +282,7 @@ int launch(Args a, int splits, cudaStream_t st) {
   if (a.kiters < 1 || a.kiters * 4 * KS * splits != a.Kp || a.Np % (16 * RT) != 0 || splits > 8)
     return (int)cudaErrorInvalidValue;
   const int smem = ST * RT * 4 * 32 * 16 * 4;  // the 4 warps' rings (one size per instantiation)
-  const dim3 grid(a.Np / (16 * RT), splits);
-  return a.U ? launch_clustered<small_m_kernel<NT, RT, ST, true>>(a, grid, 128, smem, st)
-             : launch_clustered<small_m_kernel<NT, RT, ST, false>>(a, grid, 128, smem, st);
+  return launch_clustered<small_m_kernel<NT, RT, ST>>(a, dim3(a.Np / (16 * RT), splits), 128, smem, st);
 }
 
 template <int NT, int RT>
@@ -317,16 +290,6 @@ int launch_st(const Args& a, int splits, int stages, cudaStream_t st) {
   if (stages == 2) return launch<NT, RT, 2>(a, splits, st);
   if (stages == 3) return launch<NT, RT, 3>(a, splits, st);
   return (int)cudaErrorInvalidValue;
-}
-
-// a checked launch of a.M <= 16 rows
-int launch_rows(const Args& a, int rt, int splits, int stages, cudaStream_t st) {
-  if (a.M < 1 || a.M > 16 || (rt != 1 && rt != 2)) return (int)cudaErrorInvalidValue;
-  const bool aligned = a.ldx % 8 == 0 && reinterpret_cast<uintptr_t>(a.X) % 16 == 0;
-  if (a.U && !(aligned && a.ldu % 8 == 0 && reinterpret_cast<uintptr_t>(a.U) % 16 == 0))
-    return (int)cudaErrorInvalidValue;
-  if (a.M <= 8) return rt == 2 ? launch_st<1, 2>(a, splits, stages, st) : launch_st<1, 1>(a, splits, stages, st);
-  return rt == 2 ? launch_st<2, 2>(a, splits, stages, st) : launch_st<2, 1>(a, splits, stages, st);
 }
 
 }  // namespace
@@ -337,9 +300,12 @@ int launch_rows(const Args& a, int rt, int splits, int stages, cudaStream_t st) 
 extern "C" int mxgemm_small_m(const void* W, const void* S, int s_stride, const void* X, const void* bias, void* Y,
                               int ldy, int M, int K, int N, int Np, int Kp, int rt, int splits, int stages,
                               void* stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  if (M < 1 || M > 16 || (rt != 1 && rt != 2)) return (int)cudaErrorInvalidValue;
   const Args a{(const uint8_t*)W, (const float*)S, s_stride, (const __nv_bfloat16*)X, M, K, N, Np, Kp, 0,
-               (__nv_bfloat16*)Y, ldy, (const __nv_bfloat16*)bias, nullptr, K, 0};
-  return launch_rows(a, rt, splits, stages, (cudaStream_t)stream);
+               (__nv_bfloat16*)Y, ldy, (const __nv_bfloat16*)bias};
+  if (M <= 8) return rt == 2 ? launch_st<1, 2>(a, splits, stages, st) : launch_st<1, 1>(a, splits, stages, st);
+  return rt == 2 ? launch_st<2, 2>(a, splits, stages, st) : launch_st<2, 1>(a, splits, stages, st);
 }
 
 // What mxgemm_small_m_run takes besides the call's pointers: everything fixed for one weight, config and M (one
@@ -355,35 +321,16 @@ struct SmallMPlan {
 };
 static_assert(sizeof(SmallMPlan) == 72, "small_m._Plan mirrors this layout");
 
-namespace {
-
-// the plan's call on X [M, K] (row stride ldx), or (U not null) on silu(X) * U
-int run_plan(SmallMPlan* p, const void* X, int ldx, const void* U, int ldu, const void* bias, void* Y,
-             cudaStream_t stream) {
-  const Args a{(const uint8_t*)p->W, (const float*)p->S, p->s_stride, (const __nv_bfloat16*)X, p->M, p->K, p->N,
-               p->Np, p->Kp, 0, (__nv_bfloat16*)Y, p->N, (const __nv_bfloat16*)bias, (const __nv_bfloat16*)U, ldx,
-               ldu};
-  auto launch = [&](cudaStream_t s) { return launch_rows(a, p->rt, p->splits, p->stages, s); };
+extern "C" int mxgemm_small_m_run(SmallMPlan* p, const void* X, const void* bias, void* Y, void* stream) {
+  auto launch = [&](cudaStream_t s) {
+    return mxgemm_small_m(p->W, p->S, p->s_stride, X, bias, Y, p->N, p->M, p->K, p->N, p->Np, p->Kp, p->rt,
+                          p->splits, p->stages, s);
+  };
   if (p->graphed) {
-    const int err = graph_launch::run_as_graph(&p->graph, launch, stream);
+    const int err = graph_launch::run_as_graph(&p->graph, launch, (cudaStream_t)stream);
     if (err != graph_launch::kNotGraphed) return err;
   }
-  return launch(stream);
-}
-
-}  // namespace
-
-extern "C" int mxgemm_small_m_run(SmallMPlan* p, const void* X, const void* bias, void* Y, void* stream) {
-  return run_plan(p, X, p->K, nullptr, 0, bias, Y, (cudaStream_t)stream);
-}
-
-// The plan's call on the product a gated MLP feeds its down projection, silu(g) * u (g and u bf16 [M, K], row strides
-// ldg and ldu multiples of 8, rows 16-byte aligned): the plain call's bits on that product. A plan's graph is made
-// for the kind of call it ran first; the other kind may launch directly: give each kind a plan of its own.
-extern "C" int mxgemm_small_m_gated_run(SmallMPlan* p, const void* G, int ldg, const void* U, int ldu,
-                                        const void* bias, void* Y, void* stream) {
-  if (!U) return (int)cudaErrorInvalidValue;
-  return run_plan(p, G, ldg, U, ldu, bias, Y, (cudaStream_t)stream);
+  return launch((cudaStream_t)stream);
 }
 
 // Frees what a plan made (its graph); the plan's memory is its owner's
