@@ -10,10 +10,11 @@ decode step (``torch.compile``, ``mode="reduce-overhead"``: CUDA graphs), its fi
 (compilation) untimed.
 
 Both models live in one process and their calls alternate, the order swapped every round, each figure the median of
-``--repeats`` rounds: the host's drift between minutes (eager ``generate`` times have moved by 40% between runs) falls
-on both alike, and whatever one model's calls leave warm (cuDNN's attention plans) the other's find warm too. Under
-the table, each round's decode speed-up of the pair run back to back (its spread and median): where the host's speed
-moves within a run, the rounds' medians taken apart may pair a fast round of one model with a slow one of the other.
+its rounds (``--eager-repeats``, 9, eager; ``--repeats``, 5, with graphs): the host's drift between minutes (eager
+``generate`` times have moved by 40% between runs) falls on both alike, and whatever one model's calls leave warm
+(cuDNN's attention plans) the other's find warm too. Under the table, each round's decode speed-up of the pair run
+back to back (its spread and median): where the host's speed moves within a run, the rounds' medians taken apart may
+pair a fast round of one model with a slow one of the other. Eager rounds, bound by the host, get more of them.
 
 Run on the device: PYTHONPATH=src python3 bench/model_e2e.py --json e2e.json --markdown e2e.md
 (``--tiny --device cpu`` runs the same script on a few-MB model: a smoke test, not a measurement.)
@@ -125,7 +126,7 @@ def measure(models: dict, resident: dict, kept: dict, mode: str, batch: int, arg
             for _ in range(2 if mode == "graphs" else 1):  # cache length, which takes a second call
                 run(who, "", ids, args.new, **kwargs)
             run(who, "", long_ids, 1, **eager)
-        for r in range(args.repeats):
+        for r in range(args.eager_repeats if mode == "eager" else args.repeats):
             order = list(models) if r % 2 == 0 else list(models)[::-1]
             for who in order:
                 run(who, "ttft", ids, 1, **kwargs)
@@ -150,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--skip", nargs="*", default=[], help="layers quantize_model leaves in bf16 (e.g. lm_head)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of the graphs rows")
+    parser.add_argument("--eager-repeats", type=int, default=9,
+                        help="rounds of the eager rows (host-bound: more rounds, a steadier median)")  # fmt: skip
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=128, help="new tokens of the decode measurement")
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill measurement")
@@ -202,7 +205,8 @@ def markdown(rows: list[dict], args, env) -> str:
     lines = [
         f"Llama at {'tiny' if args.tiny else 'Llama-3-8B'} dimensions, {args.layers} layers, random weights, Hugging "
         f"Face `generate` (greedy, {args.prompt}-token prompt, {args.new} new tokens; bf16 and mxgemm calls "
-        f"alternating, medians of {args.repeats} rounds); mxgemm quantizes every linear layer"
+        f"alternating, medians of {args.eager_repeats} rounds eager, {args.repeats} with graphs); mxgemm quantizes "
+        "every linear layer"
         f"{' but ' + ', '.join(args.skip) if args.skip else ''}. {env}",
         "",
         "| mode | batch | bf16 tok/s | mxgemm tok/s | speedup | bf16 TTFT ms | mxgemm TTFT ms | bf16 prefill "

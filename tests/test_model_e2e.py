@@ -14,8 +14,8 @@ def test_rows_for_both_models_each_mode_and_batch(tmp_path):
     out = tmp_path / "e2e.json"
     # 24 new tokens: the decode time (all of generate's but the first token's) stands well clear of timing noise
     model_e2e.main(["--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "2", "--modes", "eager",
-                    "--repeats", "2", "--prompt", "8", "--new", "24", "--prefill", "16", "--json", str(out),
-                    "--markdown", str(tmp_path / "e2e.md")])  # fmt: skip
+                    "--repeats", "2", "--eager-repeats", "2", "--prompt", "8", "--new", "24", "--prefill", "16",
+                    "--json", str(out), "--markdown", str(tmp_path / "e2e.md")])  # fmt: skip
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["who"], r["batch"]) for r in rows] == [("bf16", 1), ("mxgemm", 1), ("bf16", 2), ("mxgemm", 2)]

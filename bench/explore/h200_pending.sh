@@ -71,7 +71,8 @@ for stage in "$@"; do
     fused)
       timeout "${FUSED_S:-300}" python3 bench/explore/fused_fp8.py --json "$out/fused-fp8-h200.json" > /tmp/fused.log 2>&1
       tail -60 /tmp/fused.log ;;
-    e2e)  # E2E_MODES: eager (default), graphs, or "eager graphs" (7.4 min at model_e2e's default of 5 rounds);
+    e2e)  # E2E_MODES: eager (default), graphs, or "eager graphs" (about 8 min at model_e2e's defaults: 9 eager
+          # rounds, 5 with graphs);
           # E2E_ARGS: more arguments of model_e2e.py (e.g. --no-fuse, --batches 1)
       modes="${E2E_MODES:-eager}"; name="e2e-${modes// /-}"
       timeout 570 python3 bench/model_e2e.py --modes $modes ${E2E_ARGS:-} --json "$out/$name.json" \
