@@ -66,6 +66,13 @@ torch::Tensor call(const torch::Tensor& x, const c10::optional<torch::Tensor>& b
 }
 """
 
+_REGISTRATION = r"""
+TORCH_LIBRARY(mx_mech, m) {
+  m.def("call(Tensor x, Tensor? bias, int weight) -> Tensor", &call);
+  m.def("add_plan(int weight, int run, int m, int plan, int k, int n) -> ()", &add_plan);
+}
+"""
+
 
 def build(folder: Path):
     """(the no-op C library, the pybind extension, the torch.ops namespace)."""
@@ -77,13 +84,7 @@ def build(folder: Path):
     noop.noop_run.argtypes, noop.noop_run.restype = [p, p, p, p, p], ctypes.c_int
     ext = load_inline("mx_mech_pybind", cpp_sources=_BODY, functions=["add_plan", "call"],
                       build_directory=str(_mkdir(folder / "pybind")))  # fmt: skip
-    op_src = _BODY + r"""
-TORCH_LIBRARY(mx_mech, m) {
-  m.def("call(Tensor x, Tensor? bias, int weight) -> Tensor", &call);
-  m.def("add_plan(int weight, int run, int m, int plan, int k, int n) -> ()", &add_plan);
-}
-"""
-    load_inline("mx_mech_ops", cpp_sources=op_src, is_python_module=False,
+    load_inline("mx_mech_ops", cpp_sources=_BODY + _REGISTRATION, is_python_module=False,
                 build_directory=str(_mkdir(folder / "ops")))  # fmt: skip
     return noop, ext, torch.ops.mx_mech
 
