@@ -3,9 +3,11 @@ kernel itself replaced by a C function that returns at once (so it runs on any h
 
 - ``python``: today's path: ``MXFP8Linear.forward`` -> ``weights.linear`` -> ``ops.run_planned`` -> a launcher shaped
   like the small-M kernel's (``torch.empty``, one ctypes call with the plan's address and the call's pointers);
+- ``lean python``: the checks that C++ function makes, in one Python ``forward``, then the plan;
 - ``pybind``: ``forward`` calls one C++ function (a pybind11 extension) that checks the input, finds the plan for M,
   allocates the output with ``at::empty`` and calls the C function;
 - ``torch.ops``: the same C++ body registered as an op (``TORCH_LIBRARY``) and called through ``torch.ops``;
+  ``op._op``: the C++ function that op's Python wrapper (``OpOverload.__call__``) calls, called directly;
 - ``floor``: a module whose ``forward`` returns its input; ``empty``: ``torch.empty`` of the output alone.
 
 Each figure is the median of 7 timings of 5000 calls, [1, 1, K] activations, the mechanisms interleaved.
@@ -30,6 +32,7 @@ from torch.utils.cpp_extension import load_inline
 
 import mxgemm
 import mxgemm.ops as ops
+from mxgemm import autotune
 
 _NOOP_C = "int noop_run(void* plan, const void* x, const void* bias, void* y, void* stream) { return 0; }\n"
 
@@ -148,13 +151,29 @@ def main(argv: list[str] | None = None) -> None:
         def forward(self, x):
             return op(x, None, handle + 1)
 
+    raw = op._op  # the C++ function OpOverload.__call__ wraps
+    weight, generation = mx._prepared, autotune._GENERATION
+
+    class Lean(torch.nn.Module):  # the checks the C++ function makes, in one Python function, then the plan
+        def forward(self, x):
+            if (type(x) is torch.Tensor and x.dtype is torch.bfloat16 and x.shape[-1] == k and x.device == device
+                    and not torch.is_grad_enabled()):  # fmt: skip
+                plan = weight.plans.get((x.numel() // k, x.dtype, generation[0]))
+                if plan is not None:
+                    return plan(x, None)
+            return mx(x)
+
+    class ViaRawOp(torch.nn.Module):
+        def forward(self, x):
+            return raw(x, None, handle + 1)
+
     class Floor(torch.nn.Module):
         def forward(self, x):
             return x
 
     x = torch.randn(1, 1, k, dtype=torch.bfloat16, device=device)
-    cases = {"python": mx, "pybind": ViaPybind(), "torch.ops": ViaOps(), "floor": Floor(),
-             "empty": lambda x: torch.empty(1, n, dtype=torch.bfloat16, device=device)}  # fmt: skip
+    cases = {"python": mx, "lean python": Lean(), "pybind": ViaPybind(), "torch.ops": ViaOps(), "op._op": ViaRawOp(),
+             "floor": Floor(), "empty": lambda x: torch.empty(1, n, dtype=torch.bfloat16, device=device)}  # fmt: skip
     results = {name: [] for name in cases}
     with torch.inference_mode():
         for name, f in cases.items():
