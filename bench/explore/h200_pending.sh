@@ -25,6 +25,8 @@
 #           wall time, GPU busy time, kernels by kind and the projections alone, bf16 vs mxgemm
 #   ttft    bench/explore/ttft_probe.py (TTFT_ARGS, default --modes eager --batches 1 --repeats 9): every generate call
 #           with its time, its garbage-collector time and the CUDA allocator's segments and retries
+#   mechanisms  bench/explore/eager_mechanisms.py --device cuda: host time of an eager layer call by mechanism (Python,
+#           pybind11, torch.ops), the kernel a C function that returns at once
 #   launch  bench/explore/launch_cost.py: host time of one and two launches, and of a graph of them replayed
 #   lt-algos  bench/explore/lt_algos.py: each cuBLASLt blockwise algorithm of the planned call against _scaled_mm
 #   new-lengths  bench/explore/new_lengths.py: eager prefills of prompt lengths not seen before (plans made) and again
@@ -127,6 +129,9 @@ for stage in "$@"; do
       timeout 400 python3 bench/explore/ttft_probe.py ${TTFT_ARGS:---modes eager --batches 1 --repeats 9} \
         > "$out/ttft-probe.txt" 2>&1
       grep -E "^model" "$out/ttft-probe.txt" | tail -40 ;;
+    mechanisms)
+      timeout 400 python3 bench/explore/eager_mechanisms.py --device cuda > "$out/eager-mechanisms.txt" 2>&1
+      tail -8 "$out/eager-mechanisms.txt" ;;
     launch)
       timeout 120 python3 bench/explore/launch_cost.py --json "$out/launch-cost-h200.json" 2>&1 | tail -10 ;;
     eager)
