@@ -6,29 +6,34 @@ kernel itself replaced by a C function that returns at once (so it runs on any h
 - ``lean python``: the checks that C++ function makes, in one Python ``forward``, then the plan;
 - ``pybind``: ``forward`` calls one C++ function (a pybind11 extension) that checks the input, finds the plan for M,
   allocates the output with ``at::empty`` and calls the C function;
+- ``pybind wrapped``: that function bound through ``torch::wrap_pybind_function`` (torch's error handling), as
+  ``torch.utils.cpp_extension.load_inline`` binds functions by default;
 - ``torch.ops``: the same C++ body registered as an op (``TORCH_LIBRARY``) and called through ``torch.ops``;
   ``op._op``: the C++ function that op's Python wrapper (``OpOverload.__call__``) calls, called directly;
 - ``floor``: a module whose ``forward`` returns its input; ``empty``: ``torch.empty`` of the output alone.
 
-Each figure is the median of 7 timings of 5000 calls, [1, 1, K] activations, the mechanisms interleaved.
+Each case is timed over 1000 calls per round, the cases interleaved round after round; the least round's time per call
+(what the host's noise adds nothing to) and the median, [1, 1, K] activations.
 
-Run: python3 bench/explore/eager_mechanisms.py [--device cuda] (builds two small extensions with
-torch.utils.cpp_extension: ninja and a C++ compiler, ~1-2 min the first time).
+Run: python3 bench/explore/eager_mechanisms.py [--device cuda] (builds two small extensions with g++, torch's and
+Python's headers: about a minute).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load_inline
+from torch.utils import cpp_extension
 
 import mxgemm
 import mxgemm.ops as ops
@@ -77,37 +82,50 @@ TORCH_LIBRARY(mx_mech, m) {
 """
 
 
+_PYBIND = r"""
+PYBIND11_MODULE(mx_mech_pybind, m) {
+  m.def("add_plan", &add_plan);
+  m.def("call", &call);
+  m.def("call_wrapped", torch::wrap_pybind_function(call));  // as load_inline binds functions by default
+}
+"""
+
+
 def build(folder: Path):
-    """(the no-op C library, the pybind extension, the torch.ops namespace)."""
-    src, lib = folder / "noop.c", folder / "libnoop.so"
-    src.write_text(_NOOP_C)
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
-    noop = ctypes.CDLL(str(lib))
+    """(the no-op C library, the pybind11 extension, the torch.ops namespace), compiled by g++ with torch's and
+    Python's headers (no ninja)."""
+    noop = ctypes.CDLL(str(_compile(folder, "libnoop.so", _NOOP_C, "c", [])))
     p = ctypes.c_void_p
     noop.noop_run.argtypes, noop.noop_run.restype = [p, p, p, p, p], ctypes.c_int
-    ext = load_inline("mx_mech_pybind", cpp_sources=_BODY, functions=["add_plan", "call"],
-                      build_directory=str(_mkdir(folder / "pybind")))  # fmt: skip
-    load_inline("mx_mech_ops", cpp_sources=_BODY + _REGISTRATION, is_python_module=False,
-                build_directory=str(_mkdir(folder / "ops")))  # fmt: skip
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    flags = ["-std=c++20", abi, *(f"-I{d}" for d in cpp_extension.include_paths()),
+             f"-I{sysconfig.get_paths()['include']}", *(f"-L{d}" for d in cpp_extension.library_paths()),
+             "-lc10", "-ltorch", "-ltorch_cpu"]  # fmt: skip
+    python_module = _compile(folder, "mx_mech_pybind.so", _BODY + _PYBIND, "c++", [*flags, "-ltorch_python"])
+    spec = importlib.util.spec_from_file_location("mx_mech_pybind", python_module)
+    ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ext)
+    torch.ops.load_library(str(_compile(folder, "mx_mech_ops.so", _BODY + _REGISTRATION, "c++", flags)))
     return noop, ext, torch.ops.mx_mech
 
 
-def _mkdir(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
-    return p
+def _compile(folder: Path, name: str, source: str, language: str, flags: list[str]) -> Path:
+    src, out = folder / f"{name}.{'c' if language == 'c' else 'cpp'}", folder / name
+    src.write_text(source)
+    compiler = "gcc" if language == "c" else "g++"
+    done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(src), *flags],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"{compiler} failed on {name}:\n{done.stderr[-4000:]}")
+    return out
 
 
-def timed(f, n: int = 5000) -> float:
-    """Median µs per call of 7 timings of ``n`` calls."""
-    for _ in range(500):
+def timed(f, n: int = 1000) -> float:
+    """µs per call of ``n`` calls."""
+    t0 = time.perf_counter()
+    for _ in range(n):
         f()
-    runs = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            f()
-        runs.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(runs)
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--k", type=int, default=128)
     parser.add_argument("--n", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=41)
     args = parser.parse_args(argv)
     device, k, n = torch.device(args.device), args.k, args.n
     noop, ext, ns = build(Path(tempfile.mkdtemp(prefix="mx-mech-")))
@@ -147,6 +166,12 @@ def main(argv: list[str] | None = None) -> None:
         def forward(self, x):
             return ext_fn(x, None, handle)
 
+    wrapped = ext.call_wrapped
+
+    class ViaWrapped(torch.nn.Module):
+        def forward(self, x):
+            return wrapped(x, None, handle)
+
     class ViaOps(torch.nn.Module):
         def forward(self, x):
             return op(x, None, handle + 1)
@@ -172,19 +197,23 @@ def main(argv: list[str] | None = None) -> None:
             return x
 
     x = torch.randn(1, 1, k, dtype=torch.bfloat16, device=device)
-    cases = {"python": mx, "lean python": Lean(), "pybind": ViaPybind(), "torch.ops": ViaOps(), "op._op": ViaRawOp(),
+    cases = {"python": mx, "lean python": Lean(), "pybind": ViaPybind(), "pybind wrapped": ViaWrapped(),
+             "torch.ops": ViaOps(), "op._op": ViaRawOp(),
              "floor": Floor(), "empty": lambda x: torch.empty(1, n, dtype=torch.bfloat16, device=device)}  # fmt: skip
     results = {name: [] for name in cases}
     with torch.inference_mode():
         for name, f in cases.items():
             assert f(x).shape[-1] in (n, k), name
-        for _ in range(3):
+        for f in cases.values():
+            timed(lambda f=f: f(x))  # warm-up
+        for _ in range(args.rounds):  # the cases interleaved: the host's speed moves between seconds
             for name, f in cases.items():
                 results[name].append(timed(lambda f=f: f(x)))
-    print(f"host µs per call, device {device}, [1, 1, {k}] -> {n}; python {sys.version.split()[0]}, torch "
-          f"{torch.__version__}")  # fmt: skip
+    print(f"host µs per call, device {device}, [1, 1, {k}] -> {n}; {args.rounds} rounds of 1000 calls each; python "
+          f"{sys.version.split()[0]}, torch {torch.__version__}")  # fmt: skip
+    print(f"{'':14s} {'min':>6s} {'median':>7s}")
     for name, ts in results.items():
-        print(f"{name:10s} {statistics.median(ts):6.2f}  ({', '.join(f'{t:.2f}' for t in ts)})")
+        print(f"{name:14s} {min(ts):6.2f} {statistics.median(ts):7.2f}")
 
 
 if __name__ == "__main__":
