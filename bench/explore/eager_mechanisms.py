@@ -15,8 +15,8 @@ kernel itself replaced by a C function that returns at once (so it runs on any h
 Each case is timed over 1000 calls per round, the cases interleaved round after round; the least round's time per call
 (what the host's noise adds nothing to) and the median, [1, 1, K] activations.
 
-Run: python3 bench/explore/eager_mechanisms.py [--device cuda] (builds two small extensions with g++, torch's and
-Python's headers: about a minute).
+Run: python3 bench/explore/eager_mechanisms.py [--device cuda] (builds the C function and two small extensions with g++,
+torch's and Python's headers: about a minute).
 """
 
 from __future__ import annotations
