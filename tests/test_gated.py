@@ -112,7 +112,6 @@ def test_the_models_steps_run_with_hooks_gradients_and_traced(gated_calls):
     y = mlp(x)
     y.float().sum().backward()
     assert x.grad is not None and gated_calls == [True, False]
-    assert gated_calls == [True, False]
 
 
 def test_traced_gated_mlps_run_one_op_with_the_eager_bits(gated_calls):
@@ -211,8 +210,8 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
 
 
 def test_hybrid_leaves_the_rows_below_the_crossover_to_the_models_steps(monkeypatch):
-    """Below the crossover, where the small-M kernel runs, the model's own steps: the small-M kernel's ``.gated``
-    (its product made in every CTA) is not routed."""
+    """Below the crossover, where the small-M kernel runs on bf16 activations, the model's own steps: nothing is
+    routed to the small-M kernel."""
     monkeypatch.setattr(hybrid_sm90, "small_m_plan", lambda *a: pytest.fail("routed to the small-M kernel"))
     backend, weight = HybridSM90Backend(), _weight(crossover=17)
     weight.info["small_m"] = True
