@@ -19,6 +19,7 @@ def test_info(capsys, monkeypatch, tmp_path):
     assert "torch" in out
     assert "tuning file (this GPU and environment): " in out and "tuning-cpu-" in out and "absent" in out
     assert "shipped tuning file: none for this GPU" in out
+    assert "eager calls: the Python path" in out
 
 
 def test_bench_cpu_smoke(tmp_path, capsys):

@@ -17,8 +17,10 @@ from helpers import (
 )
 
 import mxgemm
+from mxgemm import autotune
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend, Path
 from mxgemm.block128 import quantize_1x128, reencode_block128
+from mxgemm.kernels import NO_BIAS
 from mxgemm.ops import linear_op
 
 pytestmark = pytest.mark.gpu
@@ -251,3 +253,72 @@ def test_the_prepared_crossover_splits_the_kernels_and_every_output_is_written(s
         assert_within_ulp(
             y, exact_product(*hybrid_operands(x, q, s, quantized=quantized)), sums=sums, what=f"{shape} M={m}"
         )
+
+
+def _fast_case(w, x, bias):
+    """(the C++ table's answer, the Python launcher's) for a call of ``x`` whose plan the Python path made."""
+    plan = w.plans[(x.numel() // x.shape[-1], x.dtype, autotune.generation())]
+    return (None if w.fast is None else w.fast(x, bias)), plan(x, bias), plan
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 48, 64, 100, 300])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1040, 4160)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fast_calls_give_the_python_launchers_bits(m, n, k, with_bias):
+    """Once the Python path made M's plan, eager calls go through the weight's C++ table wherever the plan has an
+    entry (the small-M kernel, our FP8 kernel; cuBLASLt's planned call of a bias-free weight of whole 128-row blocks)
+    with the bits of the plan's Python launcher, for 2-D and 3-D activations and on another stream."""
+    q, s = random_mx_weight(n, k, seed=m, device="cuda")
+    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
+    x = random_act(m, k, seed=m + 1, device="cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    first = mxgemm.linear(x, w, bias)
+    fast, python, plan = _fast_case(w, x, bias)
+    entry = getattr(plan, "entry", None)
+    assert (fast is not None) == (entry is not None and not (bias is not None and entry.kind == NO_BIAS))
+    if n == 4096 and m <= 64:
+        assert fast is not None, "Llama-sized weights run decode through C++"
+    if fast is None:
+        return
+    assert torch.equal(fast, python) and torch.equal(fast, first)
+    assert torch.equal(w.fast(x.view(1, m, k), bias), first.view(1, m, n))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = w.fast(x, bias)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(on_side, first)
+    assert w.fast(x.half(), None) is None and w.fast(x.float(), None) is None
+
+
+@pytest.mark.parametrize("m", [1, 16, 40, 64])
+def test_fast_gated_calls_give_the_python_routes_bits(m):
+    """Gated calls of a down projection go through the table once the Python path made M's route: its bits."""
+    n, k = 4096, 14336  # Llama-3-8B's down projection: quantized activations from M = 1
+    q, s = random_mx_weight(n, k, seed=m, device="cuda")
+    layer = mxgemm.MXFP8Linear.from_quantized(q, s, backend="hybrid_sm90")
+    gate, up = random_act(m, k, seed=1, device="cuda"), random_act(m, k, seed=2, device="cuda")
+    first = layer.on_gated(gate, up)
+    w = layer.prepared
+    route = w.plans.get(("gated", m, torch.bfloat16, autotune.generation()))
+    if first is None or not hasattr(route, "entry"):
+        pytest.skip(f"M = {m} does not run the FP8 kernel's gated route here (crossover {w.info['crossover']})")
+    fast = w.fast.gated(gate, up, None)
+    assert fast is not None and torch.equal(fast, first) and torch.equal(fast, route(gate, up, None))
+    assert torch.equal(layer.on_gated(gate.view(1, m, k), up.view(1, m, k)), first.view(1, m, n))
+
+
+def test_fast_calls_under_graph_capture():
+    """A layer's eager call through the table, captured into a CUDA graph, replays on new contents."""
+    q, s = random_mx_weight(4096, 4096, device="cuda")
+    layer = mxgemm.MXFP8Linear.from_quantized(q, s, backend="hybrid_sm90")
+    x = random_act(8, 4096, device="cuda")
+    layer(x)
+    assert layer.prepared.fast is not None and layer.prepared.fast(x, None) is not None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    x.copy_(random_act(8, 4096, seed=5, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, layer(x))

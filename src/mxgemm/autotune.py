@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import settings
+from . import fastcall, settings
 from .backends import Backend, PreparedWeight
 from .backends.base import tactic_json
 from .cache import cache_root, locked
@@ -338,6 +338,7 @@ class Autotuner:
             self.cache.put({str(key): record})
             self._memo.clear()
             _GENERATION[0] += 1
+            fastcall.tuning_changed(_GENERATION[0])
         return result
 
 

@@ -54,6 +54,12 @@ def _info(console: Console) -> int:
     for name, reason in res.skipped:
         console.print(f"  skipped {name}: {escape(reason)}")
     console.print(f"default request (MXGEMM_BACKEND): {default_request()}")
+    if device.type == "cuda":
+        from .fastcall import status
+
+        console.print(f"eager calls: {escape(status().reason)}")
+    else:
+        console.print("eager calls: the Python path (C++ calls the CUDA kernels' plans, on a GPU)")
     from .autotune import Autotuner
 
     tuner = Autotuner.for_device(device)

@@ -213,13 +213,18 @@ class MXFP8Linear(nn.Module):
         subclass or fp32 inputs, gradients, an M or backend whose call does not quantize its input): the
         caller then computes the product and calls the layer. Hooks on the layer are the caller's to honour."""
         start = self._gated_from  # fewer rows, or a backend that never runs it: at once
-        if start is None or type(gate) is not torch.Tensor or gate.numel() < start * gate.shape[-1]:
-            return None
-        if type(up) is not torch.Tensor or torch.compiler.is_compiling():
+        if start is None or torch.compiler.is_compiling():
             return None
         bias = self._buffers.get("bias", _ABSENT)
         if bias is _ABSENT:
             bias = self.bias
+        fast = self._prepared.fast  # M's route, where C++ calls it (mxgemm.fastcall)
+        if fast is not None:
+            y = fast.gated(gate, up, bias)
+            if y is not None:
+                return y
+        if type(gate) is not torch.Tensor or type(up) is not torch.Tensor or gate.numel() < start * gate.shape[-1]:
+            return None
         if not gate.numel() or not _gated_operands(gate, up, bias):
             return None
         w = self._prepared

@@ -21,7 +21,7 @@ import json
 import torch
 from torch import Tensor
 
-from . import autotune
+from . import autotune, fastcall
 from .backends import PreparedWeight, get_backend
 from .block128 import padded_1x128_shape
 from .format import BLOCK_SIZE, quantize
@@ -44,12 +44,14 @@ def _define(schema: str, impl, fake):
 def run_planned(x: Tensor, weight: PreparedWeight, bias: Tensor | None) -> Tensor:
     """Run ``x`` [M, K] (or [..., K], its leading dimensions M rows; the output [..., N]) through the weight's plan
     for (M, dtype), made on first use with the tactic the tuner gives (:func:`mxgemm.autotune.tactic_for_call`, which
-    reads ``MXGEMM_AUTOTUNE`` then); a plan is remade when tuning changes the cache."""
+    reads ``MXGEMM_AUTOTUNE`` then); a plan is remade when tuning changes the cache. A plan C++ can call joins the
+    weight's table of them (:mod:`mxgemm.fastcall`), which later eager calls of that M take first."""
     m = x.shape[0] if x.dim() == 2 else x.numel() // weight.in_features
     key = (m, x.dtype, autotune.generation())
     plan = weight.plans.get(key)
     if plan is None:
         plan = weight.cached(key, lambda: _plan(x, weight, m))
+        fastcall.register(weight, m, x.dtype, plan)
     return plan(x, bias)
 
 

@@ -9,7 +9,14 @@ from pathlib import Path
 
 from .errors import MXGemmError
 
-__all__ = ["SettingsError", "autotune_enabled", "backend_request", "cache_dir", "reencode_max_error"]
+__all__ = [
+    "SettingsError",
+    "autotune_enabled",
+    "backend_request",
+    "cache_dir",
+    "fast_calls_enabled",
+    "reencode_max_error",
+]
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
@@ -35,6 +42,11 @@ def backend_request() -> str:
 def autotune_enabled() -> bool:
     """``MXGEMM_AUTOTUNE``: whether a call whose problem is not in the tuning cache tunes it first (default off)."""
     return _flag("MXGEMM_AUTOTUNE")
+
+
+def fast_calls_enabled() -> bool:
+    """``MXGEMM_FAST_CALLS``: whether eager calls of planned kernels go from C++ to the launch (default on)."""
+    return not os.environ.get("MXGEMM_FAST_CALLS", "").strip() or _flag("MXGEMM_FAST_CALLS")
 
 
 def reencode_max_error() -> float:

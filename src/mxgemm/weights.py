@@ -47,7 +47,14 @@ def linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None = 
 
     Eager, it runs the weight's launch plan for this M directly; traced (``torch.compile``, export, fake or subclass
     tensors) it is one ``mxgemm::linear`` op, whose implementation runs the same plan. Gradients flow to ``x`` (and
-    ``bias``) as through ``x @ W^T + bias`` with ``W`` the dequantized weight; the weight itself takes none."""
+    ``bias``) as through ``x @ W^T + bias`` with ``W`` the dequantized weight; the weight itself takes none. A call
+    whose plan C++ can run goes straight to it (:mod:`mxgemm.fastcall`)."""
+    if not torch.compiler.is_compiling():
+        fast = weight.fast
+        if fast is not None:
+            y = fast(x, bias)
+            if y is not None:
+                return y
     check_inputs(x, weight.in_features, weight.out_features, weight.device, bias)
     grad = wants_grad(x, bias)
     if not grad and x.numel() and _untraced(x, bias):

@@ -100,6 +100,8 @@ class PreparedWeight:
     # launch plans by (M, activation dtype, tuning generation): see ``Backend.plan``; a backend may keep its own beside
     # them under keys of another form
     plans: dict[tuple, Callable] = field(default_factory=dict, repr=False, compare=False)
+    # the plans C++ calls, by M (mxgemm.fastcall): made with the first of them, emptied with ``plans``
+    fast: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_device", next(iter(self.tensors.values())).device)  # read on every call
@@ -126,11 +128,13 @@ class PreparedWeight:
         if plan is None:
             if len(self.plans) >= MAX_PLANS:
                 self.plans.clear()
+                if self.fast is not None:
+                    self.fast.clear()
             plan = self.plans[key] = make()
         return plan
 
     def __getstate__(self) -> dict[str, Any]:  # pickling and deep copies: plans hold raw pointers, make new ones
-        return {**self.__dict__, "plans": {}}
+        return {**self.__dict__, "plans": {}, "fast": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

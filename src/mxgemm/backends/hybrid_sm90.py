@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .. import settings
+from .. import fastcall, settings
 from ..block128 import BLOCK128_ROWS, block128_to_mx, prepare_block128
 from ..device import DeviceInfo
 from ..kernels import cublaslt, fp8_gemm
@@ -302,7 +302,10 @@ class HybridSM90Backend(Backend):
         from .. import autotune
 
         key = ("gated", gate.shape[0], gate.dtype, autotune.generation())
-        run = weight.cached(key, lambda: self._gated_route(weight, gate))
+        run = weight.plans.get(key)
+        if run is None:
+            run = weight.cached(key, lambda: self._gated_route(weight, gate))
+            fastcall.register(weight, gate.shape[0], gate.dtype, run)
         return run(gate, up, bias) if run else None
 
     def gated_from(self, weight: PreparedWeight) -> int | None:
@@ -334,7 +337,12 @@ class HybridSM90Backend(Backend):
         if chosen.path == Path.FP8:
             launch = fp8_gemm.linear_plan(qd, bs, n, k, m, chosen.config, fused_for(m, n, k))
             epilogue = _bf16_epilogue(launch, gated=True)
-            return lambda gate, up, bias: epilogue(gate, bias, up)
+
+            def fp8_route(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                return epilogue(gate, bias, up)
+
+            fp8_route.entry = epilogue.entry
+            return fp8_route
         planned = _rows_plan(weight, m, dtype)
         if planned:  # the route holds the plan itself, whose cuBLASLt handle lives as long as the plan
             return lambda gate, up, bias: planned.gated(gate, up, bias)
@@ -412,5 +420,6 @@ def _bf16_epilogue(launch, gated: bool = False):
         return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
     call.launcher = launch
+    call.entry = getattr(run, "entry", None)  # the C++ call of bf16 activations, its bias checked as above
 
     return call

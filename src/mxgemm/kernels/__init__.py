@@ -12,6 +12,7 @@ import hashlib
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +52,30 @@ def shaped_as(y: torch.Tensor, x: torch.Tensor, m: int, n: int) -> torch.Tensor:
     ``x``'s leading dimensions, by ``resize_``: its storage stays, and on a CPU host it costs less than a slice or a
     view."""
     return y.resize_(m, n) if x.dim() == 2 else y.resize_(*x.shape[:-1], n)
+
+
+# How csrc/fast_call.cpp calls a LaunchEntry's function, each returning 0 or an error:
+ROWS_BIAS = 0  # (plan, x, ldx, bias, y, stream): rows of x at stride ldx, a contiguous bf16 bias added in the epilogue
+SMALL_M = 1  # (plan, x, bias, y, stream): x contiguous and 16-byte aligned, the bias as above
+NO_BIAS = 2  # (plan, x, ldx, y, stream): no bias
+GATED = 3  # (plan, gate, ldg, up, ldu, bias, y, stream): the product silu(gate) * up, the bias as above
+
+
+class LaunchEntry(NamedTuple):
+    """A launch plan as C++ calls it (:mod:`mxgemm.fastcall`), for bf16 activations: how (``kind``, one of the four
+    above), the C function's and the plan's addresses, and the rows and columns of the bf16 buffer a call allocates
+    and the function writes (its first M x n elements the output)."""
+
+    kind: int
+    fn: int
+    plan: int
+    rows: int
+    cols: int
+
+
+def address(fn) -> int:
+    """The address of a ctypes function."""
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def free_with(launch: Callable, free: Callable, plans: Iterable[ctypes.Structure]) -> None:

@@ -23,7 +23,7 @@ from ..availability import Availability, probe_against_twin, probe_operands, pro
 from ..block128 import padded_1x128_shape
 from ..device import DeviceInfo
 from ..layouts import finish_output, round_up
-from . import nvcc, raw_stream, rows_in_place, shaped_as
+from . import NO_BIAS, LaunchEntry, address, nvcc, raw_stream, rows_in_place, shaped_as
 
 logger = logging.getLogger("mxgemm")
 
@@ -171,7 +171,8 @@ def linear_plan(
     (+ ``bias``): the numerics of :func:`blockwise_linear` with the CUDA quantizer. One ctypes call
     quantizes and runs ``cublasLtMatmul`` with the descriptors and algorithm made here, once (:func:`plan_status` says
     whether it runs on a device); ``.sharing`` also answers the quantized rows, for other plans' ``.on_quantized`` to
-    run their GEMM alone on. Raises RuntimeError when cuBLASLt refuses the problem."""
+    run their GEMM alone on; ``.entry`` (bf16 activations, weights of whole 128-row blocks) the call without a bias as
+    C++ calls it. Raises RuntimeError when cuBLASLt refuses the problem."""
     from .fp8_gemm import library as fp8_library
 
     np_, kp = qdata.shape
@@ -254,6 +255,8 @@ def linear_plan(
 
     launch.sharing = sharing
     launch.gated = gated
+    if as_is:  # as C++ calls it: bf16 without a bias, the output the buffer's first M rows
+        launch.entry = LaunchEntry(NO_BIAS, address(run), handle.value, rows, np_)
     launch.on_quantized = on_quantized
     weakref.finalize(launch, lib.mxgemm_blockwise_plan_destroy, handle)
     return launch

@@ -23,7 +23,18 @@ import torch
 
 from ..availability import Availability
 from ..block128 import padded_1x128_shape
-from . import check_bf16_bias, free_with, nvcc, raw_stream, rows_in_place, shaped_as
+from . import (
+    GATED,
+    ROWS_BIAS,
+    LaunchEntry,
+    address,
+    check_bf16_bias,
+    free_with,
+    nvcc,
+    raw_stream,
+    rows_in_place,
+    shaped_as,
+)
 
 logger = logging.getLogger("mxgemm")
 
@@ -238,7 +249,7 @@ def linear_plan(
     launch's host time for both, and the two kernels' device time. ``.gated(gate, up, bias)``: the call on the product
     a gated MLP feeds its down projection, ``silu(gate) * up`` as PyTorch computes it in their dtype ([M, k] each,
     unit stride along K), quantized by one kernel that reads both, then the GEMM: the bits of the call on that
-    product (never the fused kernel; a graph of its own)."""
+    product (never the fused kernel; a graph of its own). ``.entry`` of both: their bf16 plans as C++ calls them."""
     np_, kp = qdata.shape
     if not config.valid(kp) or fused not in _FUSED:
         raise ValueError(f"the FP8 kernel cannot run config {config} (fused={fused!r}) on a [{np_}, {kp}] weight")
@@ -287,6 +298,8 @@ def linear_plan(
         return shaped_as(y, gate, m, n)
 
     launch.gated = gated
+    launch.entry = LaunchEntry(ROWS_BIAS, address(fn), addresses[torch.bfloat16], rows, n)
+    gated.entry = LaunchEntry(GATED, address(gated_fn), gated_addresses[torch.bfloat16], rows, n)
     launch.plans = plans  # the structures the addresses point into live as long as the launcher
     free_with(launch, lib.mxgemm_fp8_linear_plan_free, plans.values())
     return launch

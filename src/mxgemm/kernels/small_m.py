@@ -20,7 +20,7 @@ import torch
 
 from ..availability import Availability
 from ..recipes import SMALL_M_MAX
-from . import check_bf16_bias, free_with, nvcc, raw_stream, shaped_as
+from . import SMALL_M, LaunchEntry, address, check_bf16_bias, free_with, nvcc, raw_stream, shaped_as
 
 logger = logging.getLogger("mxgemm")
 
@@ -130,19 +130,20 @@ def linear_plan(
     fn = lib.mxgemm_small_m_run
     plan = _Plan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), m, k, n, np_, kp, config.rt,
                  config.splits, config.stages, None, int(graphed))  # fmt: skip
-    address = ctypes.addressof(plan)
+    plan_address = ctypes.addressof(plan)
     index = device.index
 
     def launch(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not _aligned_rows(x):  # strided or misaligned: a copy the kernel takes
             x = x.clone(memory_format=torch.contiguous_format)
         y = torch.empty(m, n, dtype=torch.bfloat16, device=device)  # integer sizes: less host time than a tuple
-        err = fn(address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))
+        err = fn(plan_address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))
         if err:
             raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {config}")
         return y if x.dim() == 2 else shaped_as(y, x, m, n)
 
     launch.plan = plan  # the structure the address points into lives as long as the launcher
+    launch.entry = LaunchEntry(SMALL_M, address(fn), plan_address, m, n)  # as C++ calls it
     free_with(launch, lib.mxgemm_small_m_plan_free, [plan])
     return launch
 

@@ -1,0 +1,108 @@
+"""Eager calls from the layer to the kernel launch with no Python in between.
+
+A launch plan of the CUDA kernels can be called from C++: its ``entry`` (:class:`mxgemm.kernels.LaunchEntry`) names
+its C entry point, the plan's address and the buffer a call writes. When the Python path (:func:`ops.run_planned`,
+``Backend.run_gated``) makes such a plan for bf16 activations, the prepared weight's table (``PreparedWeight.fast``,
+made then) takes it under its M; :func:`mxgemm.linear`, :meth:`MXFP8Linear.on_gated` and so every eager call of a
+layer call the table first. One C++ function (``csrc/fast_call.cpp``, a pybind11 extension built with
+``torch.utils.cpp_extension`` on first use and cached on disk) checks the activations as the plan's Python launcher
+takes them, allocates the output and calls the entry on the current stream: the same plan, the same bits, without the
+Python layers, launcher and ctypes call between (on the H200 machine 2.9 µs of host time a call against 8.1, the kernel
+a C function that returns at once). Where it answers None (an M without a plan yet, fp16 or fp32 activations, rows
+the kernels read only from a copy, a bias they do not add, gradients, tensor subclasses, a dispatch mode, tuning
+changed since the plan was made), the Python path runs.
+
+``MXGEMM_FAST_CALLS=0`` turns it off; :func:`status` says whether it runs here and why not.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import settings
+from .availability import Availability
+
+__all__ = ["extension", "register", "status", "tuning_changed"]
+
+logger = logging.getLogger("mxgemm")
+
+_SOURCE = Path(__file__).parent / "csrc" / "fast_call.cpp"
+_LOADED: list = []  # the extension, once imported
+
+
+@functools.cache
+def extension():
+    """Build (once, cached on disk under ``$MXGEMM_CACHE_DIR/ext``, else a per-user folder under the system's temporary
+    directory) and import the extension. Raises RuntimeError saying why it cannot."""
+    from torch.utils import cpp_extension
+
+    from .cache import cache_root
+
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja, which torch.utils.cpp_extension builds with, is not installed (pip install ninja)")
+    key = b"\0".join([_SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode()])
+    name = f"mxgemm_fast_call_{hashlib.sha256(key).hexdigest()[:16]}"
+    unwritable = []
+    for folder in (cache_root() / "ext" / name, Path(tempfile.gettempdir()) / f"mxgemm-ext-{os.getuid()}" / name):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            unwritable.append(f"{folder} ({exc.strerror or exc})")
+            continue
+        if not os.access(folder, os.W_OK):
+            unwritable.append(f"{folder} (not writable)")
+            continue
+        logger.info("mxgemm: building the fast-call extension in %s (once)", folder)
+        try:
+            module = cpp_extension.load(name, [str(_SOURCE)], extra_cflags=["-O3"], build_directory=str(folder),
+                                        with_cuda=False, verbose=False)  # fmt: skip
+        except (RuntimeError, OSError, ImportError) as exc:
+            raise RuntimeError(f"building {_SOURCE.name} failed: {str(exc).strip()[-500:]}") from None
+        _LOADED.append(module)
+        return module
+    raise RuntimeError(f"no folder to build {_SOURCE.name} in: {'; '.join(unwritable)}")
+
+
+@functools.cache
+def status() -> Availability:
+    """Whether eager calls go through the C++ tables here (built on first call); the reason if not."""
+    if not settings.fast_calls_enabled():
+        return Availability(False, "the Python path: MXGEMM_FAST_CALLS turns the C++ calls off")
+    try:
+        extension()
+    except RuntimeError as exc:
+        logger.warning("mxgemm: eager calls take the Python path, the C++ calls are not built: %s", exc)
+        return Availability(False, f"the Python path: the C++ calls are not built ({exc})")
+    return Availability(True, "from C++ to the launch once the Python path made M's plan (csrc/fast_call.cpp)")
+
+
+def register(weight, m: int, dtype: torch.dtype, plan) -> None:
+    """Put ``plan``, just made by the Python path for M rows of ``dtype`` on ``weight`` (a :class:`PreparedWeight`; a
+    plan of ``Backend.plan`` or a route of ``Backend.run_gated``), into the weight's table where it has an ``entry``
+    and the activations are bf16, if the extension runs here; the table keeps the plan alive."""
+    entry = getattr(plan, "entry", None)
+    if entry is None or dtype != torch.bfloat16 or not status():
+        return
+    from .autotune import generation
+
+    module = extension()
+    table = weight.fast
+    if table is None:
+        table = module.Table(weight.device, weight.in_features, weight.out_features)
+        object.__setattr__(weight, "fast", table)
+    module.set_generation(generation())
+    table.add(m, *entry, generation(), plan)
+
+
+def tuning_changed(generation: int) -> None:
+    """Tuning changed a cache: entries made before are stale (the Python path makes new plans)."""
+    for module in _LOADED:
+        module.set_generation(generation)

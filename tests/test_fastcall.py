@@ -1,0 +1,243 @@
+"""The C++ table of eager calls (mxgemm.fastcall, csrc/fast_call.cpp), built here and run on CPU tensors with C
+functions made by ctypes in the kernels' place: what each kind of entry is called with, the output it answers, and
+every case where it leaves the call to the Python path (None)."""
+
+import ctypes
+import gc
+import weakref
+
+import pytest
+import torch
+from helpers import random_act, random_mx_weight
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mxgemm
+from mxgemm import autotune, fastcall
+from mxgemm.kernels import GATED, NO_BIAS, ROWS_BIAS, SMALL_M, LaunchEntry
+
+K, N = 64, 64  # the stand-in kernels copy rows of x into rows of y: n = k
+P, INT = ctypes.c_void_p, ctypes.c_int
+SIGNATURES = {
+    ROWS_BIAS: ctypes.CFUNCTYPE(INT, P, P, INT, P, P, P),
+    SMALL_M: ctypes.CFUNCTYPE(INT, P, P, P, P, P),
+    NO_BIAS: ctypes.CFUNCTYPE(INT, P, P, INT, P, P),
+    GATED: ctypes.CFUNCTYPE(INT, P, P, INT, P, INT, P, P, P),
+}
+
+
+@pytest.fixture(scope="module")
+def ext():
+    answer = fastcall.status()
+    assert answer, answer.reason  # CI installs what it builds with: a build that fails here is a defect
+    return fastcall.extension()
+
+
+def _rows(address: int, stride: int, m: int) -> torch.Tensor:
+    """The [m, K] bf16 rows at ``address``, ``stride`` elements apart, copied out."""
+    raw = (ctypes.c_uint16 * ((m - 1) * stride + K)).from_address(address)
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.int16)
+    return flat.as_strided((m, K), (stride, 1)).clone().view(torch.bfloat16)
+
+
+class StandIn:
+    """A C function of one kind that records its arguments and writes x's rows (gated: gate's rows + up's) into y's
+    first M rows, plus the bias where one is passed; returns ``err``."""
+
+    def __init__(self, kind: int, m: int, err: int = 0):
+        self.kind, self.m, self.err, self.calls = kind, m, err, []
+        self.fn = SIGNATURES[kind](self._run)
+        self.plan = ctypes.c_int(0)
+        self.address = ctypes.addressof(self.plan)
+
+    def entry(self, rows: int | None = None) -> LaunchEntry:
+        return LaunchEntry(self.kind, ctypes.cast(self.fn, P).value, self.address, rows or self.m + 3, N)
+
+    def _run(self, *args) -> int:
+        if self.kind == ROWS_BIAS:
+            plan, x, ldx, bias, y, stream = args
+            out = _rows(x, ldx, self.m)
+        elif self.kind == SMALL_M:
+            plan, x, bias, y, stream = args
+            ldx, out = K, _rows(x, K, self.m)
+        elif self.kind == NO_BIAS:
+            plan, x, ldx, y, stream = args
+            bias, out = None, _rows(x, ldx, self.m)
+        else:
+            plan, g, ldg, u, ldu, bias, y, stream = args
+            ldx, out = ldg, _rows(g, ldg, self.m) + _rows(u, ldu, self.m)
+        if bias:
+            out = out + _rows(bias, 0, self.m)
+        self.calls.append({"plan": plan, "ldx": ldx, "bias": bias, "stream": stream})
+        ctypes.memmove(y, out.contiguous().data_ptr(), out.numel() * 2)
+        return self.err
+
+
+def _table(ext, kind: int, m: int, err: int = 0):
+    stand_in = StandIn(kind, m, err)
+    table = ext.Table(torch.device("cpu"), K, N)
+    ext.set_generation(autotune.generation())
+    table.add(m, *stand_in.entry(), autotune.generation(), stand_in)
+    return table, stand_in
+
+
+@pytest.mark.parametrize("shape", [(5, K), (1, 5, K), (5, 1, K)])
+def test_rows_bias_entry(ext, shape):
+    table, fn = _table(ext, ROWS_BIAS, 5)
+    x = random_act(5, K).reshape(shape)
+    bias = random_act(1, N)[0]
+    y = table(x, bias)
+    assert y.shape == (*shape[:-1], N) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    assert torch.equal(y, x + bias)
+    call = fn.calls[-1]
+    assert call == {"plan": fn.address, "ldx": K, "bias": bias.data_ptr(), "stream": None}
+    assert torch.equal(table(x, None), x) and fn.calls[-1]["bias"] is None
+
+
+def test_rows_read_in_place_at_their_stride(ext):
+    """2-D rows evenly strided with unit stride along K: read in place; strided leading dimensions: None (the Python
+    launcher copies them)."""
+    table, fn = _table(ext, ROWS_BIAS, 4)
+    wide = random_act(4, 3 * K)
+    y = table(wide[:, K : 2 * K], None)
+    assert torch.equal(y, wide[:, K : 2 * K]) and fn.calls[-1]["ldx"] == 3 * K
+    assert table(wide.reshape(2, 2, 3 * K)[..., :K], None) is None
+    assert table(random_act(K, 4).t(), None) is None  # unit stride along M
+
+
+def test_small_m_entry_needs_contiguous_aligned_rows(ext):
+    table, _ = _table(ext, SMALL_M, 3)
+    x = random_act(3, K)
+    assert torch.equal(table(x, None), x)
+    wide = random_act(3, K + 8)
+    assert table(wide[:, :K], None) is None  # evenly strided, not contiguous
+    flat = random_act(1, 3 * K + 1)[0]
+    assert table(flat[1:].view(3, K), None) is None  # 2 bytes past 16-byte alignment
+
+
+def test_no_bias_entry_takes_no_bias(ext):
+    table, _ = _table(ext, NO_BIAS, 2)
+    x = random_act(2, K)
+    assert torch.equal(table(x, None), x)
+    assert table(x, random_act(1, N)[0]) is None
+
+
+def test_gated_entry(ext):
+    table, fn = _table(ext, GATED, 3)
+    gate, up = random_act(3, K, seed=1), random_act(3, K, seed=2)
+    wide = random_act(3, 2 * K)
+    y = table.gated(gate, wide[:, K:], None)
+    assert torch.equal(y, gate + wide[:, K:]) and fn.calls[-1]["ldx"] == K
+    assert table.gated(gate.reshape(1, 3, K), up.reshape(1, 3, K), None).shape == (1, 3, N)
+    assert table(gate, None) is None  # a gated entry serves gated calls only
+    assert table.gated(gate, up[:2], None) is None
+    assert table.gated(gate, up.half(), None) is None
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["other M", "fp16", "fp32", "other K", "subclass", "parameter", "grad", "empty", "bias fp32", "bias shape",
+     "bias strided", "bias grad", "failed launch", "dispatch mode"],
+)  # fmt: skip
+def test_python_path_cases(ext, case):
+    """Each case the plan's Python launcher takes differently (or the Python path refuses) answers None; the same
+    call with the case undone answers."""
+    table, _ = _table(ext, ROWS_BIAS, 4, err=7 if case == "failed launch" else 0)
+    x, bias = random_act(4, K), random_act(1, N)[0]
+
+    class Sub(torch.Tensor):
+        pass
+
+    if case == "other M":
+        x = random_act(3, K)
+    elif case in ("fp16", "fp32"):
+        x = x.to(torch.float16 if case == "fp16" else torch.float32)
+    elif case == "other K":
+        x = random_act(2, 2 * K)
+    elif case == "subclass":
+        x = x.as_subclass(Sub)
+    elif case == "parameter":
+        bias = torch.nn.Parameter(bias, requires_grad=False)
+    elif case == "grad":
+        x.requires_grad_(True)
+    elif case == "empty":
+        x = x[:0]
+    elif case == "bias fp32":
+        bias = bias.float()
+    elif case == "bias shape":
+        bias = random_act(1, N + 1)[0]
+    elif case == "bias strided":
+        bias = random_act(1, 2 * N)[0, ::2]
+    elif case == "bias grad":
+        bias.requires_grad_(True)
+    if case == "dispatch mode":
+        with TorchDispatchMode():
+            assert table(x, bias) is None
+    else:
+        assert table(x, bias) is None
+    if case in ("grad", "bias grad"):
+        with torch.no_grad():
+            assert table(x, bias) is not None
+
+
+def test_stale_generation_and_clear(ext):
+    table, fn = _table(ext, ROWS_BIAS, 2)
+    x = random_act(2, K)
+    assert table(x, None) is not None
+    fastcall.tuning_changed(autotune.generation() + 1)
+    try:
+        assert table(x, None) is None
+    finally:
+        fastcall.tuning_changed(autotune.generation())
+    assert table(x, None) is not None
+    keep = weakref.ref(fn)
+    del fn
+    assert keep() is not None and len(table) == 1  # the table keeps the launcher alive
+    table.clear()
+    gc.collect()  # the stand-in's C function refers back to it
+    assert keep() is None and len(table) == 0 and table(x, None) is None
+
+
+def test_unknown_kind_is_refused(ext):
+    table = ext.Table(torch.device("cpu"), K, N)
+    with pytest.raises(RuntimeError, match="unknown entry kind"):
+        table.add(1, 9, 0, 0, 1, N, 0, None)
+
+
+def test_linear_calls_the_table_first(ext, monkeypatch):
+    """A plan with an entry, made by the Python path, joins the weight's table; the next call of that M goes through
+    it (here the stand-in's answer, not the emulation's), other M and fp16 take the Python path."""
+    q, s = random_mx_weight(N, K)
+    w = mxgemm.prepare_weight(q, s, backend="emulation")
+    stand_in = StandIn(ROWS_BIAS, 4)
+    python_path = mxgemm.ops._plan
+
+    def plan(x, weight, m):
+        made = python_path(x, weight, m)
+        if m == 4:
+            made = lambda x, bias, made=made: made(x, bias)  # noqa: E731
+            made.entry = stand_in.entry()
+        return made
+
+    monkeypatch.setattr(mxgemm.ops, "_plan", plan)
+    x = random_act(4, K)
+    first = mxgemm.linear(x, w)
+    assert w.fast is not None and len(w.fast) == 1 and not stand_in.calls
+    assert torch.equal(mxgemm.linear(x, w), x) and len(stand_in.calls) == 1
+    mxgemm.linear(random_act(3, K), w)
+    mxgemm.linear(x.half(), w)
+    assert len(stand_in.calls) == 1 and not torch.equal(first, x)
+
+
+def test_turned_off(ext, monkeypatch):
+    monkeypatch.setenv("MXGEMM_FAST_CALLS", "0")
+    fastcall.status.cache_clear()
+    try:
+        assert not fastcall.status() and "MXGEMM_FAST_CALLS" in fastcall.status().reason
+        q, s = random_mx_weight(N, K)
+        w = mxgemm.prepare_weight(q, s, backend="emulation")
+        plan = lambda x, bias: x  # noqa: E731
+        plan.entry = StandIn(ROWS_BIAS, 4).entry()
+        fastcall.register(w, 4, torch.bfloat16, plan)
+        assert w.fast is None
+    finally:
+        fastcall.status.cache_clear()
