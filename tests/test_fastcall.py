@@ -26,8 +26,10 @@ SIGNATURES = {
 
 
 @pytest.fixture(scope="module")
-def ext():
-    answer = fastcall.status()
+def ext(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:  # built before the per-test cache folder is set: not in the user's
+        patch.setenv("MXGEMM_CACHE_DIR", str(tmp_path_factory.mktemp("mxgemm-ext")))
+        answer = fastcall.status()
     assert answer, answer.reason  # CI installs what it builds with: a build that fails here is a defect
     return fastcall.extension()
 
@@ -241,3 +243,24 @@ def test_turned_off(ext, monkeypatch):
         assert w.fast is None
     finally:
         fastcall.status.cache_clear()
+
+
+def test_the_table_empties_with_the_plans_and_is_not_copied(ext, monkeypatch):
+    """Past MAX_PLANS the weight's plans start over, and its table with them (it holds their launchers); a copy of the
+    weight makes its own plans and table."""
+    import copy
+
+    from mxgemm.backends import base
+
+    q, s = random_mx_weight(N, K)
+    w = mxgemm.prepare_weight(q, s, backend="emulation")
+    plan = lambda x, bias: x  # noqa: E731
+    plan.entry = StandIn(ROWS_BIAS, 4).entry()
+    w.cached((4, torch.bfloat16, autotune.generation()), lambda: plan)
+    fastcall.register(w, 4, torch.bfloat16, plan)
+    assert len(w.fast) == 1
+    assert copy.deepcopy(w).fast is None
+    monkeypatch.setattr(base, "MAX_PLANS", 2)
+    mxgemm.linear(random_act(1, K), w)
+    mxgemm.linear(random_act(2, K), w)
+    assert len(w.fast) == 0 and w.fast(random_act(4, K), None) is None
