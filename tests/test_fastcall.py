@@ -93,6 +93,9 @@ def test_rows_bias_entry(ext, shape):
     call = fn.calls[-1]
     assert call == {"plan": fn.address, "ldx": K, "bias": bias.data_ptr(), "stream": None}
     assert torch.equal(table(x, None), x) and fn.calls[-1]["bias"] is None
+    with torch.inference_mode():  # the output an inference tensor, shaped the same
+        y = table(x.clone(), bias)
+    assert y.is_inference() and y.shape == (*shape[:-1], N) and torch.equal(y, x + bias)
 
 
 def test_rows_read_in_place_at_their_stride(ext):
