@@ -267,3 +267,32 @@ def test_the_table_empties_with_the_plans_and_is_not_copied(ext, monkeypatch):
     mxgemm.linear(random_act(1, K), w)
     mxgemm.linear(random_act(2, K), w)
     assert len(w.fast) == 0 and w.fast(random_act(4, K), None) is None
+
+
+def test_why_the_extension_does_not_build(monkeypatch, tmp_path):
+    """Each way the build can fail says what to do: no ninja, no folder it may write, a compiler error; the eager
+    calls then take the Python path and `mxgemm info` says why."""
+    from torch.utils import cpp_extension
+
+    build = fastcall.extension.__wrapped__  # the uncached build: the module's own stays as it is
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"pip install ninja"):
+        build()
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(blocked))  # a file where the folder would be
+    monkeypatch.setattr(fastcall.tempfile, "gettempdir", lambda: str(blocked))
+    with pytest.raises(RuntimeError, match=r"no folder to build fast_call.cpp in: .*file"):
+        build()
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+
+    def compiler_error(*args, **kwargs):
+        raise RuntimeError("Error building extension 'mxgemm_fast_call': g++ not found")
+
+    monkeypatch.setattr(cpp_extension, "load", compiler_error)
+    with pytest.raises(RuntimeError, match=r"building fast_call.cpp failed: .*g\+\+ not found"):
+        build()
+    monkeypatch.setattr(fastcall, "extension", build)
+    answer = fastcall.status.__wrapped__()
+    assert not answer and answer.reason.startswith("the Python path: the C++ calls are not built (building")
