@@ -67,6 +67,9 @@ def extension():
                                         with_cuda=False, verbose=False)  # fmt: skip
         except (RuntimeError, OSError, ImportError) as exc:
             raise RuntimeError(f"building {_SOURCE.name} failed: {str(exc).strip()[-500:]}") from None
+        from .autotune import generation
+
+        module.set_generation(generation())  # then kept current by tuning_changed
         _LOADED.append(module)
         return module
     raise RuntimeError(f"no folder to build {_SOURCE.name} in: {'; '.join(unwritable)}")
@@ -94,12 +97,10 @@ def register(weight, m: int, dtype: torch.dtype, plan) -> None:
         return
     from .autotune import generation
 
-    module = extension()
     table = weight.fast
     if table is None:
-        table = module.Table(weight.device, weight.in_features, weight.out_features)
+        table = extension().Table(weight.device, weight.in_features, weight.out_features)
         object.__setattr__(weight, "fast", table)
-    module.set_generation(generation())
     table.add(m, *entry, generation(), plan)
 
 

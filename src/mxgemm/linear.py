@@ -213,7 +213,7 @@ class MXFP8Linear(nn.Module):
         subclass or fp32 inputs, gradients, an M or backend whose call does not quantize its input): the
         caller then computes the product and calls the layer. Hooks on the layer are the caller's to honour."""
         start = self._gated_from  # fewer rows, or a backend that never runs it: at once
-        if start is None or torch.compiler.is_compiling():
+        if start is None or gate.numel() < start * gate.shape[-1] or torch.compiler.is_compiling():
             return None
         bias = self._buffers.get("bias", _ABSENT)
         if bias is _ABSENT:
@@ -223,7 +223,7 @@ class MXFP8Linear(nn.Module):
             y = fast.gated(gate, up, bias)
             if y is not None:
                 return y
-        if type(gate) is not torch.Tensor or type(up) is not torch.Tensor or gate.numel() < start * gate.shape[-1]:
+        if type(gate) is not torch.Tensor or type(up) is not torch.Tensor:
             return None
         if not gate.numel() or not _gated_operands(gate, up, bias):
             return None
