@@ -121,15 +121,17 @@ def test_leading_dimensions_run_as_rows():
 @pytest.mark.parametrize("m", [4, 24])  # the small-M kernel's graph; the quantizer's and the FP8 GEMM's
 def test_graphed_plans_follow_new_contents_and_new_addresses(m):
     """A graphed plan leaves its nodes as they are when a call's launch equals the last one: calls on one buffer whose
-    contents change, on alternating buffers, and with and without a bias, each match the twin of their regime."""
+    contents change, on buffers taken in turn (more of them than a plan keeps graphs set for), and with and without a
+    bias, each match the twin of their regime."""
     q, s = random_mx_weight(4096, 4096, device="cuda")
     w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     quantized = m >= w.info["crossover"]
-    one, other = torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16), random_act(m, 4096, seed=9, device="cuda")
+    one = torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16)
+    others = [random_act(m, 4096, seed=9 + j, device="cuda") for j in range(6)]
     for i in range(3):
         one.copy_(random_act(m, 4096, seed=i, device="cuda"))  # same address, new contents
-        for x in (one, other, one):
+        for x in (one, *others, one, others[i]):
             for b in (None, bias, bias, None):
                 y = mxgemm.linear(x, w, b)
                 expected = exact_product(*hybrid_operands(x, q, s, quantized=quantized), b)
