@@ -54,15 +54,23 @@ def per_call_us(fn, inputs, calls: int, repeats: int) -> float:
     return statistics.median(rounds)
 
 
-def projection_rows(model: str, proj: str, n: int, k: int, has_bias: bool, args, l2_bytes: int | None) -> list:
+def cold_layers(n: int, k: int, has_bias: bool, l2_bytes: int | None, g: torch.Generator):
+    """(bf16 weights [n, k], bias or None, their ``MXFP8Linear`` layers): enough copies that the bf16 weights exceed
+    3x the L2, drawn from ``g``, so that calls rotating over them read their weights from memory."""
     count = copies_for_cold_l2(n * k * 2, l2_bytes)
-    g = torch.Generator(device="cuda").manual_seed(0)
     dense = [torch.randn(n, k, device="cuda", generator=g).mul_(0.02).bfloat16() for _ in range(count)]
     bias = torch.randn(n, device="cuda", generator=g).bfloat16() if has_bias else None
     layers = []
     for w in dense:
         t = mxgemm.quantize(w)
         layers.append(mxgemm.MXFP8Linear.from_quantized(t.qdata, t.scale, bias))
+    return dense, bias, layers
+
+
+def projection_rows(model: str, proj: str, n: int, k: int, has_bias: bool, args, l2_bytes: int | None) -> list:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dense, bias, layers = cold_layers(n, k, has_bias, l2_bytes, g)
+    count = len(dense)
     prepared = [layer.prepared for layer in layers]
 
     def via_op(i: int, x: torch.Tensor) -> torch.Tensor:

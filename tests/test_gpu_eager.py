@@ -121,8 +121,8 @@ def test_leading_dimensions_run_as_rows():
 @pytest.mark.parametrize("m", [4, 24])  # the small-M kernel's graph; the quantizer's and the FP8 GEMM's
 def test_graphed_plans_follow_new_contents_and_new_addresses(m):
     """A graphed plan leaves its nodes as they are when a call's launch equals the last one: calls on one buffer whose
-    contents change, on buffers taken in turn (more of them than a plan keeps graphs set for), and with and without a
-    bias, each match the twin of their regime."""
+    contents change, on seven buffers taken in turn and back to the first, and with and without a bias, each match
+    the twin of their regime."""
     q, s = random_mx_weight(4096, 4096, device="cuda")
     w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)

@@ -20,12 +20,11 @@ import torch.nn.functional as F
 import mxgemm
 from mxgemm.backends import get_backend
 from mxgemm.kernels import fp8_gemm
-from mxgemm.timing import copies_for_cold_l2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bias_cost import replay_us
-from eager_calls import per_call_us
+from eager_calls import cold_layers, per_call_us
 
 SHAPES = [("qwen qkv +bias", 4608, 3584, True), ("qwen o", 3584, 3584, False), ("llama qkv", 6144, 4096, False),
           ("llama o", 4096, 4096, False)]  # fmt: skip
@@ -44,13 +43,9 @@ def main() -> None:
     rows = []
     with torch.inference_mode():
         for name, n, k, has_bias in SHAPES:
-            count = copies_for_cold_l2(n * k * 2, device.l2_bytes)
-            dense = [torch.randn(n, k, device="cuda", generator=g).mul_(0.02).bfloat16() for _ in range(count)]
-            bias = torch.randn(n, device="cuda", generator=g).bfloat16() if has_bias else None
-            prepared = []
-            for w in dense:
-                t = mxgemm.quantize(w)
-                prepared.append(mxgemm.MXFP8Linear.from_quantized(t.qdata, t.scale).prepared)
+            dense, bias, layers = cold_layers(n, k, has_bias, device.l2_bytes, g)
+            count = len(dense)
+            prepared = [layer.prepared for layer in layers]
             for m in args.m:
                 xs = [torch.randn(m, 1, k, device="cuda", generator=g).bfloat16() for _ in range(4)]
                 config = backend.choose(m, prepared[0]).config
