@@ -74,12 +74,12 @@ def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):
     import torch
 
     import mxgemm
-    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend, fused_for
+    from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
 
     ran = []
 
-    def fake_plan(qdata, block_scale, n, k, m, config, fused):
-        assert fused == fused_for(m, n, k)
+    def fake_plan(qdata, block_scale, n, k, m, config, fused, graphed):
+        assert fused is False and graphed is False  # the two kernels, launched directly
 
         def launch(x, bias):
             ran.append(("fp8", config))
@@ -116,16 +116,6 @@ def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):
     del w.info["fp8_sms"]  # the kernel is not built: cuBLASLt, and no FP8 tactic is offered
     b.run(x64, w, None)
     assert ran == [("cublas", None)] and b.tactics(64, w) == [Tactic(Path.CUBLAS)]
-
-
-def test_the_fused_kernel_runs_where_eager_calls_wait_on_the_host():
-    """Up to M = 32 on weights of at most 16Mi elements (there its device time stays under an eager call's host
-    time), outside graph capture; elsewhere quantizer + GEMM."""
-    from mxgemm.backends.hybrid_sm90 import fused_for
-
-    assert fused_for(1, 4096, 4096) == fused_for(32, 3584, 3584) == fused_for(17, 4608, 3584) == "auto"
-    assert fused_for(33, 4096, 4096) is False and fused_for(17, 6144, 4096) is False
-    assert fused_for(1, 28672, 4096) is False
 
 
 def test_launch_plans_mirror_the_c_structures():

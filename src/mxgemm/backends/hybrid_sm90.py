@@ -36,8 +36,8 @@ from .base import Availability, Backend, PreparedWeight, Tactic, UnsupportedWeig
 
 logger = logging.getLogger("mxgemm")
 
-__all__ = ["HybridSM90Backend", "Path", "fp8_beats_cublas", "fp8_configs", "fp8_default", "fused_for",
-           "reencode_max_error", "small_m_configs", "small_m_default"]  # fmt: skip
+__all__ = ["HybridSM90Backend", "Path", "fp8_beats_cublas", "fp8_configs", "fp8_default", "reencode_max_error",
+           "small_m_configs", "small_m_default"]  # fmt: skip
 
 
 class Path(StrEnum):
@@ -45,7 +45,7 @@ class Path(StrEnum):
 
     SMALL_M = "small_m"  # the CUDA small-M kernel (kernels/csrc/small_m.cu), activations as given
     TRITON = "triton"  # the Triton w8a16 kernel on the block weight, activations as given
-    FP8 = "fp8"  # the 1x128 quantizer + our FP8 wgmma GEMM, or the fused kernel (kernels/csrc/fp8_gemm.cu)
+    FP8 = "fp8"  # the 1x128 quantizer + our FP8 wgmma GEMM (kernels/csrc/fp8_gemm.cu)
     CUBLAS = "cublas"  # the 1x128 quantizer + cuBLASLt's blockwise GEMM
 
     @property
@@ -53,18 +53,16 @@ class Path(StrEnum):
         return self in (Path.FP8, Path.CUBLAS)
 
 
-def fused_for(m: int, n: int, k: int) -> bool | str:
-    """How the FP8 plan launches for M rows of an [n, k] weight (``fp8_gemm.linear_plan``'s ``fused``) where its
-    eager calls cannot launch the quantizer and the GEMM as one CUDA graph (they do wherever the graph can be made):
-    the fused kernel outside graph capture ("auto") up to M = 32 on weights of at most 16Mi elements, else quantizer
-    + GEMM.
+def _fp8_plan(weight: PreparedWeight, m: int, config: Fp8Config):
+    """The FP8 route's plan for M rows: the 1x128 quantizer and the GEMM (its programmatic dependent) launched directly.
 
-    Measured on the H200: the fused kernel saves 3-5 µs of an eager call's host time, and there an eager call is bound
-    by host time (about 16-20 µs) while the fused kernel's device time is 9-15 µs (4096 x 4096, 3584 x 3584 and
-    4608 x 3584 at M = 1-32). It quantizes on its consumers' path, so its device time grows with the tokens: on
-    larger weights (6144 x 4096: 22 µs at M = 17-32) an eager call would wait for the GPU instead, and a fused
-    tokens-as-M kernel for M = 33-64 took 2-5x the two kernels' device time."""
-    return "auto" if m <= 32 and n * k <= 16 * 2**20 else False
+    Measured on the H200 (``bench/explore/eager_split.py``, the 3584-4608-row weights at M = 24-64): an eager call
+    there waits for the GPU (7-8 µs of host time, 14-18 µs of GPU time back to back); the two kernels launched
+    directly take 1-3 µs less GPU time than the same two as one CUDA graph, for 4-5 µs more host time, which stays
+    under their GPU time; the fused kernel takes more device time than either (21-23 µs on a 4608 x 3584 weight)."""
+    qd, bs = weight.tensors["qdata"], weight.tensors["block_scale"]
+    n, k = weight.out_features, weight.in_features
+    return fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused=False, graphed=False)
 
 
 def _fitting_tile(m: int) -> int:
@@ -248,7 +246,7 @@ class HybridSM90Backend(Backend):
             quantize = _quantizer(weight)
             return any_rows(lambda x, bias: blockwise_linear(x, qd, bs, n, bias, quantize=quantize))
         if path == Path.FP8:
-            return _bf16_epilogue(fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused_for(m, n, k)))
+            return _bf16_epilogue(_fp8_plan(weight, m, config))
         from ..kernels.w8a16 import w8a16_linear
 
         q8 = qd[:n].view(torch.uint8)
@@ -333,10 +331,8 @@ class HybridSM90Backend(Backend):
         chosen = self._own_tactic(weight, gate)
         if "fp8_sms" not in weight.info or not chosen.path.quantized:
             return False
-        qd, bs, n, k = weight.tensors["qdata"], weight.tensors["block_scale"], weight.out_features, weight.in_features
         if chosen.path == Path.FP8:
-            launch = fp8_gemm.linear_plan(qd, bs, n, k, m, chosen.config, fused_for(m, n, k))
-            epilogue = _bf16_epilogue(launch, gated=True)
+            epilogue = _bf16_epilogue(_fp8_plan(weight, m, chosen.config), gated=True)
 
             def fp8_route(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
                 return epilogue(gate, bias, up)
@@ -347,8 +343,11 @@ class HybridSM90Backend(Backend):
         if planned:  # the route holds the plan itself, whose cuBLASLt handle lives as long as the plan
             return lambda gate, up, bias: planned.gated(gate, up, bias)
 
+        qd, bs = weight.tensors["qdata"], weight.tensors["block_scale"]
+
         def run(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return blockwise_linear(gate, qd, bs, n, bias, quantize=lambda g: fp8_gemm.quantize_1x128(g, up=up))
+            return blockwise_linear(gate, qd, bs, weight.out_features, bias,
+                                    quantize=lambda g: fp8_gemm.quantize_1x128(g, up=up))  # fmt: skip
 
         return run
 
