@@ -177,6 +177,7 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
             made_here.append((*args, launch_kinds))
             launch = lambda x, bias: pytest.fail("the plan's own call")  # noqa: E731
             launch.gated = lambda g, u, b: ("gated", g, u, b)
+            launch.entry = launch.gated.entry = None
             return launch
 
         return linear_plan
@@ -191,7 +192,10 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
     for _ in range(2):
         assert backend.run_gated(g, u, weight, bias) == ("gated", g, u, bias)
     config = hybrid_sm90.fp8_default(128, *weight.tensors["qdata"].shape, 132)
-    assert [a[3:] for a in fp8_made] == [(384, 128, config, {"fused": False, "graphed": False})]
+    assert [a[3:] for a in fp8_made] == [
+        (384, 128, config, {"fused": False}),
+        (384, 128, config, {"fused": False, "graphed": False}),
+    ]
     assert backend.run_gated(gate, up_, weight, bias) is gate
     t = weight.tensors
     assert seen == [(gate, t["qdata"], t["block_scale"], 256, bias, rows)]
@@ -233,10 +237,11 @@ def test_a_tuned_tactic_runs_the_gated_product_on_its_own_path(monkeypatch):
     monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda *a, **k: pytest.fail("quantized apart"))
     made, own = [], []
 
-    def linear_plan(qd, bs, n, k, m, config, fused, graphed):
+    def linear_plan(qd, bs, n, k, m, config, fused, graphed=True):
         made.append((m, config, fused, graphed))
         launch = lambda x, bias: pytest.fail("the plan's own call")  # noqa: E731
         launch.gated = lambda g, u, b: g
+        launch.entry = launch.gated.entry = None
         return launch
 
     monkeypatch.setattr(fp8_gemm, "linear_plan", linear_plan)
@@ -244,7 +249,7 @@ def test_a_tuned_tactic_runs_the_gated_product_on_its_own_path(monkeypatch):
         (m, tactic)) or x)  # fmt: skip
     gate, up = random_act(300, 384), random_act(300, 384, seed=2)
     assert backend.run_gated(gate, up, weight, None) is gate
-    assert made == [(300, tuned.config, False, False)]
+    assert made == [(300, tuned.config, False, True), (300, tuned.config, False, False)]
     assert backend.run_sharing(gate, weight, None) is None
     assert backend.run_quantized(gate, ("rows", "of another member"), weight, None) is gate
     assert own == [(300, tuned)]
