@@ -34,7 +34,8 @@ from mxgemm.kernels import fp8_gemm, raw_stream
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eager_calls import cold_layers, per_call_us
 
-SHAPES = [("qwen qkv +bias", 4608, 3584, True), ("llama o", 4096, 4096, False), ("qwen o", 3584, 3584, False)]
+SHAPES = [("qwen qkv +bias", 4608, 3584, True), ("llama qkv", 6144, 4096, False), ("llama o", 4096, 4096, False),
+          ("qwen o", 3584, 3584, False)]  # fmt: skip
 SLEEP_CYCLES = 80_000_000  # ~40 ms at the H200's clock: longer than issuing the calls
 
 

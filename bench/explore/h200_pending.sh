@@ -28,10 +28,6 @@
 #   mechanisms  bench/explore/eager_mechanisms.py --device cuda: host time of an eager layer call by mechanism (Python,
 #           pybind11, torch.ops), the kernel a C function that returns at once
 #   split   bench/explore/eager_split.py: each eager call's host time and back-to-back GPU time
-#   split-execs  the same at M = 24-64 with bench/explore/csrc/graph_launch_execs.patch applied to the kernels'
-#           graph_launch.cuh (several instantiations of a plan's graph, so that calls on alternating buffers set no
-#           node), the tuning file relabelled for the new kernels' digest (same tactics: an A/B of the launch path
-#           only, never shipped)
 #   launch  bench/explore/launch_cost.py: host time of one and two launches, and of a graph of them replayed
 #   lt-algos  bench/explore/lt_algos.py: each cuBLASLt blockwise algorithm of the planned call against _scaled_mm
 #   new-lengths  bench/explore/new_lengths.py: eager prefills of prompt lengths not seen before (plans made) and again
@@ -140,17 +136,6 @@ for stage in "$@"; do
     split)
       timeout 300 python3 bench/explore/eager_split.py --json "$out/eager-split-h200.json" > "$out/split.log" 2>&1
       tail -18 "$out/split.log" ;;
-    split-execs)
-      old=$(python3 -c "from mxgemm.kernels import source_digest; print(source_digest())")
-      cp src/mxgemm/kernels/csrc/graph_launch.cuh src/mxgemm/tuned/tuning-h200-sm90.json /tmp/
-      patch -p1 < bench/explore/csrc/graph_launch_execs.patch || git apply bench/explore/csrc/graph_launch_execs.patch
-      new=$(python3 -c "from mxgemm.kernels import source_digest; print(source_digest())")
-      sed -i "s/\"kernels\": \"$old\"/\"kernels\": \"$new\"/" src/mxgemm/tuned/tuning-h200-sm90.json
-      python3 -m mxgemm info 2>&1 | grep -i "tuning" | head -2
-      timeout 240 python3 bench/explore/eager_split.py --m 24 32 64 --json "$out/eager-split-execs-h200.json" \
-        > "$out/split-execs.log" 2>&1
-      tail -12 "$out/split-execs.log"
-      cp /tmp/graph_launch.cuh src/mxgemm/kernels/csrc/ && cp /tmp/tuning-h200-sm90.json src/mxgemm/tuned/ ;;
     launch)
       timeout 120 python3 bench/explore/launch_cost.py --json "$out/launch-cost-h200.json" 2>&1 | tail -10 ;;
     eager)

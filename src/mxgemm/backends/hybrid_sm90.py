@@ -60,7 +60,7 @@ def _fp8_plan(weight: PreparedWeight, m: int, config: Fp8Config):
 
     Measured on the H200 (``bench/explore/eager_split.py``, the 3584-4608-row weights at M = 24-64): from C++ an eager
     call waits for the GPU (7-8 µs of host time, 14-18 µs of GPU time back to back), and the two kernels launched
-    directly take 1-3 µs less GPU time than the same two as one graph, for 4-5 µs more host time, still under their
+    directly take 1.7-4 µs less GPU time than the same two as one graph, for 4-5 µs more host time, still under their
     GPU time; on the Python path a call waits for the host, and the graph costs 3-6 µs less of it. The fused kernel
     takes more device time than either (21-23 µs on a 4608 x 3584 weight)."""
     qd, bs = weight.tensors["qdata"], weight.tensors["block_scale"]
