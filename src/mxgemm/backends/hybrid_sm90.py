@@ -350,11 +350,10 @@ class HybridSM90Backend(Backend):
         if planned:  # the route holds the plan itself, whose cuBLASLt handle lives as long as the plan
             return lambda gate, up, bias: planned.gated(gate, up, bias)
 
-        qd, bs = weight.tensors["qdata"], weight.tensors["block_scale"]
+        qd, bs, n = weight.tensors["qdata"], weight.tensors["block_scale"], weight.out_features  # not the weight
 
         def run(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return blockwise_linear(gate, qd, bs, weight.out_features, bias,
-                                    quantize=lambda g: fp8_gemm.quantize_1x128(g, up=up))  # fmt: skip
+            return blockwise_linear(gate, qd, bs, n, bias, quantize=lambda g: fp8_gemm.quantize_1x128(g, up=up))
 
         return run
 
