@@ -33,6 +33,8 @@ class _StandIn:
             y = (torch.arange(x.shape[0] * N, dtype=torch.float32).reshape(x.shape[0], N) / 7).bfloat16()
             return y if bias is None else (y.float() + bias.float()).bfloat16()
 
+        launch.gated = lambda gate, up, bias: launch(gate, bias)
+        launch.entry = launch.gated.entry = None  # no C entry point: calls run the launcher
         return launch
 
 
