@@ -86,7 +86,7 @@ def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):
             return torch.zeros(x.shape[0], n, dtype=torch.bfloat16)
 
         launch.gated = lambda gate, up, bias: None
-        launch.entry = launch.gated.entry = "graph" if graphed else "direct"
+        launch.entry = launch.gated.entry = ("entry", config)
         return launch
 
     monkeypatch.setattr(fp8_gemm, "linear_plan", fake_plan)
@@ -105,7 +105,7 @@ def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):
     b.run(x40, w, None, tactic=Tactic(Path.FP8, tuned))  # a bucket spanning the crossover: not followed
     default = default_config(64, 4096, 4096, 132)
     assert ran == [("fp8", default), ("fp8", tuned), ("cublas", None), ("triton", None)]
-    assert b.plan(w, 64, torch.bfloat16).entry == "direct"  # C++ calls launch the two kernels directly
+    assert b.plan(w, 64, torch.bfloat16).entry == ("entry", default)  # what C++ calls: the kernel plan's own
     ran.clear()
     x128 = torch.zeros(128, 4096, dtype=torch.bfloat16)
     b.run(x128, w, None)  # 64 CTAs of 64 weight rows: one wave

@@ -192,10 +192,7 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
     for _ in range(2):
         assert backend.run_gated(g, u, weight, bias) == ("gated", g, u, bias)
     config = hybrid_sm90.fp8_default(128, *weight.tensors["qdata"].shape, 132)
-    assert [a[3:] for a in fp8_made] == [
-        (384, 128, config, {"fused": False}),
-        (384, 128, config, {"fused": False, "graphed": False}),
-    ]
+    assert [a[3:] for a in fp8_made] == [(384, 128, config, False, {})]  # the quantizer and the GEMM, one plan
     assert backend.run_gated(gate, up_, weight, bias) is gate
     t = weight.tensors
     assert seen == [(gate, t["qdata"], t["block_scale"], 256, bias, rows)]
@@ -249,7 +246,7 @@ def test_a_tuned_tactic_runs_the_gated_product_on_its_own_path(monkeypatch):
         (m, tactic)) or x)  # fmt: skip
     gate, up = random_act(300, 384), random_act(300, 384, seed=2)
     assert backend.run_gated(gate, up, weight, None) is gate
-    assert made == [(300, tuned.config, False, True), (300, tuned.config, False, False)]
+    assert made == [(300, tuned.config, False, True)]
     assert backend.run_sharing(gate, weight, None) is None
     assert backend.run_quantized(gate, ("rows", "of another member"), weight, None) is gate
     assert own == [(300, tuned)]

@@ -54,22 +54,10 @@ class Path(StrEnum):
 
 
 def _fp8_plan(weight: PreparedWeight, m: int, config: Fp8Config):
-    """The FP8 route's plan for M rows: the 1x128 quantizer, then the GEMM. Its ``.entry`` (the C++ calls of an eager
-    layer) launches the two directly, the GEMM as the quantizer's programmatic dependent; its own calls (the Python
-    path of the ``mxgemm`` ops) launch them as one CUDA graph of the plan's.
-
-    Measured on the H200 (``bench/explore/eager_split.py``, the 3584-4608-row weights at M = 24-64): from C++ an eager
-    call waits for the GPU (7-8 µs of host time, 14-18 µs of GPU time back to back), and the two kernels launched
-    directly take 1.7-4 µs less GPU time than the same two as one graph, for 4-5 µs more host time, still under their
-    GPU time; on the Python path a call waits for the host, and the graph costs 3-6 µs less of it. The fused kernel
-    takes more device time than either (21-23 µs on a 4608 x 3584 weight)."""
-    qd, bs = weight.tensors["qdata"], weight.tensors["block_scale"]
-    n, k = weight.out_features, weight.in_features
-    graphed = fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused=False)
-    direct = fp8_gemm.linear_plan(qd, bs, n, k, m, config, fused=False, graphed=False)
-    graphed.entry, graphed.gated.entry = direct.entry, direct.gated.entry
-    graphed.direct = direct  # the structures the entries point into live as long as the launcher
-    return graphed
+    """The FP8 route's plan for M rows: the 1x128 quantizer, then the GEMM (never the fused kernel, whose device time
+    is larger: :func:`fp8_gemm.linear_plan`)."""
+    t = weight.tensors
+    return fp8_gemm.linear_plan(t["qdata"], t["block_scale"], weight.out_features, weight.in_features, m, config, False)
 
 
 def _fitting_tile(m: int) -> int:

@@ -179,7 +179,7 @@ def linear_plan(
     mp, _ = padded_1x128_shape(m, k)
     ws_offset = round_up(mp * np_ * 2, 256)  # where a call's buffer holds its quantized rows, then their scales
     device = qdata.device
-    quantizer = ctypes.cast(fp8_library(torch.cuda.get_device_capability(device)).mxgemm_quant_1x128, _P).value
+    quantizer = address(fp8_library(torch.cuda.get_device_capability(device)).mxgemm_quant_1x128)
     lib = _library()
     handle = _P()
     with torch.cuda.device(device):
