@@ -30,6 +30,9 @@
 #   split   bench/explore/eager_split.py: each eager call's host time and back-to-back GPU time
 #   launch  bench/explore/launch_cost.py: host time of one and two launches, and of a graph of them replayed
 #   lt-algos  bench/explore/lt_algos.py: each cuBLASLt blockwise algorithm of the planned call against _scaled_mm
+#   large-m  bench/explore/large_m_fp8.py: our FP8 kernel's 128-token configs against cuBLASLt at M = 512-4096
+#   tokm-lab  bench/explore/tokm_lab.py: variants of the tokens-as-M kernel against it and cuBLASLt, GEMM alone
+#   large-m-ncu  Nsight Compute on the tokens-as-M kernel and cuBLASLt's, 8B o at M = 2048 (profile_kernel.py)
 #   new-lengths  bench/explore/new_lengths.py: eager prefills of prompt lengths not seen before (plans made) and again
 #   prefill-host  bench/explore/prefill_host.py: the eager prefill's host time by route above fusion.MAX_ROWS
 #   bench-hf  the llama3-8b-hf set (Hugging Face's unfused projections, lm_head included)
@@ -126,6 +129,24 @@ for stage in "$@"; do
     lt-algos)
       timeout 400 python3 bench/explore/lt_algos.py --json "$out/lt-algos-h200.json" > /tmp/lt.log 2>&1
       tail -20 /tmp/lt.log ;;
+    large-m)
+      timeout 400 python3 bench/explore/large_m_fp8.py --json "$out/large-m-fp8-h200.json" > /tmp/large-m.log 2>&1
+      tail -20 /tmp/large-m.log ;;
+    tokm-lab)
+      timeout 400 python3 bench/explore/tokm_lab.py --json "$out/tokm-lab-h200.json" > /tmp/tokm-lab.log 2>&1
+      tail -8 /tmp/tokm-lab.log ;;
+    large-m-ncu)
+      for k in tokm cublas; do
+        re=$([ $k = tokm ] && echo fp8_gemm_tokm || echo nvjet)
+        timeout 240 ncu --set full -k regex:$re -s 2 -c 1 -o "$out/$k" -f python3 bench/explore/profile_kernel.py \
+          --kernel $k --n 4096 --k 4096 --m 2048 > "$out/ncu-$k.log" 2>&1
+        ncu --import "$out/$k.ncu-rep" --page details > "$out/ncu-$k-o-m2048-h200.txt" 2>&1
+        grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Issue Slots Busy|Registers Per|Grid Size" \
+          "$out/ncu-$k-o-m2048-h200.txt"
+      done
+      ncu --import "$out/tokm.ncu-rep" --page source --csv --print-source sass > "$out/tokm-sass.csv" 2>&1
+      python3 bench/explore/top_stalls.py "$out/tokm-sass.csv" 30
+      rm -f "$out"/*.ncu-rep ;;
     ttft)
       timeout 400 python3 bench/explore/ttft_probe.py ${TTFT_ARGS:---modes eager --batches 1 --repeats 9} \
         > "$out/ttft-probe.txt" 2>&1

@@ -74,7 +74,7 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib = nvcc.build(_SOURCE, capability, suffix="a", symbols=names)
     for name, args in (
         ("mxgemm_fp8_gemm", [*_GEMM_ARGS, *[_I] * 6, _P]),  # + tn, rw, kc, splits, stages, pdl, stream
-        ("mxgemm_fp8_gemm_tokm", [*_GEMM_ARGS, *[_I] * 6, _P]),  # + tn, wn, splits, stages, persistent, pdl, stream
+        ("mxgemm_fp8_gemm_tokm", [*_GEMM_ARGS, *[_I] * 5, _P]),  # + tn, wn, splits, stages, pdl, stream
         ("mxgemm_quant_1x128", _QUANT_ARGS),
         ("mxgemm_quant_gated_1x128", _GATED_ARGS),
         ("mxgemm_fp8_linear_run", _RUN_ARGS),
@@ -129,14 +129,12 @@ class SwapAB:
 @dataclass(frozen=True)
 class TokensAsM:
     """Tokens as wgmma's M: ``tn`` tokens per CTA (64, 128; a consumer warpgroup per 64) sharing a tile of ``wn``
-    weight rows (64, 128); ``splits`` and ``stages`` as for :class:`SwapAB`; ``persistent``: as many CTAs as the SMs
-    hold, each taking tiles in turn (128 tokens, one K split)."""
+    weight rows (64, 128); ``splits`` and ``stages`` as for :class:`SwapAB`."""
 
     tn: int
     wn: int = 64
     splits: int = 1
     stages: int = 6
-    persistent: bool = False
 
     def smem_bytes(self, k_padded: int) -> int:
         """Shared memory of one CTA, as the launcher sizes it (+ 1 KiB the driver reserves)."""
@@ -144,8 +142,7 @@ class TokensAsM:
         return self.stages * ((self.wn + self.tn) * 128 + self.tn * 4 + 16) + kblocks * 4 + 2048
 
     def valid(self, k_padded: int) -> bool:
-        persistent = not self.persistent or (self.tn == 128 and self.splits == 1)
-        return self.tn in (64, 128) and self.wn in (64, 128) and persistent and _valid_ring(self, k_padded)
+        return self.tn in (64, 128) and self.wn in (64, 128) and _valid_ring(self, k_padded)
 
 
 Fp8Config = SwapAB | TokensAsM
@@ -192,7 +189,7 @@ def fp8_gemm(
     stream = raw_stream(xq.device.index)
     c = config
     if isinstance(c, TokensAsM):
-        err = lib.mxgemm_fp8_gemm_tokm(*common, c.tn, c.wn, c.splits, c.stages, int(c.persistent), int(pdl), stream)
+        err = lib.mxgemm_fp8_gemm_tokm(*common, c.tn, c.wn, c.splits, c.stages, int(pdl), stream)
     else:
         err = lib.mxgemm_fp8_gemm(*common, c.tn, c.rw, c.kc, c.splits, c.stages, int(pdl), stream)
     if err:
@@ -274,8 +271,7 @@ def linear_plan(
     lib = library(torch.cuda.get_device_capability(device))
     fn = lib.mxgemm_fp8_linear_run
     plan = _LinearPlan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), 0, k, m, mp, n, np_, kp,
-                       int(tokm) + int(tokm and config.persistent), config.tn, config.wn if tokm else config.rw,
-                       1 if tokm else config.kc,
+                       int(tokm), config.tn, config.wn if tokm else config.rw, 1 if tokm else config.kc,
                        config.splits, config.stages, _FUSED[fused], ws_offset, q_bytes)  # fmt: skip
     plan.graphed = int(graphed)
     # one plan a dtype and kind of call (plain, gated): each keeps the graph of its own kernels; C++ calls (bf16)

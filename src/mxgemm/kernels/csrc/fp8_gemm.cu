@@ -308,12 +308,11 @@ __device__ __forceinline__ void mma_block(float (&blk)[N / 2], uint64_t* full, i
 // rows themselves (TN x 256 bytes at XOFF, unswizzled), which the consumers quantize; no token scales are copied.
 // The weight does not depend on the kernel before this one (the activation quantizer, or whatever wrote the
 // activations): with programmatic dependent launch this grid starts early, so the first stages' weight tiles load
-// while that kernel runs. `it0`: the ring's iterations before this tile's (a persistent CTA's earlier tiles), from
-// which its stages and phases continue; only the first tile loads weights ahead of that wait.
+// while that kernel runs.
 template <int ST, int STAGE, int WR, int WOFF, int TN, int XOFF, bool QX>
 __device__ __forceinline__ void produce(const CUtensorMap& wmap, const CUtensorMap& xmap, const Args& a,
                                         uint8_t* smem, float* xsc, uint64_t* full, uint64_t* empty, int row0, int tok0,
-                                        int kb0, int xs_bytes, int it0 = 0) {
+                                        int kb0, int xs_bytes) {
   const int tx = WR * BK + (QX ? TN * 2 * BK : TN * BK + xs_bytes);
   auto weights = [&](int s, int it) {
     for (int r = 0; r < WR / ROWS; ++r)
@@ -323,16 +322,16 @@ __device__ __forceinline__ void produce(const CUtensorMap& wmap, const CUtensorM
     tma_load(smem + s * STAGE + XOFF, &xmap, (kb0 + it) * BK, tok0, &full[s]);
     if (!QX) bulk_load(xsc + s * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[s]);
   };
-  const int pre = it0 > 0 ? 0 : a.kblocks < ST ? a.kblocks : ST;
+  const int pre = a.kblocks < ST ? a.kblocks : ST;
   for (int it = 0; it < pre; ++it) {
     mbar_expect_tx(&full[it], tx);
     weights(it, it);
   }
-  if (it0 == 0) griddep_wait();
+  griddep_wait();
   for (int it = 0; it < pre; ++it) activations(it, it);
   for (int it = pre; it < a.kblocks; ++it) {
-    const int s = (it0 + it) % ST;
-    mbar_wait(&empty[s], (((it0 + it) / ST) & 1) ^ 1);  // the consumers are done with its last use
+    const int s = it % ST;
+    mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);  // the consumers are done with its last use
     mbar_expect_tx(&full[s], tx);
     weights(s, it);
     activations(s, it);
@@ -446,40 +445,12 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
     }
 }
 
-// A tokens-as-M consumer thread's results into Y: tokens m0 and m0 + 8, weight rows row0 + 8j + 2t and the next, with
-// the bias; two adjacent columns per store where the row stride and the output keep them 4-byte aligned
-template <int WN>
-__device__ __forceinline__ void store_tokm(const Args& a, const float (&acc)[WN / 2], int row0, int m0, int t) {
-  const bool paired = a.ldy % 2 == 0 && (reinterpret_cast<uintptr_t>(a.Y) & 3) == 0;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int m = m0 + 8 * h;
-    if (m >= a.M) continue;
-    __nv_bfloat16* y = a.Y + (size_t)m * a.ldy;
-#pragma unroll
-    for (int j = 0; j < WN / 8; ++j) {
-      const int col = row0 + 8 * j + 2 * t;
-      const float v0 = acc[4 * j + 2 * h] + (col < a.N ? bias_at(a, col) : 0.f);
-      const float v1 = acc[4 * j + 2 * h + 1] + (col + 1 < a.N ? bias_at(a, col + 1) : 0.f);
-      if (paired && col + 1 < a.N) {
-        *reinterpret_cast<__nv_bfloat162*>(y + col) = __floats2bfloat162_rn(v0, v1);
-      } else {
-        if (col < a.N) y[col] = __float2bfloat16_rn(v0);
-        if (col + 1 < a.N) y[col + 1] = __float2bfloat16_rn(v1);
-      }
-    }
-  }
-}
-
 // Tokens as wgmma's M (the default config above M = 32; up to which M our kernel is the default:
 // fp8_gemm.default_beats_cublas): TW consumer warpgroups of 64 tokens each share one tile of WN weight rows (the
 // instruction's N, inside one 128-row scale block), so a stage's weight tile is read once for 64 * TW tokens and each
 // thread promotes with two token scales and one weight scale per K block (the swap-AB kernel above reads TN / 4 token
 // scales). The ring, its producer, the K split over a cluster and the numerics are the swap-AB kernel's.
-// PT (persistent, one K split): gridDim.x CTAs take the output tiles in turn, token tiles fastest (the CTAs at work
-// at once share few weight tiles: each is read from memory about once), the ring running on across tiles, so the
-// producer loads a tile's first stages while the consumers store the tile before.
-template <int WN, int TW, int ST, bool PT>
+template <int WN, int TW, int ST>
 __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                     const __grid_constant__ CUtensorMap xmap,
                                                                     const Args a) {
@@ -496,8 +467,8 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
   constexpr int CT = 128 * TW;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, wg = warp / 4;
   const int trow = wg * 64 + 16 * (warp % 4) + g;  // a consumer thread's tokens in the tile: trow and trow + 8
-  const int kb0 = blockIdx.y * a.kblocks, ttiles = (a.M + TN - 1) / TN;
-  const int tiles = PT ? ttiles * ((a.Np + WN - 1) / WN) : 1;
+  const int row0 = blockIdx.x * WN, tok0 = blockIdx.z * TN, kb0 = blockIdx.y * a.kblocks;
+  const int xs_bytes = (a.Mp - tok0 < TN ? a.Mp - tok0 : TN) * 4;
 
   if (tid == 0) {
     for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * TW);
@@ -506,22 +477,15 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
   __syncthreads();
 
   float acc[WN / 2];
-  int row0 = blockIdx.x * WN, tok0 = blockIdx.z * TN;
-  for (int tile = PT ? blockIdx.x : 0, n = 0; tile < tiles; tile += PT ? gridDim.x : 1, ++n) {
-    if constexpr (PT) row0 = tile / ttiles * WN, tok0 = tile % ttiles * TN;
-    const int xs_bytes = (a.Mp - tok0 < TN ? a.Mp - tok0 : TN) * 4;
 #pragma unroll
-    for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
-    if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it
-      if (lane == 0)
-        produce<ST, STAGE, WN, XB, TN, 0, false>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0, xs_bytes,
-                                                 n * a.kblocks);
-      continue;
-    }
-    // consumers: the weight tile's block scales staged in shared memory (once all are done with the tile before)
-    if (n > 0) asm volatile("bar.sync 1, %0;" ::"r"(CT) : "memory");
+  for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
+
+  if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it
+    if (lane == 0)
+      produce<ST, STAGE, WN, XB, TN, 0, false>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0, xs_bytes);
+  } else {  // consumers
     for (int i = tid; i < a.kblocks; i += CT) wsc[i] = __ldg(a.S + (size_t)(row0 / 128) * a.s_stride + kb0 + i);
-    const int valid = a.Mp - tok0;  // token-scale slots past Mp zeroed, as in the swap-AB kernel
+    const int valid = a.Mp - tok0;  // token-scale slots past Mp zeroed once, as in the swap-AB kernel
     if (valid < TN)
       for (int i = tid; i < ST * TN; i += CT)
         if (i % TN >= valid) xsc[i] = 0.f;
@@ -530,10 +494,10 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
     float blk[WN / 2];
 #pragma unroll
     for (int i = 0; i < WN / 2; ++i) blk[i] = 0.f;
-    for (int kb = 0; kb < a.kblocks; ++kb) {
-      const int it = n * a.kblocks + kb, s = it % ST;
+    for (int it = 0; it < a.kblocks; ++it) {
+      const int s = it % ST;
       mma_block<WN, ST, STAGE>(blk, full, it, dx0, dw0);
-      const float sw = lds(wsc + kb);
+      const float sw = lds(wsc + it);
       const float x0 = lds(xsc + s * TN + trow) * sw, x1 = lds(xsc + s * TN + trow + 8) * sw;
       wgmma_wait0();
       __syncwarp();
@@ -546,11 +510,29 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
         acc[4 * j + 3] = fmaf(blk[4 * j + 3], x1, acc[4 * j + 3]);
       }
     }
-    if constexpr (PT) store_tokm<WN>(a, acc, row0, tok0 + trow, t);
   }
-  if constexpr (!PT) {
-    if (!cluster_sum<WN / 2, CT>(acc, smem, wg < TW, tid)) return;
-    if (wg < TW) store_tokm<WN>(a, acc, row0, tok0 + trow, t);
+
+  if (!cluster_sum<WN / 2, CT>(acc, smem, wg < TW, tid)) return;
+  if (wg >= TW) return;
+  // two adjacent columns per store where the row stride and the output keep them 4-byte aligned
+  const bool paired = a.ldy % 2 == 0 && (reinterpret_cast<uintptr_t>(a.Y) & 3) == 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = tok0 + trow + 8 * h;
+    if (m >= a.M) continue;
+    __nv_bfloat16* y = a.Y + (size_t)m * a.ldy;
+#pragma unroll
+    for (int j = 0; j < WN / 8; ++j) {
+      const int col = row0 + 8 * j + 2 * t;
+      const float v0 = acc[4 * j + 2 * h] + (col < a.N ? bias_at(a, col) : 0.f);
+      const float v1 = acc[4 * j + 2 * h + 1] + (col + 1 < a.N ? bias_at(a, col + 1) : 0.f);
+      if (paired && col + 1 < a.N) {
+        *reinterpret_cast<__nv_bfloat162*>(y + col) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        if (col < a.N) y[col] = __float2bfloat16_rn(v0);
+        if (col + 1 < a.N) y[col + 1] = __float2bfloat16_rn(v1);
+      }
+    }
   }
 }
 
@@ -714,11 +696,10 @@ struct Activations {
 };
 
 // Launches either kernel: weight tensor map in boxes of 64 rows, activation map in boxes of `tokens` rows, a grid of
-// (weight tiles of `rows`, K splits as one cluster, token tiles), or with `persistent` as many CTAs as the SMs hold at
-// once (at most one a tile), `smem` bytes of shared memory (raised to the device's opt-in limit once per kernel:
-// `max_smem`, per device), as a programmatic dependent when `pdl`.
+// (weight tiles of `rows`, K splits as one cluster, token tiles), `smem` bytes of shared memory (raised to the
+// device's opt-in limit once per kernel: `max_smem`, per device), as a programmatic dependent when `pdl`.
 int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const Activations& x, const Args& a, int splits,
-                  int rows, int tokens, int threads, int smem, int pdl, cudaStream_t st, bool persistent = false) {
+                  int rows, int tokens, int threads, int smem, int pdl, cudaStream_t st) {
   CUtensorMap wmap, xmap;
   int err = cached_map(&wmap, W, a.Np, a.Kp, a.Kp, ROWS, false);
   if (!err)
@@ -738,14 +719,6 @@ int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const Activ
   if (smem > limit) return kNoFusedKernel;  // only the fused kernels' stages: valid configs fit unfused
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((a.Np + rows - 1) / rows, splits, (a.M + tokens - 1) / tokens);
-  if (persistent) {
-    int sms = 0, per_sm = 0;
-    cerr = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (cerr == cudaSuccess) cerr = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
-    if (cerr != cudaSuccess) return (int)cerr;
-    const long long tiles = (long long)config.gridDim.x * config.gridDim.z;
-    config.gridDim = dim3((unsigned)(tiles < (long long)sms * per_sm ? tiles : (long long)sms * per_sm), 1, 1);
-  }
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = st;
@@ -786,13 +759,13 @@ int launch(const void* W, const Activations& x, Args a, int splits, int pdl, cud
                        128 * RW * KC + 32, smem, pdl, st);
 }
 
-template <int WN, int TW, int ST, bool PT>
+template <int WN, int TW, int ST>
 int launch_tokm(const void* W, const Activations& x, Args a, int splits, int pdl, cudaStream_t st) {
-  if (!split_k(a, splits) || (PT && splits != 1)) return (int)cudaErrorInvalidValue;
+  if (!split_k(a, splits)) return (int)cudaErrorInvalidValue;
   static int max_smem[64] = {};
   const int smem = smem_bytes(ST, (64 * TW + WN) * BK, 64 * TW, a.kblocks, WN / 2 * 128 * TW * 4);
-  return launch_kernel(fp8_gemm_tokm_kernel<WN, TW, ST, PT>, max_smem, W, x, a, splits, WN, 64 * TW, 128 * TW + 32,
-                       smem, pdl, st, PT);
+  return launch_kernel(fp8_gemm_tokm_kernel<WN, TW, ST>, max_smem, W, x, a, splits, WN, 64 * TW, 128 * TW + 32, smem,
+                       pdl, st);
 }
 
 // f(std::integral_constant<int, ST>{}) for a ring depth of 2, 4 or 6
@@ -818,33 +791,23 @@ int launch_tn(const void* W, const Activations& x, const Args& a, int tn, int sp
   return (int)cudaErrorInvalidValue;
 }
 
-// The GEMM on the quantizer's output, any config (tokm: 0 swap-AB, 1 tokens as M, 2 tokens as M persistent: 128
-// tokens per tile, one K split)
+// The GEMM on the quantizer's output, any config
 int gemm(const void* W, const Activations& x, const Args& a, int tokm, int tn, int rows, int kc, int splits,
          int stages, int pdl, cudaStream_t st) {
-  auto tokm_st = [&](auto wn, auto tw, auto pt) {
-    return by_stages(stages, [&](auto s) {
-      return launch_tokm<wn.value, tw.value, s.value, pt.value>(W, x, a, splits, pdl, st);
-    });
+  auto tokm_st = [&](auto wn, auto tw) {
+    return by_stages(stages, [&](auto s) { return launch_tokm<wn.value, tw.value, s.value>(W, x, a, splits, pdl, st); });
   };
   using I64 = std::integral_constant<int, 64>;
   using I128 = std::integral_constant<int, 128>;
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
-  using Tiled = std::false_type;
-  if (tokm == 2) {
-    if (tn == 128 && rows == 64) return tokm_st(I64{}, I2{}, std::true_type{});
-    if (tn == 128 && rows == 128) return tokm_st(I128{}, I2{}, std::true_type{});
+  if (tokm) {
+    if (tn == 64 && rows == 64) return tokm_st(I64{}, I1{});
+    if (tn == 64 && rows == 128) return tokm_st(I128{}, I1{});
+    if (tn == 128 && rows == 64) return tokm_st(I64{}, I2{});
+    if (tn == 128 && rows == 128) return tokm_st(I128{}, I2{});
     return (int)cudaErrorInvalidValue;
   }
-  if (tokm == 1) {
-    if (tn == 64 && rows == 64) return tokm_st(I64{}, I1{}, Tiled{});
-    if (tn == 64 && rows == 128) return tokm_st(I128{}, I1{}, Tiled{});
-    if (tn == 128 && rows == 64) return tokm_st(I64{}, I2{}, Tiled{});
-    if (tn == 128 && rows == 128) return tokm_st(I128{}, I2{}, Tiled{});
-    return (int)cudaErrorInvalidValue;
-  }
-  if (tokm) return (int)cudaErrorInvalidValue;
   if (rows == 2 && kc == 1) return launch_tn<2, 1>(W, x, a, tn, splits, stages, pdl, st);
   if (rows == 1 && kc == 1) return launch_tn<1, 1>(W, x, a, tn, splits, stages, pdl, st);
   if (rows == 1 && kc == 2) return launch_tn<1, 2>(W, x, a, tn, splits, stages, pdl, st);
@@ -941,12 +904,12 @@ extern "C" int mxgemm_fp8_gemm(const void* W, const void* S, int s_stride, const
 }
 
 // Tokens as wgmma's M: tn tokens per CTA (64, 128: a consumer warpgroup per 64), wn weight rows per CTA (64, 128);
-// splits and stages as above; persistent: CTAs that take the tiles in turn (tn = 128, splits = 1).
+// splits and stages as above.
 extern "C" int mxgemm_fp8_gemm_tokm(const void* W, const void* S, int s_stride, const void* X, const void* XS,
                                     const void* bias, void* Y, int ldy, int M, int Mp, int N, int Np, int Kp, int tn,
-                                    int wn, int splits, int stages, int persistent, int pdl, void* stream) {
-  return gemm_xq(W, S, s_stride, X, XS, bias, Y, ldy, M, Mp, N, Np, Kp, persistent ? 2 : 1, tn, wn, 1, splits, stages,
-                 pdl, (cudaStream_t)stream);
+                                    int wn, int splits, int stages, int pdl, void* stream) {
+  return gemm_xq(W, S, s_stride, X, XS, bias, Y, ldy, M, Mp, N, Np, Kp, 1, tn, wn, 1, splits, stages, pdl,
+                 (cudaStream_t)stream);
 }
 
 // The 1x128 quantizer alone: x [M, K] bf16 (x_fp16 = 0) or fp16 with row stride ldx, into xq [Mp, Kp] e4m3 and
