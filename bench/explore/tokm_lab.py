@@ -2,8 +2,10 @@
 cuBLASLt's blockwise GEMM (``torch._scaled_mm``, the kernel hybrid_sm90's planned call runs), the GEMM alone on the
 same quantized activations, on the Llama-3-8B projections: time under graph replay, TFLOP/s, and whether each output
 has cuBLASLt's bits. Variants: a producer warp (288 threads) or warpgroup that gives its registers to the consumers
-(384, setmaxnreg), the two consumer warpgroups issuing their wgmma as they come or in turn, and CTAs in pairs (clusters
-of two token tiles) that multicast the shared weight tile's halves.
+(384, setmaxnreg), the two consumer warpgroups issuing their wgmma as they come, in turn, or each once the other's
+block has finished (ping-pong), each block's wgmma as two independent chains (a half of the weight rows each), and
+CTAs in pairs (clusters of two token tiles) that multicast the shared weight
+tile's halves.
 
 Run on the device: PYTHONPATH=src python3 bench/explore/tokm_lab.py --json tokm-lab.json
 """
@@ -31,6 +33,10 @@ VARIANTS = {
     3: "warpgroup, in turn",
     4: "warp, pairs",
     5: "warpgroup, pairs",
+    6: "warp, ping-pong",
+    7: "warpgroup, ping-pong",
+    8: "warp, two chains",
+    9: "warpgroup, two chains",
 }
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
@@ -57,6 +63,7 @@ def run_lab(lib, qd, bs, xq, xs, y, n: int, wn: int, stages: int, variant: int) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="+", default=[2048])
+    ap.add_argument("--variants", type=int, nargs="+", default=list(VARIANTS))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     lib = library()
@@ -77,7 +84,7 @@ def main() -> None:
                     cfg = TokensAsM(128, wn, 1, st)
                     run = partial(fp8_gemm.fp8_gemm, xq, xs, m, qd, bs, n, cfg, pdl=False)
                     row["product"][f"wn{wn}-st{st}"] = {"us": time_cuda([run]), "same_bits": torch.equal(run(), ref)}
-                    for v in (v for v in VARIANTS if v < 4 or wn == 128):
+                    for v in (v for v in args.variants if v not in (4, 5) or wn == 128):
                         y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
                         lab = partial(run_lab, lib, qd, bs, xq, xs, y, n, wn, st, v)
                         same = torch.equal(lab(), ref)
@@ -87,11 +94,12 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             if args.json:
                 args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    print("\n| shape | M | cuBLASLt µs (again) | product best µs | " + " | ".join(VARIANTS.values()) + " | bits |")
-    print("|---|---|---|---|" + "---|" * len(VARIANTS) + "---|")
+    names = [VARIANTS[v] for v in args.variants]
+    print("\n| shape | M | cuBLASLt µs (again) | product best µs | " + " | ".join(names) + " | bits |")
+    print("|---|---|---|---|" + "---|" * len(names) + "---|")
     for r in rows:
         fastest = partial(min, key=lambda pair: pair[1])
-        best = {v: fastest((c, d["us"]) for c, d in r["lab"].items() if c.endswith(f"-v{v}")) for v in VARIANTS}
+        best = {v: fastest((c, d["us"]) for c, d in r["lab"].items() if c.endswith(f"-v{v}")) for v in args.variants}
         prod = fastest((c, d["us"]) for c, d in r["product"].items())
         ok = all(d["same_bits"] for d in [*r["lab"].values(), *r["product"].values()])
         cells = " | ".join(f"{us:.1f} ({c.rsplit('-', 1)[0]})" for c, us in best.values())

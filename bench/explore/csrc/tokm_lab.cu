@@ -3,14 +3,19 @@
 // a CTA, a tile grid, one K split, the product's numerics (the same promotion order: its bits).
 // WG3 = 1: a whole producer warpgroup (384 threads) that gives its registers to the consumers (setmaxnreg 40 / 232);
 // OI = 1: the two consumer warpgroups issue their wgmma in turn (warpgroup 0 block k, warpgroup 1 block k, warpgroup 0
-// block k + 1, ...; named barriers 2 and 3), so that one promotes while the tensor cores run the other's block.
+// block k + 1, ...; named barriers 2 and 3), so that one promotes while the tensor cores run the other's block;
+// OI = 2: each issues its block once the other's block before it has finished (ping-pong: the two blocks' wgmma never
+// share the tensor cores, so one warpgroup's promotion always overlaps the other's block).
 // (A second block accumulator per warpgroup, the next block issued before the current one is promoted, makes ptxas
 // serialize the wgmma: C7514.)
+// SN = 1: each K block's wgmma as two independent chains, one per half of the weight rows (variants 8, 9).
 // MC = 1: CTAs in clusters of two token tiles that share the weight tile, each loading half of it with a TMA multicast
 // into both (half the weight's reads from L2), as cuBLASLt's kernel runs in clusters of two.
-// Measured (tokm_lab.py, results/tokm-lab-h200.json): none faster than the product's kernel (WG3 and OI within 5%,
-// MC 1.6-2x slower); OI with 64-row tiles and 4 stages (two CTAs an SM) gives other bits on every shape, not
-// understood (the product's kernel does not issue in turn).
+// Measured (tokm_lab.py; results/tokm-lab-h200.json, tokm-lab-pingpong-h200.json, tokm-lab-chains-h200.json): none
+// faster than the product's kernel. WG3 and OI = 1 within 5%; OI = 2 1.15-1.32x slower, so the two warpgroups' blocks
+// must share the tensor cores to keep them busy; SN 1.11-1.15x slower (shorter wgmma); MC 1.6-2x slower. OI = 1 with
+// 64-row tiles and 4 stages (two CTAs an SM) gives other bits on every shape, not understood (the product's kernel
+// does not issue in turn).
 // The build cache keys this file alone: after fp8_gemm.cu changes, clear $MXGEMM_CACHE_DIR/kernels.
 #include "fp8_gemm.cu"
 
@@ -72,7 +77,24 @@ __device__ __forceinline__ void produce_mc(const CUtensorMap& wmap, const CUtens
   }
 }
 
-template <int WN, int ST, bool WG3, bool OI, bool MC>
+// SN's K block: the product's mma_block as two independent wgmma chains, one per half of the WN weight rows (each
+// output element accumulates its four k32 steps in the same order: the same bits)
+template <int WN, int ST, int STAGE>
+__device__ __forceinline__ void mma_block_halves(float (&lo)[WN / 4], float (&hi)[WN / 4], uint64_t* full, int it,
+                                                 uint64_t a0, uint64_t b0) {
+  const int s = it % ST;
+  mbar_wait(&full[s], (it / ST) & 1);
+  const uint64_t off = (uint64_t)(s * (STAGE / 16)), half = (WN / 2) * BK / 16;
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < BK / 32; ++ks) {
+    wgmma<WN / 2>(lo, a0 + off + 2 * ks, b0 + off + 2 * ks, ks);
+    wgmma<WN / 2>(hi, a0 + off + 2 * ks, b0 + off + half + 2 * ks, ks);
+  }
+  wgmma_commit();
+}
+
+template <int WN, int ST, bool WG3, int OI, bool MC, bool SN = false>
 __global__ void __launch_bounds__(WG3 ? 384 : 288, 1) tokm_lab_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                      const __grid_constant__ CUtensorMap xmap,
                                                                      const Args a) {
@@ -108,24 +130,35 @@ __global__ void __launch_bounds__(WG3 ? 384 : 288, 1) tokm_lab_kernel(const __gr
     for (int i = tid; i < a.kblocks; i += CT) wsc[i] = __ldg(a.S + (size_t)(row0 / 128) * a.s_stride + i);
     const uint64_t dx0 = desc_sw128(smem_u32(smem) + wg * 64 * BK), dw0 = desc_sw128(smem_u32(smem) + XB);
     asm volatile("bar.sync 1, %0;" ::"r"(CT) : "memory");
-    float acc[WN / 2], blk[WN / 2];
+    float acc[WN / 2], blk[WN / 2], lo[WN / 4], hi[WN / 4];
 #pragma unroll
     for (int i = 0; i < WN / 2; ++i) acc[i] = blk[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < WN / 4; ++i) lo[i] = hi[i] = 0.f;
     for (int kb = 0; kb < a.kblocks; ++kb) {
-      if (OI && wg == 1) asm volatile("bar.sync 2, 256;" ::: "memory");  // after warpgroup 0 has issued block kb
-      if (OI && wg == 0 && kb > 0) asm volatile("bar.sync 3, 256;" ::: "memory");  // after warpgroup 1 issued kb - 1
-      mma_block<WN, ST, STAGE>(blk, full, kb, dx0, dw0);
-      if (OI && wg == 0) asm volatile("bar.arrive 2, 256;" ::: "memory");
-      if (OI && wg == 1 && kb + 1 < a.kblocks) asm volatile("bar.arrive 3, 256;" ::: "memory");
+      // OI: warpgroup 1 after warpgroup 0 has issued (1) or finished (2) block kb, warpgroup 0 after warpgroup 1 has
+      // issued or finished kb - 1
+      if (OI && wg == 1) asm volatile("bar.sync 2, 256;" ::: "memory");
+      if (OI && wg == 0 && kb > 0) asm volatile("bar.sync 3, 256;" ::: "memory");
+      if constexpr (SN) mma_block_halves<WN, ST, STAGE>(lo, hi, full, kb, dx0, dw0);
+      else mma_block<WN, ST, STAGE>(blk, full, kb, dx0, dw0);
+      if (OI == 1 && wg == 0) asm volatile("bar.arrive 2, 256;" ::: "memory");
+      if (OI == 1 && wg == 1 && kb + 1 < a.kblocks) asm volatile("bar.arrive 3, 256;" ::: "memory");
       // block kb's scales, then (its group complete) its stage freed and its product promoted
       const int s = kb % ST;
       const float sw = lds(wsc + kb);
       const float x0 = lds(xsc + s * TN + trow) * sw, x1 = lds(xsc + s * TN + trow + 8) * sw;
       wgmma_wait0();
+      if (OI == 2 && wg == 0) asm volatile("bar.arrive 2, 256;" ::: "memory");
+      if (OI == 2 && wg == 1 && kb + 1 < a.kblocks) asm volatile("bar.arrive 3, 256;" ::: "memory");
       __syncwarp();
       if (lane == 0) {
         mbar_arrive(&empty[s]);
         if constexpr (MC) mbar_arrive_remote(&empty[s], rank ^ 1);
+      }
+      if constexpr (SN) {
+#pragma unroll
+        for (int i = 0; i < WN / 4; ++i) blk[i] = lo[i], blk[WN / 4 + i] = hi[i];
       }
       promote<WN>(acc, blk, x0, x1);
     }
@@ -152,9 +185,9 @@ __global__ void __launch_bounds__(WG3 ? 384 : 288, 1) tokm_lab_kernel(const __gr
 }
 
 // grid (weight tiles, 1, token tiles), clusters of two token tiles with MC
-template <int WN, int ST, bool WG3, bool OI, bool MC>
+template <int WN, int ST, bool WG3, int OI, bool MC, bool SN = false>
 int lab_launch(const void* W, const Args& a, const void* XQ, cudaStream_t st) {
-  auto kernel = tokm_lab_kernel<WN, ST, WG3, OI, MC>;
+  auto kernel = tokm_lab_kernel<WN, ST, WG3, OI, MC, SN>;
   const int smem = smem_bytes(ST, (128 + WN) * BK, 128, a.kblocks, 0);
   const int tiles = (a.M + 127) / 128;
   if (MC && tiles % 2) return (int)cudaErrorInvalidValue;
@@ -183,7 +216,7 @@ int lab_launch(const void* W, const Args& a, const void* XQ, cudaStream_t st) {
 }  // namespace
 
 // xq [Mp, Kp] e4m3 and xs [Kp/128, Mp] as the quantizer writes them (Mp % 128 == 0), W [Np, Kp] e4m3 with block
-// scales S; variant: bit 0 WG3, bit 1 OI, bit 2 MC (WN 128; not with OI); wn 64 or 128; stages 4 or 6. Returns a cudaError_t.
+// scales S; variant: bit 0 WG3, bit 1 OI = 1, bit 2 MC (WN 128; not with OI), 6 and 7 OI = 2, 8 and 9 SN; wn 64 or 128; stages 4 or 6. Returns a cudaError_t.
 extern "C" int tokm_lab(const void* W, const void* S, int s_stride, const void* XQ, const void* XS, void* Y, int M,
                         int Mp, int N, int Np, int Kp, int wn, int stages, int variant, void* stream) {
   Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, N, Kp / BK, nullptr};
@@ -192,14 +225,18 @@ extern "C" int tokm_lab(const void* W, const void* S, int s_stride, const void* 
   auto by_variant = [&](auto wn_, auto st_) {
     constexpr int WN = decltype(wn_)::value, ST = decltype(st_)::value;
     switch (variant) {
-      case 0: return lab_launch<WN, ST, false, false, false>(W, a, XQ, st);
-      case 1: return lab_launch<WN, ST, true, false, false>(W, a, XQ, st);
-      case 2: return lab_launch<WN, ST, false, true, false>(W, a, XQ, st);
-      case 3: return lab_launch<WN, ST, true, true, false>(W, a, XQ, st);
+      case 0: return lab_launch<WN, ST, false, 0, false>(W, a, XQ, st);
+      case 1: return lab_launch<WN, ST, true, 0, false>(W, a, XQ, st);
+      case 2: return lab_launch<WN, ST, false, 1, false>(W, a, XQ, st);
+      case 3: return lab_launch<WN, ST, true, 1, false>(W, a, XQ, st);
+      case 6: return lab_launch<WN, ST, false, 2, false>(W, a, XQ, st);
+      case 7: return lab_launch<WN, ST, true, 2, false>(W, a, XQ, st);
+      case 8: return lab_launch<WN, ST, false, 0, false, true>(W, a, XQ, st);
+      case 9: return lab_launch<WN, ST, true, 0, false, true>(W, a, XQ, st);
     }
     if constexpr (WN == 128) {
-      if (variant == 4) return lab_launch<WN, ST, false, false, true>(W, a, XQ, st);
-      if (variant == 5) return lab_launch<WN, ST, true, false, true>(W, a, XQ, st);
+      if (variant == 4) return lab_launch<WN, ST, false, 0, true>(W, a, XQ, st);
+      if (variant == 5) return lab_launch<WN, ST, true, 0, true>(W, a, XQ, st);
     }
     return (int)cudaErrorInvalidValue;
   };
