@@ -1,7 +1,7 @@
 """Our FP8 kernel at prefill sizes (M = 512-4096) against cuBLASLt's blockwise GEMM on the Llama-3-8B projections,
 both with the CUDA 1x128 quantizer, as hybrid_sm90 plans them (one ctypes call; quantizer + GEMM), under graph replay:
-each tokens-as-M config's time, TFLOP/s, and its largest difference from cuBLASLt's
-output (relative to the output's largest magnitude; the two order the blocks' promotion alike, so bits may match).
+each tokens-as-M config's time, TFLOP/s, and its largest difference from cuBLASLt's output (relative to the output's
+largest magnitude; the two order the blocks' promotion alike, so bits may match).
 The run in ``results/large-m-fp8-h200.json`` also timed a persistent variant of the kernel (``persistent=True``: as
 many CTAs as the SMs hold, taking the tiles in turn, token tiles fastest), in history at f55e9d0.
 
