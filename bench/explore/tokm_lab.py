@@ -3,8 +3,8 @@ cuBLASLt's blockwise GEMM (``torch._scaled_mm``, the kernel hybrid_sm90's planne
 same quantized activations, on the Llama-3-8B projections: time under graph replay, TFLOP/s, and whether each output
 has cuBLASLt's bits. Variants: a producer warp (288 threads) or warpgroup that gives its registers to the consumers
 (384, setmaxnreg), the two consumer warpgroups issuing their wgmma as they come, in turn, or each once the other's
-block has finished (ping-pong), each block's wgmma as two independent chains (a half of the weight rows each), and
-CTAs in pairs (clusters of two token tiles) that multicast the shared weight
+block has finished (ping-pong), each block's wgmma as two independent chains (a half of the weight rows each), three
+consumer warpgroups (192 tokens a CTA), and CTAs in pairs (clusters of two token tiles) that multicast the shared weight
 tile's halves.
 
 Run on the device: PYTHONPATH=src python3 bench/explore/tokm_lab.py --json tokm-lab.json
@@ -37,6 +37,8 @@ VARIANTS = {
     7: "warpgroup, ping-pong",
     8: "warp, two chains",
     9: "warpgroup, two chains",
+    10: "warp, three warpgroups",
+    11: "warpgroup, three warpgroups",
 }
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
@@ -47,6 +49,11 @@ def library() -> ctypes.CDLL:
     lib = nvcc.build(source, (9, 0), suffix="a", symbols=("tokm_lab",), include_dirs=(product,))
     lib.tokm_lab.argtypes, lib.tokm_lab.restype = [_P, _P, _I, _P, _P, _P, *[_I] * 8, _P], _I
     return lib
+
+
+def valid(variant: int, wn: int, stages: int) -> bool:
+    """Pairs multicast 64-row halves of 128-row tiles; three warpgroups' rings of 128-row tiles hold 4 stages."""
+    return (variant not in (4, 5) or wn == 128) and (variant not in (10, 11) or wn == 64 or stages == 4)
 
 
 def run_lab(lib, qd, bs, xq, xs, y, n: int, wn: int, stages: int, variant: int) -> torch.Tensor:
@@ -84,7 +91,7 @@ def main() -> None:
                     cfg = TokensAsM(128, wn, 1, st)
                     run = partial(fp8_gemm.fp8_gemm, xq, xs, m, qd, bs, n, cfg, pdl=False)
                     row["product"][f"wn{wn}-st{st}"] = {"us": time_cuda([run]), "same_bits": torch.equal(run(), ref)}
-                    for v in (v for v in args.variants if v not in (4, 5) or wn == 128):
+                    for v in (v for v in args.variants if valid(v, wn, st)):
                         y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
                         lab = partial(run_lab, lib, qd, bs, xq, xs, y, n, wn, st, v)
                         same = torch.equal(lab(), ref)

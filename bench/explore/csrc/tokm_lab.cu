@@ -9,13 +9,15 @@
 // (A second block accumulator per warpgroup, the next block issued before the current one is promoted, makes ptxas
 // serialize the wgmma: C7514.)
 // SN = 1: each K block's wgmma as two independent chains, one per half of the weight rows (variants 8, 9).
+// TW = 3: three consumer warpgroups (192 tokens a CTA; variants 10, 11), three blocks' wgmma sharing the tensor cores.
 // MC = 1: CTAs in clusters of two token tiles that share the weight tile, each loading half of it with a TMA multicast
 // into both (half the weight's reads from L2), as cuBLASLt's kernel runs in clusters of two.
 // Measured (tokm_lab.py; results/tokm-lab-h200.json, tokm-lab-pingpong-h200.json, tokm-lab-chains-h200.json): none
 // faster than the product's kernel. WG3 and OI = 1 within 5%; OI = 2 1.15-1.32x slower, so the two warpgroups' blocks
 // must share the tensor cores to keep them busy; SN 1.11-1.15x slower (shorter wgmma); MC 1.6-2x slower. OI = 1 with
 // 64-row tiles and 4 stages (two CTAs an SM) gives other bits on every shape, not understood (the product's kernel
-// does not issue in turn).
+// does not issue in turn). TW = 3 is not yet run (with a producer warp ptxas caps its 416 threads at 128 registers and
+// spills at WN = 128; WG3 gives the consumers 152).
 // The build cache keys this file alone: after fp8_gemm.cu changes, clear $MXGEMM_CACHE_DIR/kernels.
 #include "fp8_gemm.cu"
 
@@ -94,12 +96,12 @@ __device__ __forceinline__ void mma_block_halves(float (&lo)[WN / 4], float (&hi
   wgmma_commit();
 }
 
-template <int WN, int ST, bool WG3, int OI, bool MC, bool SN = false>
-__global__ void __launch_bounds__(WG3 ? 384 : 288, 1) tokm_lab_kernel(const __grid_constant__ CUtensorMap wmap,
-                                                                     const __grid_constant__ CUtensorMap xmap,
-                                                                     const Args a) {
-  constexpr int TN = 128, XB = TN * BK, STAGE = XB + WN * BK, CT = 256;
+template <int WN, int ST, bool WG3, int OI, bool MC, bool SN = false, int TW = 2>
+__global__ void __launch_bounds__(128 * TW + (WG3 ? 128 : 32), 1)
+    tokm_lab_kernel(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap xmap, const Args a) {
+  constexpr int TN = 64 * TW, XB = TN * BK, STAGE = XB + WN * BK, CT = 128 * TW;
   static_assert(!MC || WN == 128, "the pair's weight halves are one 64-row box each");
+  static_assert(TW == 2 || (!MC && !OI), "pairs and issue orders are written for two consumer warpgroups");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   float* xsc = reinterpret_cast<float*>(smem + ST * STAGE);
@@ -112,21 +114,23 @@ __global__ void __launch_bounds__(WG3 ? 384 : 288, 1) tokm_lab_kernel(const __gr
   const int xs_bytes = (a.Mp - tok0 < TN ? a.Mp - tok0 : TN) * 4;
   const uint32_t rank = MC ? cluster_rank() : 0;
   if (tid == 0) {
-    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], MC ? 16 : 8);
+    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], (MC ? 2 : 1) * 4 * TW);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if constexpr (MC) cluster_sync();  // the pair's barriers exist before either multicasts or arrives remotely
-  if (wg == 2) {
+  if (wg == TW) {
     if constexpr (WG3) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (tid == 256) {
+    if (tid == CT) {
       if constexpr (MC)
         produce_mc<ST, STAGE, WN, XB, TN>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, xs_bytes, rank);
       else
         produce<ST, STAGE, WN, XB, TN, 0, false>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, 0, xs_bytes);
     }
   } else {
-    if constexpr (WG3) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    // the registers the producer gives up, shared by the consumers: (65536 - 128 * 40) / (128 * TW), in steps of 8
+    if constexpr (WG3 && TW == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    if constexpr (WG3 && TW == 3) asm volatile("setmaxnreg.inc.sync.aligned.u32 152;");
     for (int i = tid; i < a.kblocks; i += CT) wsc[i] = __ldg(a.S + (size_t)(row0 / 128) * a.s_stride + i);
     const uint64_t dx0 = desc_sw128(smem_u32(smem) + wg * 64 * BK), dw0 = desc_sw128(smem_u32(smem) + XB);
     asm volatile("bar.sync 1, %0;" ::"r"(CT) : "memory");
@@ -184,22 +188,23 @@ __global__ void __launch_bounds__(WG3 ? 384 : 288, 1) tokm_lab_kernel(const __gr
   if constexpr (MC) cluster_sync();  // neither CTA exits while the other may still arrive on its barriers
 }
 
-// grid (weight tiles, 1, token tiles), clusters of two token tiles with MC
-template <int WN, int ST, bool WG3, int OI, bool MC, bool SN = false>
+// grid (weight tiles, 1, token tiles of 64 * TW), clusters of two token tiles with MC
+template <int WN, int ST, bool WG3, int OI, bool MC, bool SN = false, int TW = 2>
 int lab_launch(const void* W, const Args& a, const void* XQ, cudaStream_t st) {
-  auto kernel = tokm_lab_kernel<WN, ST, WG3, OI, MC, SN>;
-  const int smem = smem_bytes(ST, (128 + WN) * BK, 128, a.kblocks, 0);
-  const int tiles = (a.M + 127) / 128;
+  constexpr int TN = 64 * TW;
+  auto kernel = tokm_lab_kernel<WN, ST, WG3, OI, MC, SN, TW>;
+  const int smem = smem_bytes(ST, (TN + WN) * BK, TN, a.kblocks, 0);
+  const int tiles = (a.M + TN - 1) / TN;
   if (MC && tiles % 2) return (int)cudaErrorInvalidValue;
   CUtensorMap wmap, xmap;
   int err = cached_map(&wmap, W, a.Np, a.Kp, a.Kp, ROWS, false);
-  if (!err) err = cached_map(&xmap, XQ, a.Mp, a.Kp, a.Kp, 128, false);
+  if (!err) err = cached_map(&xmap, XQ, a.Mp, a.Kp, a.Kp, TN, false);
   if (err) return err;
   cudaError_t cerr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (cerr != cudaSuccess) return (int)cerr;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(a.Np / WN, 1, tiles);
-  config.blockDim = dim3(WG3 ? 384 : 288);
+  config.blockDim = dim3(128 * TW + (WG3 ? 128 : 32));
   config.dynamicSmemBytes = smem;
   config.stream = st;
   cudaLaunchAttribute attr[1];
@@ -216,7 +221,8 @@ int lab_launch(const void* W, const Args& a, const void* XQ, cudaStream_t st) {
 }  // namespace
 
 // xq [Mp, Kp] e4m3 and xs [Kp/128, Mp] as the quantizer writes them (Mp % 128 == 0), W [Np, Kp] e4m3 with block
-// scales S; variant: bit 0 WG3, bit 1 OI = 1, bit 2 MC (WN 128; not with OI), 6 and 7 OI = 2, 8 and 9 SN; wn 64 or 128; stages 4 or 6. Returns a cudaError_t.
+// scales S; variant: 0-3 bit 0 WG3, bit 1 OI = 1; 4, 5 MC (WN 128); 6, 7 OI = 2; 8, 9 SN; 10, 11 TW = 3 (each pair
+// without and with WG3); wn 64 or 128; stages 4 or 6 (TW = 3 with WN = 128: 4). Returns a cudaError_t.
 extern "C" int tokm_lab(const void* W, const void* S, int s_stride, const void* XQ, const void* XS, void* Y, int M,
                         int Mp, int N, int Np, int Kp, int wn, int stages, int variant, void* stream) {
   Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, N, Kp / BK, nullptr};
@@ -233,6 +239,10 @@ extern "C" int tokm_lab(const void* W, const void* S, int s_stride, const void* 
       case 7: return lab_launch<WN, ST, true, 2, false>(W, a, XQ, st);
       case 8: return lab_launch<WN, ST, false, 0, false, true>(W, a, XQ, st);
       case 9: return lab_launch<WN, ST, true, 0, false, true>(W, a, XQ, st);
+    }
+    if constexpr (WN == 64 || ST == 4) {  // three warpgroups' stages of 128-row tiles: 4 fit shared memory
+      if (variant == 10) return lab_launch<WN, ST, false, 0, false, false, 3>(W, a, XQ, st);
+      if (variant == 11) return lab_launch<WN, ST, true, 0, false, false, 3>(W, a, XQ, st);
     }
     if constexpr (WN == 128) {
       if (variant == 4) return lab_launch<WN, ST, false, 0, true>(W, a, XQ, st);
