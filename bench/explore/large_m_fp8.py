@@ -16,16 +16,14 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from lt_algos import SHAPES, prepared_weight  # beside this script
 
-import mxgemm
 from mxgemm.backends import get_backend
 from mxgemm.backends.base import Tactic
 from mxgemm.backends.hybrid_sm90 import Path as Route
 from mxgemm.kernels import fp8_gemm
 from mxgemm.kernels.fp8_gemm import STAGES, TokensAsM
 from mxgemm.timing import time_cuda
-
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
 def configs(kp: int) -> list[TokensAsM]:
@@ -44,8 +42,7 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         n, k = SHAPES[name]
-        t = mxgemm.quantize(torch.randn(n, k, device="cuda", generator=g).mul_(0.02).bfloat16())
-        w = mxgemm.MXFP8Linear.from_quantized(t.qdata, t.scale, backend="hybrid_sm90").prepared
+        w = prepared_weight(n, k, g)
         qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
         for m in args.m:
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()

@@ -19,12 +19,19 @@ import torch
 
 import mxgemm
 from mxgemm.block128 import padded_1x128_shape
-from mxgemm.kernels import cublaslt, fp8_gemm, nvcc
+from mxgemm.kernels import address, cublaslt, fp8_gemm, nvcc
 from mxgemm.layouts import round_up
 from mxgemm.timing import time_cuda
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 _P, _I, _LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+
+
+def prepared_weight(n: int, k: int, generator: torch.Generator):
+    """A random [n, k] weight (normal, std 0.02) quantized to MXFP8 and prepared for hybrid_sm90 (also used by
+    large_m_fp8.py and tokm_lab.py)."""
+    t = mxgemm.quantize(torch.randn(n, k, device="cuda", generator=generator).mul_(0.02).bfloat16())
+    return mxgemm.MXFP8Linear.from_quantized(t.qdata, t.scale, backend="hybrid_sm90").prepared
 
 
 def library() -> ctypes.CDLL:
@@ -102,12 +109,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     lib = library()
-    quantizer = ctypes.cast(fp8_gemm.library(torch.cuda.get_device_capability()).mxgemm_quant_1x128, _P).value
+    quantizer = address(fp8_gemm.library(torch.cuda.get_device_capability()).mxgemm_quant_1x128)
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
-        t = mxgemm.quantize(torch.randn(n, k, device="cuda", generator=g).mul_(0.02).bfloat16())
-        w = mxgemm.MXFP8Linear.from_quantized(t.qdata, t.scale, backend="hybrid_sm90").prepared
+        w = prepared_weight(n, k, g)
         qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
         for m in args.m:
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()

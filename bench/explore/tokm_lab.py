@@ -19,13 +19,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from lt_algos import SHAPES, prepared_weight  # beside this script
 
-import mxgemm
 from mxgemm.kernels import fp8_gemm, nvcc
 from mxgemm.kernels.fp8_gemm import TokensAsM
 from mxgemm.timing import time_cuda
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 VARIANTS = {
     0: "warp",
     1: "warpgroup",
@@ -77,14 +76,13 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
-        t = mxgemm.quantize(torch.randn(n, k, device="cuda", generator=g).mul_(0.02).bfloat16())
-        w = mxgemm.MXFP8Linear.from_quantized(t.qdata, t.scale, backend="hybrid_sm90").prepared
+        w = prepared_weight(n, k, g)
         qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
         for m in args.m:
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
             xq, xs = fp8_gemm.quantize_1x128(x, rows_multiple=128)
-            ref = torch._scaled_mm(xq, qd.t(), xs, bs.t(), out_dtype=torch.bfloat16)[:m, :n]
             cublas = partial(torch._scaled_mm, xq, qd.t(), xs, bs.t(), out_dtype=torch.bfloat16)
+            ref = cublas()[:m, :n]
             row = {"shape": name, "n": n, "k": k, "m": m, "cublas_us": time_cuda([cublas]), "product": {}, "lab": {}}
             for wn in (128, 64):
                 for st in (4, 6):
