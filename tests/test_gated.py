@@ -258,12 +258,17 @@ def test_a_tuned_tactic_runs_the_gated_product_on_its_own_path(monkeypatch):
 def test_the_gated_quantizer_is_the_quantizer_of_the_product_on_the_gpu(m, k, dtype):
     """Bit for bit the CUDA quantizer of ``silu(gate) * up`` as PyTorch computes it, both kernels' shapes (the wide
     one from 2048 x 14336), on column views of one [M, 2K] output as a joined gate/up GEMM gives them, with values
-    whose exponentials overflow and underflow."""
+    whose exponentials overflow and underflow, and products below fp32's normal range, alone in their row (the scale's
+    floor) and beside normal ones in their groups."""
     from helpers import skip_unless_backend_runs
 
     skip_unless_backend_runs("hybrid_sm90")
     both = random_act(m, 2 * k, dtype=dtype, device="cuda") * 4
     both[0, :6] = torch.tensor([-1e4, 1e4, -90.0, 90.0, 0.0, -0.0])
+    if dtype == torch.bfloat16 and m > 2:
+        both[1] *= 1e-19
+        both[2, :k:3] *= 1e-20
+        both[2, k::3] *= 1e-20
     gate, up = both[:, :k], both[:, k:]
     q, s = fp8_gemm.quantize_1x128(gate, up=up)
     ref_q, ref_s = fp8_gemm.quantize_1x128(torch.nn.functional.silu(gate) * up)

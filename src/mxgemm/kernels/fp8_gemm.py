@@ -243,12 +243,12 @@ def linear_plan(
     programmatic dependent (``fused=False``) or one kernel that quantizes in shared memory (``True``: bf16 ``x`` with
     16-byte aligned rows, a swap-AB config of one row tile and up to 32 tokens, its stages, which grow by the bf16 tile,
     within shared memory); both give the same bits. ``"auto"``: the fused kernel where it can run and the stream is not
-    capturing a CUDA graph (eager calls are bound by host time, and it saves a launch), else the two (under graph replay
-    only device time counts). ``graphed`` (with ``fused`` False or "auto"): outside stream capture, the plan's calls launch
-    the quantizer and the GEMM as one CUDA graph of the plan's (made on the first such call), their arguments set per call: one
-    launch's host time for both, and the two kernels' device time. ``.gated(gate, up, bias)``: the call on the product
-    a gated MLP feeds its down projection, ``silu(gate) * up`` as PyTorch computes it in their dtype ([M, k] each,
-    unit stride along K), quantized by one kernel that reads both, then the GEMM: the bits of the call on that
+    capturing a CUDA graph (it saves a launch's host time for more device time, below), else the two; the backends ask
+    for the two. ``graphed`` (with ``fused`` False or "auto"): outside stream capture, the plan's calls launch the
+    quantizer and the GEMM as one CUDA graph of the plan's (made on the first such call), their arguments set per call:
+    one launch's host time for both, and the two kernels' device time. ``.gated(gate, up, bias)``: the call on the
+    product a gated MLP feeds its down projection, ``silu(gate) * up`` as PyTorch computes it in their dtype ([M, k]
+    each, unit stride along K), quantized by one kernel that reads both, then the GEMM: the bits of the call on that
     product (never the fused kernel; a graph of its own). ``.entry`` of both: their bf16 plans as C++ calls them, which
     launch the kernels directly, the GEMM as the quantizer's programmatic dependent (``fused`` as asked, never graphed).
 

@@ -117,14 +117,12 @@ __device__ __forceinline__ void sts_f32(float* p, float v) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(smem_u32(p)), "f"(v) : "memory");
 }
 
-// The 1x128 rule (bit-exact to mxgemm.block128.quantize_1x128) on one lane's N consecutive values of a 128-wide group
+// quant_values: the 1x128 rule (bit-exact to mxgemm.block128.quantize_1x128) on one lane's N consecutive values of a 128-wide group
 // held by LANES aligned consecutive lanes: amax floored at 2^-64, q = satfinite_e4m3(clamp(x * (448 / amax))) with
 // IEEE divisions; the e4m3 bytes into `bits` (element i in byte i % 4 of word i / 4); returns amax / 448, the scale.
+// quant_group: the same, given the lane's own max |v[i]| as `amax`.
 template <int N, int LANES>
-__device__ __forceinline__ float quant_values(const float (&v)[N], uint32_t (&bits)[N / 4]) {
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(v[i]));
+__device__ __forceinline__ float quant_group(const float (&v)[N], float amax, uint32_t (&bits)[N / 4]) {
 #pragma unroll
   for (int off = LANES / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   amax = fmaxf(amax, 0x1p-64f);
@@ -139,6 +137,13 @@ __device__ __forceinline__ float quant_values(const float (&v)[N], uint32_t (&bi
     else bits[i / 4] |= (uint32_t)pair << 16;
   }
   return __fdiv_rn(amax, 448.f);
+}
+template <int N, int LANES>
+__device__ __forceinline__ float quant_values(const float (&v)[N], uint32_t (&bits)[N / 4]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  return quant_group<N, LANES>(v, amax, bits);
 }
 
 // 8 bf16 (one uint4) -> floats
@@ -576,6 +581,34 @@ __device__ __forceinline__ void input_values(const T* __restrict__ X, int ldx, c
   }
 }
 
+// gated_value's bits for 16 consecutive bf16 elements of a row (16-byte aligned, inside M and K) on bf16 pairs: SiLU
+// rounded two at a time, the product by mul.rn.bf16x2 and |.| with max on pairs (max.bf16x2, as fmaxf, returns the
+// operand that is not NaN). Two bf16 values' product is exact in fp32 but where it is subnormal there, so one rounding
+// gives gated_value's bits but for products below 2^-126, which any 128-group's scale (its amax floored at 2^-64)
+// quantizes to a zero of the same sign either way. The products into v, their max |.| returned.
+// (T is bf16; the fp16 kernels compile the call out.)
+template <typename T>
+__device__ __forceinline__ float gated_pairs16(const T* __restrict__ G, int ldg, const T* __restrict__ U, int ldu,
+                                               int row, int col, float (&v)[16]) {
+  const uint4* gp = reinterpret_cast<const uint4*>(G + (size_t)row * ldg + col);
+  const uint4* up = reinterpret_cast<const uint4*>(U + (size_t)row * ldu + col);
+  const uint4 graw[2] = {__ldg(gp), __ldg(gp + 1)}, uraw[2] = {__ldg(up), __ldg(up + 1)};
+  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(graw);
+  const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(uraw);
+  __nv_bfloat162 amax2 = __floats2bfloat162_rn(0.f, 0.f);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float2 g = __bfloat1622float2(g2[i]);
+    const float a0 = __fdiv_rn(g.x, __fadd_rn(1.f, expf(-g.x))), a1 = __fdiv_rn(g.y, __fadd_rn(1.f, expf(-g.y)));
+    const __nv_bfloat162 p = __hmul2(__floats2bfloat162_rn(a0, a1), u2[i]);
+    amax2 = __hmax2(amax2, __habs2(p));
+    const float2 f = __bfloat1622float2(p);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+  return fmaxf(__low2float(amax2), __high2float(amax2));
+}
+
 // The 1x128 activation quantizer (quant_values' rule), in two shapes with the same bits, of X or (GATED) of the
 // product act(X) * U (input_values). Both write the scales K-group-major ([Kp/128, Mp]) and zeros in rows past M and
 // columns past K (K % 32 == 0).
@@ -601,7 +634,8 @@ __global__ void __launch_bounds__(128) quant_1x128_kernel(const T* __restrict__ 
 // quant_1x128_wide_kernel, for grids of several waves (prefill), where the rule's arithmetic and not the bytes set
 // the pace of the one-group warp: a warp per row and four consecutive K groups, 8 lanes a group and 16 elements a
 // lane (two 16-byte loads where rows are 16-byte aligned), so that a group costs 3 shuffle steps and two divisions
-// per 16 elements instead of 5 and two per 4. The GEMM after it starts as its blocks finish.
+// per 16 elements instead of 5 and two per 4; the bf16 gated product on pairs (gated_pairs16). The GEMM after it starts
+// as its blocks finish.
 template <typename T, bool GATED>
 __global__ void __launch_bounds__(128) quant_1x128_wide_kernel(const T* __restrict__ X, int ldx,
                                                                const T* __restrict__ U, int ldu, int M, int K,
@@ -611,9 +645,16 @@ __global__ void __launch_bounds__(128) quant_1x128_wide_kernel(const T* __restri
   const int group = blockIdx.y * 4 + lane / 8;
   const int col = group * BK + 16 * (lane % 8);
   float v[16];
-  input_values<T, GATED>(X, ldx, U, ldu, row, col, M, K, v);
   uint32_t bits[4];
-  const float scale = quant_values<16, 8>(v, bits);
+  float scale;
+  constexpr bool PAIRS = GATED && std::is_same_v<T, __nv_bfloat16>;
+  if (PAIRS && row < M && col < K && reinterpret_cast<uintptr_t>(X) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(U) % 16 == 0 && ldx % 8 == 0 && ldu % 8 == 0) {
+    scale = quant_group<16, 8>(v, gated_pairs16(X, ldx, U, ldu, row, col, v), bits);
+  } else {
+    input_values<T, GATED>(X, ldx, U, ldu, row, col, M, K, v);
+    scale = quant_values<16, 8>(v, bits);
+  }
   Q[((size_t)row * Kp + col) / 16] = make_uint4(bits[0], bits[1], bits[2], bits[3]);
   if (lane % 8 == 0) XS[(size_t)group * Mp + row] = scale;
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
