@@ -200,6 +200,17 @@ def paired_speedups(bf16: dict, mx: dict) -> list[float]:
     return [b / m for b, m in zip(*decode, strict=True)]
 
 
+def pooled_prefill(rows: list[dict]) -> tuple[float, float, list[float]]:
+    """The prefill over every round of the run: it is one eager call of the same prompt in every row, so all rows'
+    rounds time one thing. bf16's and mxgemm's medians (seconds) and each round's speed-up (bf16's time over
+    mxgemm's, the two run back to back)."""
+    by = {(r["who"], r["mode"], r["batch"]): r["rounds_s"]["prefill"] for r in rows}
+    keys = [(mode, batch) for who, mode, batch in by if who == "mxgemm" and ("bf16", mode, batch) in by]
+    bf16 = [t for k in keys for t in by[("bf16", *k)]]
+    mx = [t for k in keys for t in by[("mxgemm", *k)]]
+    return statistics.median(bf16), statistics.median(mx), [b / m for b, m in zip(bf16, mx, strict=True)]
+
+
 def markdown(rows: list[dict], args, env) -> str:
     by = {(r["who"], r["mode"], r["batch"]): r for r in rows}
     lines = [
@@ -232,6 +243,14 @@ def markdown(rows: list[dict], args, env) -> str:
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}x"
         pairs.append(f"{mode} at batch {batch}: {spread}, median {statistics.median(ratios):.2f}x")
     lines += ["", "Decode speed-up of each round's pair, run back to back: " + "; ".join(pairs) + "."]
+    if pairs:
+        bf16, mx, ratios = pooled_prefill(rows)
+        lines += [
+            "",
+            f"The {args.prefill}-token prefill over all {len(ratios)} rounds of each model (one eager call "
+            f"every round): bf16 {bf16 * 1e3:.1f} ms, mxgemm {mx * 1e3:.1f} ms, {bf16 / mx:.2f}x the medians; "
+            f"each round's pair {min(ratios):.2f}-{max(ratios):.2f}x, median {statistics.median(ratios):.2f}x.",
+        ]
     return "\n".join(lines) + "\n"
 
 

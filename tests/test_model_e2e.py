@@ -29,9 +29,18 @@ def test_rows_for_both_models_each_mode_and_batch(tmp_path):
     pairs = [model_e2e.paired_speedups(rows[i], rows[i + 1]) for i in (0, 2)]
     assert all(len(p) == 2 and min(p) > 0 for p in pairs)  # a ratio a round
     assert f"eager at batch 2: {min(pairs[1]):.2f}-{max(pairs[1]):.2f}x" in table
+    assert "-token prefill over all 4 rounds of each model" in table
 
 
 def test_paired_speedups_divide_each_rounds_decode_times():
     bf16 = {"rounds_s": {"full": [3.0, 5.0], "ttft": [1.0, 1.0]}}
     mx = {"rounds_s": {"full": [2.0, 3.0], "ttft": [1.0, 1.0]}}
     assert model_e2e.paired_speedups(bf16, mx) == [2.0, 2.0]
+
+
+def test_pooled_prefill_takes_every_rows_rounds():
+    rows = [{"who": who, "mode": "eager", "batch": b, "rounds_s": {"prefill": times}}
+            for who, b, times in [("bf16", 1, [6.0, 9.0]), ("mxgemm", 1, [3.0, 3.0]), ("bf16", 16, [8.0, 4.0]),
+                                  ("mxgemm", 16, [4.0, 2.0])]]  # fmt: skip
+    bf16, mx, ratios = model_e2e.pooled_prefill(rows)
+    assert (bf16, mx, ratios) == (7.0, 3.0, [2.0, 3.0, 2.0, 2.0])

@@ -33,7 +33,6 @@
 #   large-m  bench/explore/large_m_fp8.py: our FP8 kernel's 128-token configs against cuBLASLt at M = 512-4096
 #   tokm-lab  bench/explore/tokm_lab.py: variants of the tokens-as-M kernel against it and cuBLASLt, GEMM alone
 #   large-m-ncu  Nsight Compute on the tokens-as-M kernel and cuBLASLt's, 8B o at M = 2048 (profile_kernel.py)
-#   quant-lab  bench/explore/quant_lab.py: the gated quantizer on bf16 pairs against the product's, bits and time
 #   new-lengths  bench/explore/new_lengths.py: eager prefills of prompt lengths not seen before (plans made) and again
 #   prefill-host  bench/explore/prefill_host.py: the eager prefill's host time by route above fusion.MAX_ROWS
 #   bench-hf  the llama3-8b-hf set (Hugging Face's unfused projections, lm_head included)
@@ -136,9 +135,6 @@ for stage in "$@"; do
     tokm-lab)
       timeout 400 python3 bench/explore/tokm_lab.py --json "$out/tokm-lab-h200.json" > /tmp/tokm-lab.log 2>&1
       tail -8 /tmp/tokm-lab.log ;;
-    quant-lab)
-      timeout 300 python3 bench/explore/quant_lab.py --json "$out/quant-lab-h200.json" > /tmp/quant-lab.log 2>&1
-      tail -12 /tmp/quant-lab.log ;;
     large-m-ncu)
       for k in tokm cublas; do
         re=$([ $k = tokm ] && echo fp8_gemm_tokm || echo nvjet)

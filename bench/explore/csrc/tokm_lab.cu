@@ -16,8 +16,9 @@
 // faster than the product's kernel. WG3 and OI = 1 within 5%; OI = 2 1.15-1.32x slower, so the two warpgroups' blocks
 // must share the tensor cores to keep them busy; SN 1.11-1.15x slower (shorter wgmma); MC 1.6-2x slower. OI = 1 with
 // 64-row tiles and 4 stages (two CTAs an SM) gives other bits on every shape, not understood (the product's kernel
-// does not issue in turn). TW = 3 is not yet run (with a producer warp ptxas caps its 416 threads at 128 registers and
-// spills at WN = 128; WG3 gives the consumers 152).
+// does not issue in turn). TW = 3 (tokm-lab-3wg-h200.json): with WG3 (the consumers at 152 registers) 0.92-0.94x the
+// product's best time, still 1.08-1.49x cuBLASLt's; with a producer warp (ptxas caps its 416 threads at 128 registers
+// and spills at WN = 128) 1.07-1.17x slower.
 // The build cache keys this file alone: after fp8_gemm.cu changes, clear $MXGEMM_CACHE_DIR/kernels.
 #include "fp8_gemm.cu"
 
