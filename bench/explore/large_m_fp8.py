@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from lt_algos import SHAPES, prepared_weight  # beside this script
+from lt_algos import SHAPES, cases  # beside this script
 
 from mxgemm.backends import get_backend
 from mxgemm.backends.base import Tactic
@@ -38,29 +38,24 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     backend = get_backend("hybrid_sm90")
-    g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name in args.shapes:
-        n, k = SHAPES[name]
-        w = prepared_weight(n, k, g)
+    for name, n, k, m, w, x in cases(args.m, args.shapes):
         qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
-        for m in args.m:
-            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-            lt = backend.plan(w, m, torch.bfloat16, Tactic(Route.CUBLAS))
-            ref = lt(x, None).float()
-            top = ref.abs().max().item()
-            row = {"shape": name, "n": n, "k": k, "m": m, "cublas_us": time_cuda([partial(lt, x, None)]), "fp8": {}}
-            for cfg in configs(qd.shape[1]):
-                plan = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, fused=False)
-                y = plan(x, None).float()
-                row["fp8"][repr(cfg)] = {"us": time_cuda([partial(plan, x, None)]),
-                                         "same_bits": torch.equal(y, ref),
-                                         "max_rel": ((y - ref).abs().max() / top).item()}  # fmt: skip
-            row["cublas_again_us"] = time_cuda([partial(lt, x, None)])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.json:
-                args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        lt = backend.plan(w, m, torch.bfloat16, Tactic(Route.CUBLAS))
+        ref = lt(x, None).float()
+        top = ref.abs().max().item()
+        row = {"shape": name, "n": n, "k": k, "m": m, "cublas_us": time_cuda([partial(lt, x, None)]), "fp8": {}}
+        for cfg in configs(qd.shape[1]):
+            plan = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, fused=False)
+            y = plan(x, None).float()
+            row["fp8"][repr(cfg)] = {"us": time_cuda([partial(plan, x, None)]),
+                                     "same_bits": torch.equal(y, ref),
+                                     "max_rel": ((y - ref).abs().max() / top).item()}  # fmt: skip
+        row["cublas_again_us"] = time_cuda([partial(lt, x, None)])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     print(
         "\n| shape | M | cuBLASLt µs (again) | TFLOP/s | best FP8 µs | TFLOP/s | config | FP8 / cuBLASLt | max rel | "
         "all bits as cuBLASLt's |"

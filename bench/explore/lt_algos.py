@@ -28,10 +28,21 @@ _P, _I, _LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 
 
 def prepared_weight(n: int, k: int, generator: torch.Generator):
-    """A random [n, k] weight (normal, std 0.02) quantized to MXFP8 and prepared for hybrid_sm90 (also used by
-    large_m_fp8.py and tokm_lab.py)."""
+    """A random [n, k] weight (normal, std 0.02) quantized to MXFP8 and prepared for hybrid_sm90."""
     t = mxgemm.quantize(torch.randn(n, k, device="cuda", generator=generator).mul_(0.02).bfloat16())
     return mxgemm.MXFP8Linear.from_quantized(t.qdata, t.scale, backend="hybrid_sm90").prepared
+
+
+def cases(ms: list[int], shapes=tuple(SHAPES)):
+    """(name, n, k, m, weight, x) for each shape and M: the shape's prepared weight (prepared_weight) and, for each M,
+    random bf16 activations [m, k], all drawn from one generator seeded 0 (also used by large_m_fp8.py and
+    tokm_lab.py)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name in shapes:
+        n, k = SHAPES[name]
+        w = prepared_weight(n, k, g)
+        for m in ms:
+            yield name, n, k, m, w, torch.randn(m, k, device="cuda", generator=g).bfloat16()
 
 
 def library() -> ctypes.CDLL:
@@ -110,18 +121,14 @@ def main() -> None:
     args = ap.parse_args()
     lib = library()
     quantizer = address(fp8_gemm.library(torch.cuda.get_device_capability()).mxgemm_quant_1x128)
-    g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name, (n, k) in SHAPES.items():
-        w = prepared_weight(n, k, g)
+    for name, n, k, m, w, x in cases(args.m):
         qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
-        for m in args.m:
-            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-            row = {"shape": name, "n": n, "k": k, "m": m, **scaled_mm(qd, bs, x),
-                   "algos": algorithms(lib, quantizer, qd, bs, n, k, x, args.want)}  # fmt: skip
-            row["scaled_mm_again_us"] = scaled_mm(qd, bs, x)["scaled_mm_us"]  # the clocks' drift over the row
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        row = {"shape": name, "n": n, "k": k, "m": m, **scaled_mm(qd, bs, x),
+               "algos": algorithms(lib, quantizer, qd, bs, n, k, x, args.want)}  # fmt: skip
+        row["scaled_mm_again_us"] = scaled_mm(qd, bs, x)["scaled_mm_us"]  # the clocks' drift over the row
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     print("\n| shape | M | _scaled_mm µs (again) | plan's algo µs | best algo µs (index) | algos | best's bits same |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from lt_algos import SHAPES, prepared_weight  # beside this script
+from lt_algos import cases  # beside this script
 
 from mxgemm.kernels import fp8_gemm, nvcc
 from mxgemm.kernels.fp8_gemm import TokensAsM
@@ -73,32 +73,28 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     lib = library()
-    g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name, (n, k) in SHAPES.items():
-        w = prepared_weight(n, k, g)
+    for name, n, k, m, w, x in cases(args.m):
         qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
-        for m in args.m:
-            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-            xq, xs = fp8_gemm.quantize_1x128(x, rows_multiple=128)
-            cublas = partial(torch._scaled_mm, xq, qd.t(), xs, bs.t(), out_dtype=torch.bfloat16)
-            ref = cublas()[:m, :n]
-            row = {"shape": name, "n": n, "k": k, "m": m, "cublas_us": time_cuda([cublas]), "product": {}, "lab": {}}
-            for wn in (128, 64):
-                for st in (4, 6):
-                    cfg = TokensAsM(128, wn, 1, st)
-                    run = partial(fp8_gemm.fp8_gemm, xq, xs, m, qd, bs, n, cfg, pdl=False)
-                    row["product"][f"wn{wn}-st{st}"] = {"us": time_cuda([run]), "same_bits": torch.equal(run(), ref)}
-                    for v in (v for v in args.variants if valid(v, wn, st)):
-                        y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-                        lab = partial(run_lab, lib, qd, bs, xq, xs, y, n, wn, st, v)
-                        same = torch.equal(lab(), ref)
-                        row["lab"][f"wn{wn}-st{st}-v{v}"] = {"us": time_cuda([lab]), "same_bits": same}
-            row["cublas_again_us"] = time_cuda([cublas])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.json:
-                args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        xq, xs = fp8_gemm.quantize_1x128(x, rows_multiple=128)
+        cublas = partial(torch._scaled_mm, xq, qd.t(), xs, bs.t(), out_dtype=torch.bfloat16)
+        ref = cublas()[:m, :n]
+        row = {"shape": name, "n": n, "k": k, "m": m, "cublas_us": time_cuda([cublas]), "product": {}, "lab": {}}
+        for wn in (128, 64):
+            for st in (4, 6):
+                cfg = TokensAsM(128, wn, 1, st)
+                run = partial(fp8_gemm.fp8_gemm, xq, xs, m, qd, bs, n, cfg, pdl=False)
+                row["product"][f"wn{wn}-st{st}"] = {"us": time_cuda([run]), "same_bits": torch.equal(run(), ref)}
+                for v in (v for v in args.variants if valid(v, wn, st)):
+                    y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                    lab = partial(run_lab, lib, qd, bs, xq, xs, y, n, wn, st, v)
+                    same = torch.equal(lab(), ref)
+                    row["lab"][f"wn{wn}-st{st}-v{v}"] = {"us": time_cuda([lab]), "same_bits": same}
+        row["cublas_again_us"] = time_cuda([cublas])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     names = [VARIANTS[v] for v in args.variants]
     print("\n| shape | M | cuBLASLt µs (again) | product best µs | " + " | ".join(names) + " | bits |")
     print("|---|---|---|---|" + "---|" * len(names) + "---|")
