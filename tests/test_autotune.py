@@ -11,10 +11,11 @@ import torch
 from helpers import random_mx_weight
 
 import mxgemm
-from mxgemm import autotune
-from mxgemm.autotune import Autotuner, TuneKey, TuningCache, bucket
+from mxgemm import autotune, tuning
+from mxgemm.autotune import Autotuner
 from mxgemm.backends.emulation import EmulationBackend
 from mxgemm.ops import linear_op
+from mxgemm.tuning import TuneKey, TuningCache, bucket
 
 META = {"mxgemm": "test", "torch": "x", "triton": None, "cuda": None, "gpu": "pretend", "sm": 90}
 
@@ -260,7 +261,7 @@ def test_shipped_h200_file_is_found_and_names_tactics_the_backends_offer():
     from mxgemm.recipes import hybrid_crossover
 
     h200 = DeviceInfo(type="cuda", name="NVIDIA H200", capability=(9, 0), index=0)
-    data = json.loads(autotune.shipped_cache_path(h200).read_text())
+    data = json.loads(tuning.shipped_cache_path(h200).read_text())
     assert data["metadata"]["gpu"] == "NVIDIA H200" and data["metadata"]["sm"] == 90
     assert data["metadata"]["kernels"] == source_digest(), "the shipped tuning file was made on other kernels"
     assert len(data["entries"]) >= 225  # the llama3-8b, llama3-70b, hidden-7168 and llama3-8b-hf sets: 15 shapes x 15
@@ -342,7 +343,7 @@ def test_tuning_files_record_the_kernels_they_were_timed_on(tmp_path):
 
     from mxgemm import kernels
 
-    meta = autotune.environment_metadata(mxgemm.describe_device("cpu"))
+    meta = tuning.environment_metadata(mxgemm.describe_device("cpu"))
     assert meta["kernels"] == kernels.source_digest() and len(meta["kernels"]) == 16
     copy = tmp_path / "kernels"
     shutil.copytree(Path(kernels.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
@@ -358,12 +359,12 @@ def test_each_environment_keeps_its_own_file_and_says_how_each_file_is_used(tmp_
     its own instead of finding one it may neither use nor overwrite; each file says whether it is used, and why not."""
     monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
     device = mxgemm.describe_device("cpu")
-    here = autotune.default_cache_path(device)
+    here = tuning.default_cache_path(device)
     assert here.parent == tmp_path and here.name.startswith("tuning-cpu-")
-    assert here == autotune.default_cache_path(device)
-    meta = autotune.environment_metadata(device)
-    monkeypatch.setattr(autotune, "environment_metadata", lambda d: dict(meta, kernels="0" * 16))
-    assert autotune.default_cache_path(device) != here
+    assert here == tuning.default_cache_path(device)
+    meta = tuning.environment_metadata(device)
+    monkeypatch.setattr(tuning, "environment_metadata", lambda d: dict(meta, kernels="0" * 16))
+    assert tuning.default_cache_path(device) != here
     cache = TuningCache(here, meta)
     assert cache.describe() == f"{here}: absent (tuning writes it: `mxgemm tune`, or calls with MXGEMM_AUTOTUNE=1)"
     cache.put({"k": {"tactic": None}})

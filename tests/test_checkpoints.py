@@ -216,14 +216,26 @@ def _assert_unchanged(model, before):
         assert after[k][0] is cls and torch.equal(after[k][1], v), k
 
 
-@pytest.mark.parametrize("damage", ["nan_scale", "two_files", "wrong_shape_late", "no_backend"])
+@pytest.mark.parametrize(
+    "damage", ["nan_scale", "nan_element", "infinite", "two_files", "wrong_shape_late", "no_backend"]
+)
 def test_a_refused_load_leaves_the_model_as_it_was(llama_dir, tmp_path, damage):
     mx = _mx_checkpoint(llama_dir, tmp_path)
     tensors = load_file(str(mx / "model.safetensors"))
     backend, match = "emulation", None
     if damage == "nan_scale":
         tensors[f"{O1}.weight_scale"][3, 1] = 255
-        match = rf"{O1}.weight_scale holds the E8M0 NaN code 255 at \(3, 1\)"
+        match = rf"{O1}.weight / weight_scale holds the E8M0 NaN code 255 at \(3, 1\)"
+    elif damage == "nan_element":
+        tensors[f"{O1}.weight"].view(torch.uint8)[2, 40] = 0xFF  # E4M3's NaN
+        match = rf"{O1}.weight / weight_scale holds a NaN element at \(2, 40\)"
+    elif damage == "infinite":  # 448 x 2^127 is beyond fp32's range; 1 x 2^127 is not
+        weight, scale = tensors[f"{O1}.weight"], tensors[f"{O1}.weight_scale"]
+        weight.view(torch.uint8)[5, :32] = 0x38  # 1.0
+        scale[5, 0] = 254
+        assert torch.isfinite(mxgemm.dequantize(mxgemm.MXTensor(weight, scale))).all()  # 2^127 is not refused
+        weight.view(torch.uint8)[5, 7] = 0x7E  # 448
+        match = rf"{O1}.weight / weight_scale dequantizes to infinity in the block at \(5, 0\)"
     elif damage == "two_files":
         save_file({"model.norm.weight": tensors["model.norm.weight"]}, str(mx / "model-extra.safetensors"))
         match = "model.norm.weight is in two files, model-extra.safetensors and model.safetensors"

@@ -154,7 +154,8 @@ def test_tuning_a_flashinfer_backend_runs_flashinfers_autotuner(fake_flashinfer,
     import contextlib
     import os
 
-    from mxgemm.autotune import Autotuner, TuningCache
+    from mxgemm.autotune import Autotuner
+    from mxgemm.tuning import TuningCache
 
     if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # the activation quantizer runs under the interpreter here

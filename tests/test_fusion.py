@@ -99,8 +99,8 @@ def test_above_max_rows_the_members_share_one_quantization_of_their_input(monkey
     _apart_above(fused, 64, monkeypatch)
     calls = []
     run_sharing = EmulationBackend.run_sharing
-    monkeypatch.setattr(EmulationBackend, "run_sharing", lambda self, x, w, b: calls.append(x.shape) or run_sharing(
-        self, x, w, b))  # fmt: skip
+    monkeypatch.setattr(EmulationBackend, "run_sharing", lambda self, x, w, b, t: calls.append(x.shape) or run_sharing(
+        self, x, w, b, t))  # fmt: skip
     names = ("q_proj", "k_proj", "v_proj")
     group = fused.self_attn["q_proj"].shared[0]
     quantizes = recipe != "w8a16"

@@ -16,6 +16,7 @@ from mxgemm.backends.base import MAX_PLANS
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
 from mxgemm.gated import GATED, fuse_gated_mlps
 from mxgemm.kernels import fp8_gemm
+from mxgemm.ops import call_tactic, run_gated, run_planned
 
 transformers = pytest.importorskip("transformers")
 
@@ -186,27 +187,27 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
     backend, weight = HybridSM90Backend(), _weight(crossover=17)
     assert backend.gated_from(weight) == 17
     gate, up_, bias = random_act(400, 384), random_act(400, 384, seed=2), torch.randn(256).bfloat16()
-    assert backend.run_gated(gate[:16], up_[:16], weight, None) is None  # the exact regime below the crossover
-    assert backend.run_gated(gate.t().contiguous().t(), up_, weight, None) is None  # not unit stride along K
+    assert run_gated(gate[:16], up_[:16], weight, None) is None  # the exact regime below the crossover
+    assert run_gated(gate.t().contiguous().t(), up_, weight, None) is None  # not unit stride along K
     g, u = gate[:128], up_[:128]
     for _ in range(2):
-        assert backend.run_gated(g, u, weight, bias) == ("gated", g, u, bias)
+        assert run_gated(g, u, weight, bias) == ("gated", g, u, bias)
     config = hybrid_sm90.fp8_default(128, *weight.tensors["qdata"].shape, 132)
     assert [a[3:] for a in fp8_made] == [(384, 128, config, False, {})]  # the quantizer and the GEMM, one plan
-    assert backend.run_gated(gate, up_, weight, bias) is gate
+    assert run_gated(gate, up_, weight, bias) is gate
     t = weight.tensors
     assert seen == [(gate, t["qdata"], t["block_scale"], 256, bias, rows)]
 
     del weight.info["fp8_sms"]  # no CUDA quantizer: never
-    assert backend.gated_from(weight) is None and backend.run_gated(gate[:1], up_[:1], weight, None) is None
+    assert backend.gated_from(weight) is None and run_gated(gate[:1], up_[:1], weight, None) is None
     weight = _weight(crossover=17)
     weight.info["blockwise_plan"] = True
     monkeypatch.setattr(hybrid_sm90.cublaslt, "linear_plan", plan_with_gated(made))
     for _ in range(2):
-        assert backend.run_gated(gate, up_, weight, bias) == ("gated", gate, up_, bias)
+        assert run_gated(gate, up_, weight, bias) == ("gated", gate, up_, bias)
     assert len(made) == 1 and len(seen) == 1
     for m in range(129, 129 + MAX_PLANS):  # a workload of many prompt lengths: the plans kept stay bounded
-        backend.run_gated(gate[:m], up_[:m], weight, bias)
+        run_gated(gate[:m], up_[:m], weight, bias)
     assert len(weight.plans) <= MAX_PLANS and len(made) == MAX_PLANS + 1
 
 
@@ -218,7 +219,7 @@ def test_hybrid_leaves_the_rows_below_the_crossover_to_the_models_steps(monkeypa
     weight.info["small_m"] = True
     assert backend.gated_from(weight) == 17
     gate, up = random_act(4, 384), random_act(4, 384, seed=2)
-    assert backend.run_gated(gate, up, weight, None) is None
+    assert run_gated(gate, up, weight, None) is None
 
 
 def test_a_tuned_tactic_runs_the_gated_product_on_its_own_path(monkeypatch):
@@ -245,10 +246,13 @@ def test_a_tuned_tactic_runs_the_gated_product_on_its_own_path(monkeypatch):
     monkeypatch.setattr(HybridSM90Backend, "plan", lambda self, w, m, dtype, tactic=None: lambda x, bias: own.append(
         (m, tactic)) or x)  # fmt: skip
     gate, up = random_act(300, 384), random_act(300, 384, seed=2)
-    assert backend.run_gated(gate, up, weight, None) is gate
+    assert run_gated(gate, up, weight, None) is gate
     assert made == [(300, tuned.config, False, True)]
-    assert backend.run_sharing(gate, weight, None) is None
-    assert backend.run_quantized(gate, ("rows", "of another member"), weight, None) is gate
+    tactic = call_tactic(weight, gate)  # what the callers of the shared-rows routes hand them
+    assert tactic == tuned
+    assert backend.run_sharing(gate, weight, None, tactic) is None
+    assert backend.run_quantized(gate, ("rows", "of another member"), weight, None, tactic) is None
+    assert run_planned(gate, weight, None) is gate  # where a member's call reads no shared rows, it runs alone
     assert own == [(300, tuned)]
 
 

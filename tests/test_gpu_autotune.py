@@ -14,7 +14,8 @@ from helpers import (
 )
 
 import mxgemm
-from mxgemm.autotune import Autotuner, TuningCache, environment_metadata
+from mxgemm.autotune import Autotuner
+from mxgemm.tuning import TuningCache, environment_metadata
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,7 @@ from helpers import (
 )
 
 import mxgemm
-from mxgemm import autotune
+from mxgemm import tuning
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend, Path
 from mxgemm.block128 import quantize_1x128, reencode_block128
 from mxgemm.kernels import NO_BIAS
@@ -259,7 +259,7 @@ def test_the_prepared_crossover_splits_the_kernels_and_every_output_is_written(s
 
 def _fast_case(w, x, bias):
     """(the C++ table's answer, the Python launcher's) for a call of ``x`` whose plan the Python path made."""
-    plan = w.plans[(x.numel() // x.shape[-1], x.dtype, autotune.generation())]
+    plan = w.plans[(x.numel() // x.shape[-1], x.dtype, tuning.generation())]
     return (None if w.fast is None else w.fast(x, bias)), plan(x, bias), plan
 
 
@@ -302,7 +302,7 @@ def test_fast_gated_calls_give_the_python_routes_bits(m):
     gate, up = random_act(m, k, seed=1, device="cuda"), random_act(m, k, seed=2, device="cuda")
     first = layer.on_gated(gate, up)
     w = layer.prepared
-    route = w.plans.get(("gated", m, torch.bfloat16, autotune.generation()))
+    route = w.plans.get(("gated", m, torch.bfloat16, tuning.generation()))
     if first is None or not hasattr(route, "entry"):
         pytest.skip(f"M = {m} does not run the FP8 kernel's gated route here (crossover {w.info['crossover']})")
     fast = w.fast.gated(gate, up, None)

@@ -157,6 +157,31 @@ def test_a_saved_quantized_model_loads_back_into_mxgemm_layers(bf16_llama, tmp_p
         assert logits.dtype == dtype and torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("damage", ["nan_scale", "nan_element", "infinite"])
+def test_a_saved_model_is_checked_as_load_checkpoint_checks_it(bf16_llama, tmp_path, damage):
+    """The transformers route keeps load_checkpoint's promise on values: a NaN scale or element, or a block that
+    dequantizes to infinity, is refused naming the layer, never loaded as NaN logits; no layer has changed then."""
+    from safetensors.torch import load_file, save_file
+
+    from mxgemm.integrations import MXFP8Config
+
+    auto = transformers.AutoModelForCausalLM
+    auto.from_pretrained(bf16_llama, quantization_config=MXFP8Config()).save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj"
+    if damage == "nan_scale":
+        tensors[f"{name}.weight_scale"][0, 1] = 255
+    elif damage == "nan_element":
+        tensors[f"{name}.weight"].view(torch.uint8)[3, 5] = 0x7F
+    else:
+        tensors[f"{name}.weight_scale"][0, 1] = 254
+        tensors[f"{name}.weight"].view(torch.uint8)[0, 32:64] = 0x7E  # 448 x 2^127
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    reason = {"nan_scale": "NaN code 255", "nan_element": "NaN element", "infinite": "dequantizes to infinity"}[damage]
+    with pytest.raises(mxgemm.CheckpointError, match=rf"{name}\.weight / weight_scale .*{reason}"):
+        auto.from_pretrained(tmp_path)
+
+
 def test_registration_is_idempotent_and_the_config_checks_its_method():
     from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 

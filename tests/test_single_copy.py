@@ -149,7 +149,7 @@ def test_eager_calls_skip_the_op_and_match_it(monkeypatch):
     monkeypatch.setattr(weights, "linear_op", no_op)
     assert torch.equal(mxgemm.linear(x, w, bias), expected)
     assert torch.equal(mxgemm.linear(x.reshape(1, 7, 256), w, bias), expected.reshape(1, 7, 64))
-    assert list(w.plans) == [(7, torch.bfloat16, mxgemm.autotune.generation())]
+    assert list(w.plans) == [(7, torch.bfloat16, mxgemm.tuning.generation())]
     with pytest.raises(AssertionError, match="eagerly"):  # a gradient asked for: the op (with autograd's rules)
         mxgemm.linear(x.requires_grad_(), w, bias)
 

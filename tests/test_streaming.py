@@ -101,7 +101,7 @@ def test_quantizer_memory_does_not_grow_with_the_model(tmp_path):
         from pathlib import Path
         import transformers
         import mxgemm.convert as c
-        c._linear_layers(transformers.AutoConfig.from_pretrained({str(src)!r}))  # the imports' own peak: the baseline
+        c._meta_model(transformers.AutoConfig.from_pretrained({str(src)!r}))  # the imports' own peak: the baseline
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out = Path({str(tmp_path / "out")!r}); out.mkdir()
         c.quantize_folder(Path({str(src)!r}), out, max_shard_bytes=50 * 10**6)

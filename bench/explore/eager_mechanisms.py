@@ -37,7 +37,7 @@ from torch.utils import cpp_extension
 
 import mxgemm
 import mxgemm.ops as ops
-from mxgemm import autotune
+from mxgemm import tuning
 
 _NOOP_C = "int noop_run(void* plan, const void* x, const void* bias, void* y, void* stream) { return 0; }\n"
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             return op(x, None, handle + 1)
 
     raw = op._op  # the C++ function OpOverload.__call__ wraps
-    weight, generation = mx._prepared, autotune._GENERATION
+    weight, generation = mx._prepared, tuning._GENERATION
 
     class Lean(torch.nn.Module):  # the checks the C++ function makes, in one Python function, then the plan
         def forward(self, x):

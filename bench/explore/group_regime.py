@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 import mxgemm
-from mxgemm.autotune import Autotuner, TuningCache, environment_metadata
+from mxgemm.autotune import Autotuner
 from mxgemm.backends import get_backend
 from mxgemm.backends.base import tactic_json
 from mxgemm.device import describe_device
+from mxgemm.tuning import TuningCache, environment_metadata
 
 
 class _Attn(nn.Module):

@@ -12,9 +12,8 @@ from .gated import fuse_gated_mlps
 from .linear import MXFP8Linear
 from .models import QuantizeReport, quantize_model
 from .resolve import BackendStatus, available_backends, explain_auto, resolve_backend
+from .version import __version__
 from .weights import linear, prepare_weight
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AUTO_PRIORITY",

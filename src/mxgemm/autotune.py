@@ -1,16 +1,11 @@
-"""Autotuning: which tactic of the resolved backend runs a problem, kept in an on-disk JSON cache.
+"""Autotuning: which tactic of the resolved backend runs a problem; the choices go to the tuning store
+(:mod:`mxgemm.tuning`: keys, files, generation).
 
 * Only the backend that was resolved is tuned, and only if it has tactics (``Backend.tunable``). Its first tactic is
   the default and always valid; a tactic that fails or is invalid scores infinity, is counted, and is never chosen.
-* Key: op, backend, M bucket (a runtime M maps *up* to the next bucket), N, K, activation dtype, weight layout,
-  recipe. The file records mxgemm, torch, triton and CUDA versions, the GPU and a digest of the kernels' sources; a
-  file whose record differs is not used and not overwritten (said once, on logger ``mxgemm``). A recorded tactic is
-  used only where it equals one the backend offers for its bucket now (as :meth:`Tactic.json` writes it).
-* The cache is ``$MXGEMM_CACHE_DIR/tuning-<gpu>-<environment>.json`` (default ``~/.cache/mxgemm``; ``<environment>``
-  a digest of the environment record, so that each environment keeps a file of its own, an upgrade included);
-  writes merge under a file lock and replace the file atomically, so several processes may tune at once. Files
-  shipped in ``mxgemm/tuned/`` are read when the user's cache has no entry. ``TuningCache.describe`` says whether a
-  file is used, and why not (``mxgemm info`` prints it).
+* A recorded tactic is used only where it equals one the backend offers for its bucket now (as :meth:`Tactic.json`
+  writes it); the user's file first, then the shipped one. ``TuningCache.describe`` says whether a file is used, and
+  why not (``mxgemm info`` prints it).
 * Determinism: a tactic replaces the default only when it is faster by ``margin`` (above the timing noise) in two
   timings of both; ties keep the earlier tactic. For a given cache the same tactic runs every time.
 * Timing as DESIGN.md asks: CUDA-graph replay, the weight rotated through copies beyond 3x the L2, median.
@@ -19,189 +14,24 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import fastcall, settings
+from . import settings, tuning
 from .backends import Backend, PreparedWeight
 from .backends.base import tactic_json
-from .cache import cache_root, locked
 from .device import DeviceInfo, describe_device
+from .tuning import TuneKey, TuningCache, bucket, default_cache_path, environment_metadata, shipped_cache_path
 
-__all__ = ["BUCKETS", "Autotuner", "TuneKey", "TuneResult", "TuningCache", "bucket", "environment_metadata"]
+__all__ = ["DEFAULT_MARGIN", "Autotuner", "TuneResult", "tactic_for_call", "tuner_for"]
 
 logger = logging.getLogger("mxgemm")
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_MARGIN = 0.03  # a tactic must be 3% faster than the default: above the spread of repeated timings
-
-
-def bucket(m: int) -> int:
-    """The tuned bucket a runtime M maps to: the smallest bucket >= M (the largest bucket beyond it)."""
-    return min(1 << max(m - 1, 0).bit_length(), BUCKETS[-1])  # the buckets are the powers of two
-
-
-@dataclass(frozen=True)
-class TuneKey:
-    op: str
-    backend: str
-    m_bucket: int
-    n: int
-    k: int
-    x_dtype: str
-    layout: str
-    recipe: str
-
-    @classmethod
-    def of(cls, backend: str, weight: PreparedWeight, m: int, x_dtype: torch.dtype) -> TuneKey:
-        layout = ",".join(f"{name}:{str(t.dtype).removeprefix('torch.')}" for name, t in weight.tensors.items())
-        return cls("linear", backend, bucket(m), weight.out_features, weight.in_features,
-                   str(x_dtype).removeprefix("torch."), layout, weight.recipe)  # fmt: skip
-
-    def __str__(self) -> str:
-        return "|".join(str(v) for v in (self.op, self.backend, f"m{self.m_bucket}", f"n{self.n}", f"k{self.k}",
-                                           self.x_dtype, self.layout, self.recipe))  # fmt: skip
-
-
-def environment_metadata(device: DeviceInfo) -> dict[str, Any]:
-    import importlib.metadata as md
-
-    from . import __version__
-    from .kernels import source_digest
-
-    try:
-        triton_version = md.version("triton")
-    except md.PackageNotFoundError:
-        triton_version = None
-    return {
-        "mxgemm": __version__,
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "cuda": torch.version.cuda,
-        "gpu": device.name or device.type,
-        "sm": device.sm,
-        "kernels": source_digest(),
-    }
-
-
-def _slug(device: DeviceInfo) -> str:
-    name = (device.name or device.type).lower().replace("nvidia ", "")
-    return "".join(c if c.isalnum() else "-" for c in name).strip("-") + (f"-sm{device.sm}" if device.sm else "")
-
-
-def default_cache_path(device: DeviceInfo) -> Path:
-    """The user's tuning file for this device in this environment (versions, GPU, kernels)."""
-    record = json.dumps(environment_metadata(device), sort_keys=True).encode()
-    return cache_root() / f"tuning-{_slug(device)}-{hashlib.sha256(record).hexdigest()[:12]}.json"
-
-
-def shipped_cache_path(device: DeviceInfo) -> Path:
-    return Path(__file__).parent / "tuned" / f"tuning-{_slug(device)}.json"
-
-
-class TuningCache:
-    """One tuning file: entries keyed by :class:`TuneKey` strings, under an environment record."""
-
-    def __init__(self, path: Path, metadata: dict[str, Any]):
-        self.path = Path(path)
-        self.metadata = metadata
-        self.entries: dict[str, dict[str, Any]] = {}
-        self.usable = True
-        self.status = "absent (tuning writes it: `mxgemm tune`, or calls with MXGEMM_AUTOTUNE=1)"  # see describe()
-        self._load()
-
-    def describe(self) -> str:
-        """One line for users: the file, and whether its entries are used (and if not, why)."""
-        return f"{self.path}: {self.status}"
-
-    def _read(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, json.JSONDecodeError) as exc:
-            logger.warning("mxgemm: ignoring unreadable tuning file %s: %s", self.path, exc)
-            self.status = f"not used: unreadable ({exc})"
-            return None
-
-    def _load(self) -> None:
-        data = self._read()
-        if data is None:
-            return
-        if not isinstance(data, dict) or not isinstance(data.get("entries", {}), dict):
-            self.usable = False
-            self.status = "not used: not a tuning file"
-            logger.warning("mxgemm: tuning file %s is not a tuning file: not used, not overwritten", self.path)
-            return
-        if data.get("metadata") != self.metadata:
-            self.usable = False
-            self.status = f"not used: made for {_differences(data.get('metadata'), self.metadata)}"
-            logger.warning(
-                "mxgemm: tuning file %s was made for %s, not %s: not used, not overwritten",
-                self.path, data.get("metadata"), self.metadata,
-            )  # fmt: skip
-            return
-        self.entries = _valid_entries(data.get("entries", {}), self.path)
-        self.status = f"{len(self.entries)} entries"
-
-    def get(self, key: TuneKey) -> dict[str, Any] | None:
-        """The record of ``key``: from the file, or tuned in this process (kept in memory where the file cannot be
-        written, so nothing is tuned twice)."""
-        return self.entries.get(str(key))
-
-    def put(self, records: dict[str, dict[str, Any]]) -> None:
-        """Merge records into the file (re-read under the lock, so other writers' entries survive). Where the file
-        cannot be written (another environment's, a read-only folder, a path that is a file), the records are kept
-        for this process only, said once."""
-        self.entries.update(records)
-        if not self.usable:
-            return
-        try:
-            with locked(self.path):
-                data = self._read()
-                if data is not None and (not isinstance(data, dict) or data.get("metadata") != self.metadata):
-                    self.usable = False
-                    return
-                entries = _valid_entries((data or {}).get("entries", {}), self.path)
-                entries.update(records)
-                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"metadata": self.metadata, "entries": entries}, f, indent=1, sort_keys=True)
-                os.replace(tmp, self.path)
-                self.entries = entries
-                self.status = f"{len(entries)} entries"
-        except OSError as exc:
-            self.usable = False
-            self.status = f"not written ({exc}): tuned tactics kept for this process"
-            logger.warning("mxgemm: cannot write tuning file %s (%s): tuned tactics kept for this process", self.path,
-                           exc)  # fmt: skip
-
-
-def _differences(theirs: Any, ours: dict[str, Any]) -> str:
-    """What a file's environment record says where it differs from this environment's."""
-    if not isinstance(theirs, dict):
-        return f"no environment record ({theirs!r})"
-    keys = sorted(set(theirs) | set(ours), key=lambda k: (k not in ours, k))
-    return ", ".join(f"{k} {theirs.get(k)} (here {ours.get(k)})" for k in keys if theirs.get(k) != ours.get(k))
-
-
-def _valid_entries(entries: Any, path: Path) -> dict[str, dict[str, Any]]:
-    """The well-formed records of a file's entries (a dict holding a ``tactic``); the others dropped, said once."""
-    if not isinstance(entries, dict):
-        entries = {}
-    good = {k: v for k, v in entries.items() if isinstance(k, str) and isinstance(v, dict) and "tactic" in v}
-    if len(good) != len(entries):
-        logger.warning("mxgemm: tuning file %s: %d malformed entries ignored", path, len(entries) - len(good))
-    return good
 
 
 @dataclass(frozen=True)
@@ -245,7 +75,7 @@ class Autotuner:
         device = device or describe_device()
         meta = environment_metadata(device)
         shipped_path = shipped_cache_path(device)
-        shipped = TuningCache(shipped_path, meta) if shipped_path.exists() else None
+        shipped = TuningCache(shipped_path, meta, packaged=True) if shipped_path.exists() else None
         return cls(TuningCache(default_cache_path(device), meta), shipped=shipped)
 
     def choice(self, backend: Backend, weight: PreparedWeight, m: int, x_dtype: torch.dtype) -> tuple[Any, str]:
@@ -266,8 +96,13 @@ class Autotuner:
                 if tactic is not None:
                     choice = tactic, src
                     break
-                logger.warning("mxgemm: tuning file %s: tactic %s for %s is not one %s has now; ignored",
-                               cache.path, record["tactic"], key, backend.name)  # fmt: skip
+                logger.warning(
+                    "mxgemm: tuning file %s: tactic %s for %s is not one %s has now; ignored",
+                    cache.path,
+                    record["tactic"],
+                    key,
+                    backend.name,
+                )
             self._memo[memo_key] = choice
         return self._memo[memo_key]
 
@@ -337,8 +172,7 @@ class Autotuner:
             }
             self.cache.put({str(key): record})
             self._memo.clear()
-            _GENERATION[0] += 1
-            fastcall.tuning_changed(_GENERATION[0])
+            tuning.changed()
         return result
 
 
@@ -368,12 +202,6 @@ def _default_timer(fn: Callable[[], object]) -> float:
 
 
 _TUNERS: dict[Any, Autotuner] = {}
-_GENERATION = [0]  # bumped whenever a tuner writes: eager launch plans made before it are stale
-
-
-def generation() -> int:
-    """How many times tuning has changed a cache in this process (part of the key of eager launch plans)."""
-    return _GENERATION[0]
 
 
 def tuner_for(device: torch.device) -> Autotuner:

@@ -41,7 +41,7 @@ FP8_MAX = 448.0
 CUBLASLT_M_ALIGN = 4
 CUBLASLT_K_ALIGN = 512
 N_ALIGN = 16  # rows of a prepared weight: cuBLASLt's and the hand-written kernels' tiles
-# Output rows per row of each prepared tensor (Backend.row_layout): one per element row, 128 per block-scale row.
+# Output rows per row of each prepared tensor (JoinsRows.row_layout): one per element row, 128 per block-scale row.
 BLOCK128_ROWS = {"qdata": 1, "block_scale": GROUP}
 
 

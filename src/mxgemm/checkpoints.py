@@ -19,17 +19,30 @@ import torch
 from torch import nn
 
 from .errors import MXGemmError
-from .format import BLOCK_SIZE, E8M0_NAN, SCALE_DTYPES, e8m0_bytes
+from .format import BLOCK_SIZE, SCALE_DTYPES, e8m0_bytes, nonfinite_reason
 from .fusion import fuse as fuse_model
 from .fusion import tally
 from .linear import MXFP8Linear
+from .model_folder import ModelFolderError, folder_file, read_folder_file
 
-__all__ = ["SCHEMES", "CheckpointError", "CheckpointFormat", "TensorSource", "load_checkpoint", "read_format",
-           "save_checkpoint", "source_files"]  # fmt: skip
+__all__ = [
+    "SCHEMES",
+    "CheckpointError",
+    "CheckpointFormat",
+    "TensorSource",
+    "load_checkpoint",
+    "read_format",
+    "save_checkpoint",
+    "source_files",
+]
 
 
 class CheckpointError(MXGemmError, ValueError):
     """A checkpoint that is not an MXFP8 checkpoint mxgemm can load, with the tensor or file at fault."""
+
+
+INDEX = "model.safetensors.index.json"
+MAX_JSON_BYTES = 256 << 20  # a config or index: an index of a million tensors is about 100 MB
 
 
 def _mx_args(dynamic: bool) -> dict:
@@ -103,8 +116,8 @@ def read_format(path: str | Path) -> CheckpointFormat:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(read_folder_file(path, MAX_JSON_BYTES))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not UTF-8 or not JSON
         raise CheckpointError(f"{path}: cannot be read as JSON ({exc})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: holds a {type(data).__name__}, not a JSON object")
@@ -120,21 +133,39 @@ def _modelopt_format(q: dict, where: Path) -> CheckpointFormat:
 def source_files(folder: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint or model folder, in its index's order where it has one."""
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX
     if index.exists():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: not a safetensors index (no weight_map object)")
-        return [folder / f for f in dict.fromkeys(weight_map.values())]
+        return [_checked(folder_file, folder, f) for f in dict.fromkeys(weight_map.values())]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no .safetensors files")
-    return files
+    return [_checked(folder_file, folder, f.name) for f in files]
 
 
-_ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "BF16": torch.bfloat16,
-              "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
-              "I16": torch.int16, "I8": torch.int8, "BOOL": torch.bool}  # fmt: skip
+def _checked(check, *args):
+    try:
+        return check(*args)
+    except ModelFolderError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+_ST_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U8": torch.uint8,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "BOOL": torch.bool,
+}
 if hasattr(torch, "float8_e8m0fnu"):
     _ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
@@ -198,13 +229,12 @@ def _check_pair(name: str, source: TensorSource, module: nn.Linear) -> None:
         )
 
 
-def _check_scale_values(name: str, scale: torch.Tensor) -> None:
-    nan = (scale == E8M0_NAN).nonzero()
-    if len(nan):
-        raise CheckpointError(
-            f"{name}.weight_scale holds the E8M0 NaN code 255 at {tuple(nan[0].tolist())} ({len(nan)} in all): "
-            "that block would make every output it touches NaN"
-        )
+def _check_values(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Refuse a layer whose weight would not dequantize to finite values: every output it touches would be NaN or
+    infinite."""
+    reason = nonfinite_reason(weight, scale)
+    if reason:
+        raise CheckpointError(f"{name}.weight / weight_scale {reason}: every output it touches would not be finite")
 
 
 @dataclass(frozen=True)
@@ -258,8 +288,10 @@ def load_checkpoint(
         _check_pair(name, source, module)
         bias = f"{name}.bias" if f"{name}.bias" in source else None
         if bias is not None and (module.bias is None or source.shapes[bias] != tuple(module.bias.shape)):
-            raise CheckpointError(f"{bias} has shape {source.shapes[bias]}; the model's layer has "
-                                  f"{'no bias' if module.bias is None else tuple(module.bias.shape)}")  # fmt: skip
+            raise CheckpointError(
+                f"{bias} has shape {source.shapes[bias]}; the model's layer has "
+                f"{'no bias' if module.bias is None else tuple(module.bias.shape)}"
+            )
         plans.append((name, module, bias))
         consumed |= {f"{name}.weight", f"{name}.weight_scale", bias}
     rest = [k for k in source.where if k not in consumed]
@@ -292,9 +324,10 @@ def load_checkpoint(
     layers = {}  # built before any is put in: a bad scale or a backend that cannot run leaves the model as it was
     for name, module, bias in plans:
         scale = e8m0_bytes(source.load(f"{name}.weight_scale"))
-        _check_scale_values(name, scale)
+        weight = source.load(f"{name}.weight")
+        _check_values(name, weight, scale)
         b = None if bias is None else source.load(bias).to(device=target, dtype=module.bias.dtype)
-        weight = source.load(f"{name}.weight").to(target)
+        weight = weight.to(target)
         layers[name] = MXFP8Linear.from_quantized(weight, scale.to(target), b, backend=backend, recipe=recipe)
         del weight
     for name, layer in layers.items():
@@ -366,6 +399,41 @@ def _assign(model: nn.Module, names: tuple[str, ...], value: torch.Tensor, devic
         (holder._parameters if attr in holder._parameters else holder._buffers)[attr] = new
 
 
+def unquantized_owners(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The modules of ``model`` that own a tensor of ``shapes`` (names as in its state dict or a checkpoint, to their
+    shapes) of two or more dimensions kept in high precision: every owner but ``MXFP8Linear`` layers and embeddings
+    (``nn.Linear`` layers left as they were, routers, the experts of a mixture of experts, whose per-expert tensors
+    belong to the experts module). A checkpoint names them in ``ignore`` so that no reader takes them for quantized."""
+    modules = dict(model.named_modules())
+    owners = []
+    for name, shape in shapes.items():
+        owner = name.rpartition(".")[0]
+        while owner and owner not in modules:  # per-expert tensors: mlp.experts.0.gate_proj.weight -> mlp.experts
+            owner = owner.rpartition(".")[0]
+        module = modules.get(owner)
+        if len(shape) >= 2 and owner and not isinstance(module, (MXFP8Linear, nn.Embedding)):
+            owners.append(owner)
+    return list(dict.fromkeys(owners))
+
+
+def clear_checkpoint(folder: Path) -> None:
+    """Remove the safetensors checkpoint a folder holds (its index, the shards it names, ``model.safetensors`` and
+    shards named as transformers names them), so that a checkpoint written there is the only one read from it.
+    Links are removed, never followed; names an index gives that are not file names of the folder are left."""
+    folder = Path(folder)
+    names = {"model.safetensors", INDEX, *(f.name for f in folder.glob("model-*-of-*.safetensors"))}
+    try:
+        weight_map = _read_json(folder / INDEX).get("weight_map") if (folder / INDEX).exists() else None
+    except CheckpointError:
+        weight_map = None  # unreadable: the index itself still goes
+    if isinstance(weight_map, dict):
+        names.update(n for n in weight_map.values() if isinstance(n, str) and n == Path(n).name and n != "..")
+    for name in names:
+        path = folder / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+
+
 def _is_mx_buffer(model: nn.Module, key: str) -> bool:
     owner, _, _ = key.rpartition(".")
     return isinstance(model.get_submodule(owner), MXFP8Linear) if owner else False
@@ -382,15 +450,19 @@ def save_checkpoint(
     """Write ``model`` (its ``MXFP8Linear`` layers quantized, everything else as is) as a compressed-tensors MXFP8
     checkpoint: ``model.safetensors`` and ``config.json`` (``config`` plus its ``quantization_config``).
 
-    ``nn.Linear`` layers that are not ``MXFP8Linear`` are listed in ``ignore``. Tensors that share storage (tied
-    weights) are written once. ``progress`` wraps the iteration over state-dict names (e.g. a progress bar).
+    Every module whose weights stay in high precision and that a reader of ``targets: ["Linear"]`` could take for a
+    quantized layer is listed in ``ignore`` (:func:`unquantized_owners`: ``nn.Linear`` layers that are not
+    ``MXFP8Linear``, routers, experts). An earlier checkpoint in ``out_dir`` is removed first
+    (:func:`clear_checkpoint`). Tensors that share storage (tied weights) are written once. ``progress`` wraps the
+    iteration over state-dict names (e.g. a progress bar).
     """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ignore = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    clear_checkpoint(out)
     state = model.state_dict()
+    ignore = unquantized_owners(model, {name: tuple(t.shape) for name, t in state.items()})
     names = list(state)
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, torch.dtype]] = set()

@@ -152,6 +152,7 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import Progress
 
     from .convert import quantize_folder
+    from .model_folder import copy_side_files
 
     src, out = Path(args.model_dir).resolve(), Path(args.out_dir).resolve()
     _check_quantize_paths(src, out, args.force)
@@ -160,17 +161,20 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        for f in src.iterdir():  # side files first: the checkpoint's own files win over any of the same name
-            if f.name == "config.json" or any(f.match(pattern) for pattern in _WEIGHT_FILES):
-                continue
-            (shutil.copytree if f.is_dir() else shutil.copy2)(f, staging / f.name)
+        # side files first: the checkpoint's own files win over any of the same name
+        copy_side_files(src, staging, lambda f: f.name == "config.json" or any(map(f.match, _WEIGHT_FILES)))
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("quantizing", total=None)
             report = quantize_folder(
-                src, staging, scheme=args.scheme, scale_mode=args.scale_mode, skip=tuple(args.skip),
-                device=args.device, max_shard_bytes=_parse_size(args.max_shard_size),
+                src,
+                staging,
+                scheme=args.scheme,
+                scale_mode=args.scale_mode,
+                skip=tuple(args.skip),
+                device=args.device,
+                max_shard_bytes=_parse_size(args.max_shard_size),
                 progress=lambda nbytes, total: bar.update(task, total=total, advance=nbytes),
-            )  # fmt: skip
+            )
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -182,8 +186,18 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
 
 def _parse_size(text: str) -> int:
     """ "5GB", "500MB", "10KiB", "1000" -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-             "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     number = text.strip().upper().rstrip("BIKMGT")
     unit = text.strip().upper()[len(number) :]
     try:
@@ -232,9 +246,10 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     """Tune the resolved backend's tactics for a shape set on this device and write the cache."""
     from rich.progress import Progress
 
-    from .autotune import BUCKETS, Autotuner, TuneKey, bucket
+    from .autotune import Autotuner
     from .backends import get_backend
     from .bench import _mx_weights
+    from .tuning import BUCKETS, TuneKey, bucket
     from .weights import prepare_weight
 
     device = describe_device()
@@ -288,8 +303,17 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             table.add_column(col, justify="right")
         for m, n, k, name, r in rows:
             tactic = "default" if r.is_default else json.dumps(tactic_json(r.tactic), separators=(",", ":"))
-            table.add_row(str(m), str(n), str(k), name, f"{r.default_us:.1f}", f"{r.best_us:.1f}",
-                          f"{r.speedup:.2f}", str(r.failed), tactic)  # fmt: skip
+            table.add_row(
+                str(m),
+                str(n),
+                str(k),
+                name,
+                f"{r.default_us:.1f}",
+                f"{r.best_us:.1f}",
+                f"{r.speedup:.2f}",
+                str(r.failed),
+                tactic,
+            )
         console.print(table)
     return 0
 
@@ -313,8 +337,12 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("model_dir", help="a model folder (config.json + safetensors)")
     quant.add_argument("out_dir", help="where to write the MXFP8 checkpoint")
     quant.add_argument("--scheme", choices=["MXFP8", "MXFP8A16"], default="MXFP8", help="activation scheme recorded")
-    quant.add_argument("--scale-mode", choices=["floor", "rceil", "compressed-tensors"], default="floor",
-                       help="E8M0 scale rule: OCP floor, NVIDIA rceil, or compressed-tensors' MXFP8 rule")  # fmt: skip
+    quant.add_argument(
+        "--scale-mode",
+        choices=["floor", "rceil", "compressed-tensors"],
+        default="floor",
+        help="E8M0 scale rule: OCP floor, NVIDIA rceil, or compressed-tensors' MXFP8 rule",
+    )
     quant.add_argument("--skip", nargs="*", default=["lm_head"], help="linear layers to keep (names or globs)")
     quant.add_argument("--force", action="store_true", help="replace the output folder's contents if it has any")
     quant.add_argument("--device", default="cpu", help="where weights are quantized (cpu, cuda); same bytes either way")

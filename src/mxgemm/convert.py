@@ -19,7 +19,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoints import CheckpointError, TensorSource, compressed_tensors_config, tied_groups
+from .checkpoints import (
+    CheckpointError,
+    TensorSource,
+    clear_checkpoint,
+    compressed_tensors_config,
+    tied_groups,
+    unquantized_owners,
+)
 from .format import ScaleMode, quantize
 from .models import LayerReport, QuantizeReport, hf_model_class, skip_reason
 
@@ -30,12 +37,14 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5G
 
 class ShardWriter:
     """Collects tensors into shards of at most ``max_bytes`` (a larger tensor gets a shard of its own) and writes each
-    as it fills; :meth:`finish` names them ``model-0000i-of-0000n.safetensors`` and writes the index."""
+    as it fills; :meth:`finish` names them ``model-0000i-of-0000n.safetensors`` and writes the index. A checkpoint the
+    folder held before is removed first."""
 
     def __init__(self, folder: Path, max_bytes: int = DEFAULT_MAX_SHARD_BYTES):
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.folder, self.max_bytes = Path(folder), max_bytes
+        clear_checkpoint(self.folder)  # an earlier checkpoint's index would win over the shards written here
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.shards: list[tuple[Path, list[str]]] = []
@@ -61,8 +70,11 @@ class ShardWriter:
         if self.pending or not self.shards:
             self._flush()
         count = len(self.shards)
-        names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-                                                          for i in range(count)]  # fmt: skip
+        names = (
+            ["model.safetensors"]
+            if count == 1
+            else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        )
         for (path, _), name in zip(self.shards, names, strict=True):
             path.rename(self.folder / name)
         if count > 1:
@@ -72,13 +84,13 @@ class ShardWriter:
         return [self.folder / n for n in names]
 
 
-def _linear_layers(config) -> tuple[dict[str, nn.Linear], dict[str, str]]:
-    """The model's ``nn.Linear`` layers by name, and its tied parameters (alias -> the name checkpoints store), from
-    a model built on the meta device (no memory, no weights)."""
+def _meta_model(config) -> tuple[nn.Module, dict[str, nn.Linear], dict[str, str]]:
+    """The model built on the meta device (no memory, no weights), its ``nn.Linear`` layers by name, and its tied
+    parameters (alias -> the name checkpoints store)."""
     with torch.device("meta"):
         model = hf_model_class(config).from_config(config)
     tied = {alias: names[0] for names in set(tied_groups(model).values()) for alias in names[1:]}
-    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear}, tied
+    return model, {name: m for name, m in model.named_modules() if type(m) is nn.Linear}, tied
 
 
 def quantize_folder(
@@ -103,7 +115,7 @@ def quantize_folder(
         raise CheckpointError(
             f"{src} is already quantized ({_describe_quantization(config)}); give an unquantized model"
         )
-    layers, tied = _linear_layers(config)
+    model, layers, tied = _meta_model(config)
     reports, targets = [], set()
     for name, module in layers.items():
         reason = f"tied to {tied[f'{name}.weight']}" if f"{name}.weight" in tied else skip_reason(name, module, skip)
@@ -112,7 +124,7 @@ def quantize_folder(
         else:
             reports.append(LayerReport(name, True, "emulation", "w8a16", ""))
             targets.add(f"{name}.weight")
-    writer = ShardWriter(out, max_shard_bytes)
+    writer, quantized = ShardWriter(out, max_shard_bytes), set()
     source = TensorSource(src)
     total = sum(math.prod(source.shapes[n]) * (source.dtypes[n] or torch.float32).itemsize for n in source.where)
     for name in source.where:
@@ -121,12 +133,15 @@ def quantize_folder(
         if name in targets:
             module = layers[name.removesuffix(".weight")]
             if tuple(tensor.shape) != (module.out_features, module.in_features):
-                raise CheckpointError(f"{name} has shape {tuple(tensor.shape)}; the config's layer is "
-                                      f"[{module.out_features}, {module.in_features}]")  # fmt: skip
+                raise CheckpointError(
+                    f"{name} has shape {tuple(tensor.shape)}; the config's layer is "
+                    f"[{module.out_features}, {module.in_features}]"
+                )
             t = quantize(tensor.to(device), scale_mode=scale_mode)
             writer.add(name, t.qdata.cpu())
             writer.add(f"{name}_scale", t.scale.cpu())
             targets.discard(name)
+            quantized.add(name)
         else:
             writer.add(name, tensor)
         del tensor
@@ -136,7 +151,9 @@ def quantize_folder(
         raise CheckpointError(f"{src}: no tensor for {sorted(targets)[0]} (and {len(targets) - 1} more)")
     writer.finish()
     cfg = config.to_dict()
-    cfg["quantization_config"] = compressed_tensors_config(scheme, [r.name for r in reports if not r.replaced])
+    kept = {n: source.shapes[n] for n in source.where if n not in quantized}  # routers, experts, ... as stored
+    ignore = [r.name for r in reports if not r.replaced] + unquantized_owners(model, kept)
+    cfg["quantization_config"] = compressed_tensors_config(scheme, list(dict.fromkeys(ignore)))
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
     return QuantizeReport(tuple(reports))
 

@@ -21,58 +21,76 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from . import settings
+from . import settings, tuning
 from .availability import Availability
+from .cache import UnsafeFolderError, cache_folders, locked, private_dir
 
-__all__ = ["extension", "register", "status", "tuning_changed"]
+__all__ = ["extension", "register", "status"]
 
 logger = logging.getLogger("mxgemm")
 
 _SOURCE = Path(__file__).parent / "csrc" / "fast_call.cpp"
-_LOADED: list = []  # the extension, once imported
 
 
 @functools.cache
 def extension():
-    """Build (once, cached on disk under ``$MXGEMM_CACHE_DIR/ext``, else a per-user folder under the system's temporary
-    directory) and import the extension. Raises RuntimeError saying why it cannot."""
+    """Build (once, cached on disk under ``$MXGEMM_CACHE_DIR/ext``, else this user's private folder under the system's
+    temporary directory; :func:`mxgemm.cache.private_dir`) and import the extension. Raises RuntimeError saying why
+    it cannot."""
     from torch.utils import cpp_extension
-
-    from .cache import cache_root
 
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja, which torch.utils.cpp_extension builds with, is not installed (pip install ninja)")
     key = b"\0".join([_SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode()])
     name = f"mxgemm_fast_call_{hashlib.sha256(key).hexdigest()[:16]}"
     unwritable = []
-    for folder in (cache_root() / "ext" / name, Path(tempfile.gettempdir()) / f"mxgemm-ext-{os.getuid()}" / name):
+    for root in cache_folders("ext"):
+        folder = root / name
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            with locked(folder):  # makes the folders private where they are new, checks them where they are not
+                module = _build_and_load(cpp_extension, name, folder)
+        except UnsafeFolderError as exc:
+            logger.warning("mxgemm: %s", exc)
+            unwritable.append(str(exc))
+            continue
         except OSError as exc:
             unwritable.append(f"{folder} ({exc.strerror or exc})")
             continue
-        if not os.access(folder, os.W_OK):
-            unwritable.append(f"{folder} (not writable)")
-            continue
-        logger.info("mxgemm: building the fast-call extension in %s (once)", folder)
-        try:
-            module = cpp_extension.load(name, [str(_SOURCE)], extra_cflags=["-O3"], build_directory=str(folder),
-                                        with_cuda=False, verbose=False)  # fmt: skip
-        except (RuntimeError, OSError, ImportError) as exc:
-            raise RuntimeError(f"building {_SOURCE.name} failed: {str(exc).strip()[-500:]}") from None
-        from .autotune import generation
-
-        module.set_generation(generation())  # then kept current by tuning_changed
-        _LOADED.append(module)
+        module.set_generation(tuning.generation())
+        tuning.on_change(module.set_generation)  # entries made before tuning changed a cache are stale
         return module
     raise RuntimeError(f"no folder to build {_SOURCE.name} in: {'; '.join(unwritable)}")
+
+
+def _build_and_load(cpp_extension, name: str, folder: Path):
+    """Build (where needed) and import the extension in ``folder``, under the caller's lock. torch's own build lock
+    left by a killed build is removed (no live build can hold it: they all hold ours), and a library that does not
+    match the SHA-256 recorded after its last build (a truncated file would crash the import) is removed, so that ninja
+    builds it again."""
+    private_dir(folder)
+    (folder / "lock").unlink(missing_ok=True)
+    library, record = folder / f"{name}.so", folder / f"{name}.so.sha256"
+    if library.exists() and (not record.is_file() or record.read_text().strip() != _sha256(library)):
+        library.unlink()
+    record.unlink(missing_ok=True)
+    logger.info("mxgemm: building the fast-call extension in %s (once)", folder)
+    try:
+        module = cpp_extension.load(
+            name, [str(_SOURCE)], extra_cflags=["-O3"], build_directory=str(folder), with_cuda=False, verbose=False
+        )
+    except (RuntimeError, OSError, ImportError) as exc:
+        raise RuntimeError(f"building {_SOURCE.name} failed: {str(exc).strip()[-500:]}") from None
+    record.write_text(_sha256(library))
+    return module
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @functools.cache
@@ -95,16 +113,8 @@ def register(weight, m: int, dtype: torch.dtype, plan) -> None:
     entry = getattr(plan, "entry", None)
     if entry is None or dtype != torch.bfloat16 or not status():
         return
-    from .autotune import generation
-
     table = weight.fast
     if table is None:
         table = extension().Table(weight.device, weight.in_features, weight.out_features)
         object.__setattr__(weight, "fast", table)
-    table.add(m, *entry, generation(), plan)
-
-
-def tuning_changed(generation: int) -> None:
-    """Tuning changed a cache: entries made before are stale (the Python path makes new plans)."""
-    for module in _LOADED:
-        module.set_generation(generation)
+    table.add(m, *entry, tuning.generation(), plan)

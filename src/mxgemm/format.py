@@ -36,6 +36,7 @@ __all__ = [
     "dequantize",
     "e8m0_bytes",
     "e8m0_to_float32",
+    "nonfinite_reason",
     "quantize",
 ]
 
@@ -102,6 +103,26 @@ def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
     """E8M0 scales as mxgemm keeps them, uint8 biased exponents: a ``torch.float8_e8m0fnu`` tensor (torchao's and
     PyTorch's E8M0 dtype, the same bytes) is viewed as uint8, a uint8 one returned as it is."""
     return scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)
+
+
+def nonfinite_reason(qdata: torch.Tensor, scale: torch.Tensor) -> str:
+    """Why the MX pair (E4M3 elements ``[..., K]``, uint8 scales ``[..., K/32]``) does not dequantize to finite fp32
+    values, or "" where it does: a scale of 255 (E8M0's NaN), a NaN element, or a block whose largest element times
+    its scale overflows. Reads the elements' bytes, no full-precision copy."""
+    nan = (scale == E8M0_NAN).nonzero()
+    if len(nan):
+        return f"holds the E8M0 NaN code 255 at {tuple(nan[0].tolist())} ({len(nan)} in all)"
+    magnitude = qdata.view(torch.uint8) & 0x7F  # E4M3 is sign and magnitude: larger codes, larger values
+    nan = (magnitude == 0x7F).nonzero()
+    if len(nan):
+        return f"holds a NaN element at {tuple(nan[0].tolist())} ({len(nan)} in all)"
+    codes = magnitude.reshape(*magnitude.shape[:-1], -1, BLOCK_SIZE).amax(-1).long()
+    values = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).double().to(codes.device)[codes]
+    largest = values * torch.exp2(scale.double() - E8M0_BIAS)
+    big = (largest > torch.finfo(torch.float32).max).nonzero()
+    if len(big):
+        return f"dequantizes to infinity in the block at {tuple(big[0].tolist())} ({len(big)} blocks in all)"
+    return ""
 
 
 def e8m0_to_float32(scale: torch.Tensor) -> torch.Tensor:
@@ -179,7 +200,9 @@ def element_limit(biased: torch.Tensor, max_elem: float, mbits: int) -> torch.Te
 
 
 def dequantize(t: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``qdata * 2^(scale-127)``, computed exactly in fp32, then cast to ``dtype``."""
+    """``qdata * 2^(scale-127)``, computed exactly in fp32, then cast to ``dtype`` (a floating-point dtype)."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dequantize gives a floating-point tensor; dtype={dtype} is not a floating-point dtype")
     q = t.qdata.float()
     blocks = q.reshape(*q.shape[:-1], q.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
     return (blocks * e8m0_to_float32(t.scale).unsqueeze(-1)).reshape(q.shape).to(dtype)

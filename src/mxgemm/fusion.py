@@ -8,14 +8,14 @@ each takes its own, called on the same, unchanged tensor; traced (``torch.compil
 the graph and no state behind. Eager inputs of more than ``MAX_ROWS`` rows (``JOINED_MAX_ROWS`` for q/k/v groups and
 the gate/up group of a gated MLP, :func:`fuse`) run each member's own GEMM (contiguous outputs), on the input quantized
 once, by the first member's call, for the members called on it in turn where the backend quantizes activations apart
-from its GEMM (``Backend.run_sharing``: ``hybrid_sm90``'s cuBLAS path, ``emulation``). Everything else runs the member
-alone on its view: fp32 inputs, traced inputs of more than ``MAX_ROWS`` rows, a member called on another input (the
-group then stops running as one: the layers do not share their input), or a member whose bias was replaced or that was
-re-prepared.
+from its GEMM (``SharesQuantizedInput.run_sharing``: ``hybrid_sm90``'s cuBLAS path, ``emulation``). Everything else
+runs the member alone on its view: fp32 inputs, traced inputs of more than ``MAX_ROWS`` rows, a member called on
+another input (the group then stops running as one: the layers do not share their input), or a member whose bias was
+replaced or that was re-prepared.
 
 Each member's output is the same recipe on the same weight bits as its own call: below ``hybrid-block128``'s
 crossover exactly the same, from it the quantized GEMM's accumulation order may differ, as between any two tactics.
-The crossover is the joined weight's (``Backend.joined_info``), which each member's view takes: where the recipe's
+The crossover is the joined weight's (``JoinsRows.joined_info``), which each member's view takes: where the recipe's
 rule gives the larger weight a lower one, the members quantize their activations from there, and the account of
 :func:`fuse_shared_inputs` says so.
 One call launches one GEMM (and one activation quantizer) where it launched two or three: less host time in eager
@@ -33,8 +33,10 @@ import torch
 from torch import nn
 
 from .backends import PreparedWeight, get_backend
+from .backends.capabilities import JoinsRows, SharesQuantizedInput
 from .gated import GATED, fuse_gated_mlps, is_gated
 from .linear import MXFP8Linear
+from .ops import call_tactic, run_planned
 from .weights import linear, wants_grad
 
 __all__ = ["GROUPS", "SharedInput", "fuse", "fuse_shared_inputs", "tally", "unfit_reason"]
@@ -67,8 +69,13 @@ class SharedInput:
     members that have not taken theirs. Members reach it through ``layer.shared`` ((group, index)); it holds no
     reference to them."""
 
-    def __init__(self, weight: PreparedWeight, sizes: Sequence[int], bias: torch.Tensor | None,
-                 bias_views: Sequence[torch.Tensor | None]):  # fmt: skip
+    def __init__(
+        self,
+        weight: PreparedWeight,
+        sizes: Sequence[int],
+        bias: torch.Tensor | None,
+        bias_views: Sequence[torch.Tensor | None],
+    ):
         self.weight = weight
         self.sizes = list(sizes)
         self.bias = bias
@@ -77,11 +84,19 @@ class SharedInput:
         self._max_rows: int | None = None
         # what each member's traced call reads, a plain dict the member holds (MXFP8Linear._traced)
         self.traced = [
-            {**weight.traced_args(), "on": True, "key": id(self), "start": sum(self.sizes[:i]),
-             "rows": sum(self.sizes), "members": len(self.sizes), "max_rows": MAX_ROWS, "bias": bias,
-             "bias_view": self.bias_views[i]}
+            {
+                **weight.traced_args(),
+                "on": True,
+                "key": id(self),
+                "start": sum(self.sizes[:i]),
+                "rows": sum(self.sizes),
+                "members": len(self.sizes),
+                "max_rows": MAX_ROWS,
+                "bias": bias,
+                "bias_view": self.bias_views[i],
+            }
             for i in range(len(self.sizes))
-        ]  # fmt: skip
+        ]
         self._x: torch.Tensor | None = None
         self._version = -1
         self._pending: dict[int, torch.Tensor] = {}
@@ -131,22 +146,28 @@ class SharedInput:
 
     def _own_gemm(self, index: int, x: torch.Tensor, bias: torch.Tensor | None, version: int) -> torch.Tensor | None:
         """Above ``MAX_ROWS``: member ``index``'s own GEMM. The first member called on a tensor runs its own call and
-        keeps the input's quantized rows that call made (:meth:`Backend.run_sharing`); the others, called on the same
-        unchanged tensor in turn, run their GEMMs on those rows. None where the member runs its own call."""
+        keeps the input's quantized rows that call made (:meth:`SharesQuantizedInput.run_sharing`); the others, called
+        on the same unchanged tensor in turn, run their GEMMs on those rows. None where the member runs its own call."""
         if type(x) is not torch.Tensor or wants_grad(x, bias):
             return None
         backend = get_backend(self.weight.backend)
+        if not isinstance(backend, SharesQuantizedInput):
+            return None
         rows = x.reshape(-1, x.shape[-1])
         held = self._quantized
+        member = self.members[index]
+        tactic = call_tactic(member, rows)  # the member's own call: the shared rows give its bits
         if held is None or held[0]() is not x or held[1] != version or index not in held[3]:
-            shared = backend.run_sharing(rows, self.members[index], bias)
+            shared = backend.run_sharing(rows, member, bias, tactic)
             if shared is None:
                 return None
             y, quantized = shared
             held = (weakref.ref(x), version, quantized, set(range(len(self.sizes))) - {index})
         else:
             held[3].discard(index)
-            y = backend.run_quantized(rows, held[2], self.members[index], bias)
+            y = backend.run_quantized(rows, held[2], member, bias, tactic)
+            if y is None:  # the member's call reads no such rows: it runs alone
+                y = run_planned(rows, member, bias)
         self._quantized = held if held[3] else None  # dropped once every member has taken its output
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -163,18 +184,22 @@ class SharedInput:
 def unfit_reason(members: Sequence[MXFP8Linear]) -> str:
     """Why these layers cannot run as one, or "" when they can: the same input size, backend, recipe and device, a
     backend layout that splits by rows without padding, run-time info the backend can join
-    (:meth:`Backend.joined_info`), biases on all or none, none of them in a group already."""
+    (:meth:`JoinsRows.joined_info`), biases on all or none, none of them in a group already."""
     first = members[0].prepared
     backend = get_backend(first.backend)
-    layout = backend.row_layout(first)
+    layout = backend.row_layout(first) if isinstance(backend, JoinsRows) else None
     if layout is None:
         return f"{first.backend}'s prepared weights do not split by rows"
     for m in members:
         w = m.prepared
         if m.shared is not None:
             return "already in a group"
-        if (w.backend, w.recipe, w.in_features, w.device) != (first.backend, first.recipe, first.in_features,
-                                                             first.device):  # fmt: skip
+        if (w.backend, w.recipe, w.in_features, w.device) != (
+            first.backend,
+            first.recipe,
+            first.in_features,
+            first.device,
+        ):
             return "backend, recipe, input size or device differ"
         if set(w.tensors) != set(layout):
             return "prepared tensors differ from the backend's row layout"
@@ -208,8 +233,9 @@ def _group(members: Sequence[MXFP8Linear]) -> SharedInput:
     start = 0
     for index, (m, n) in enumerate(zip(members, sizes, strict=True)):
         views = {name: tensors[name][start // rows : (start + n) // rows] for name, rows in layout.items()}
-        group.members.append(PreparedWeight(first.backend, first.recipe, n, first.in_features, views,
-                                            {**m.prepared.info, **info}))  # fmt: skip
+        group.members.append(
+            PreparedWeight(first.backend, first.recipe, n, first.in_features, views, {**m.prepared.info, **info})
+        )
         m.share(group.members[-1], group.bias_views[index], (group, index), group.traced[index])
         start += n
     return group
@@ -260,6 +286,9 @@ def tally(account: Sequence[str]) -> tuple[int, Counter[str], Counter[str], int]
     crossover is not their members' by what it is, and the gated MLPs taken."""
     gated = sum(line.endswith(GATED) for line in account)
     kept = Counter(line.rsplit(_NOT_FUSED, 1)[1][:-1] for line in account if _NOT_FUSED in line)
-    regimes = Counter(_QUANTIZED_FROM + line.rsplit(_REGIME, 1)[1][:-1] for line in account
-                      if _REGIME in line and _NOT_FUSED not in line)  # fmt: skip
+    regimes = Counter(
+        _QUANTIZED_FROM + line.rsplit(_REGIME, 1)[1][:-1]
+        for line in account
+        if _REGIME in line and _NOT_FUSED not in line
+    )
     return len(account) - sum(kept.values()) - gated, kept, regimes, gated

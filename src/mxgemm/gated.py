@@ -48,8 +48,12 @@ def _is_silu(module: nn.Module) -> bool:
 def _gated_mlp(module: nn.Module) -> bool:
     code = getattr(type(module).forward, "__code__", None)
     layers = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
-    return (code is not None and (code.co_code, code.co_names) in _FORMS and _is_silu(getattr(module, "act_fn", None))
-            and all(isinstance(layer, MXFP8Linear) for layer in layers))  # fmt: skip
+    return (
+        code is not None
+        and (code.co_code, code.co_names) in _FORMS
+        and _is_silu(getattr(module, "act_fn", None))
+        and all(isinstance(layer, MXFP8Linear) for layer in layers)
+    )
 
 
 def _hooked(module: nn.Module) -> bool:

@@ -20,8 +20,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["finish_output", "from_8x4", "from_128x4", "pad_rows", "padded_size_8x4", "padded_size_128x4", "round_up",
-           "to_8x4", "to_128x4"]  # fmt: skip
+__all__ = [
+    "finish_output",
+    "from_8x4",
+    "from_128x4",
+    "pad_rows",
+    "padded_size_8x4",
+    "padded_size_128x4",
+    "round_up",
+    "to_8x4",
+    "to_128x4",
+]
 
 
 def round_up(value: int, multiple: int) -> int:

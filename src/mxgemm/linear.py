@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from .backends import get_backend
+from .backends.capabilities import GatedInput
 from .format import SCALE_DTYPES, ScaleMode, check_mx_pair, quantize
+from .ops import run_gated
 from .weights import PreparedWeight, check_inputs, linear, op_linear, op_linear_gated, prepare_weight, wants_grad
 
 __all__ = ["MXFP8Linear"]
@@ -120,7 +122,8 @@ class MXFP8Linear(nn.Module):
     def _hold(self, prepared: PreparedWeight) -> None:
         self._prepared = prepared
         self._op = prepared.traced_args()  # what a traced call reads (_traced)
-        self._gated_from = get_backend(prepared.backend).gated_from(prepared)  # on_gated's fewest rows, or None
+        backend = get_backend(prepared.backend)  # on_gated's fewest rows, or None
+        self._gated_from = backend.gated_from(prepared) if isinstance(backend, GatedInput) else None
 
     @torch.no_grad()
     def load_mx_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
@@ -133,19 +136,22 @@ class MXFP8Linear(nn.Module):
         n, k = self.out_features, self.in_features
         current = self._prepared.tensors["qdata"].dtype
         if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or weight.shape != (n, k):
-            raise ValueError(f"{wname} must be float8 [{n}, {k}] (e.g. {current}), got {weight.dtype} "
-                             f"{tuple(weight.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{wname} must be float8 [{n}, {k}] (e.g. {current}), got {weight.dtype} {tuple(weight.shape)}"
+            )
         if scale.dtype not in SCALE_DTYPES or scale.shape != (n, k // 32):
-            raise ValueError(f"{sname} must be uint8 (or float8_e8m0fnu) [{n}, {k // 32}], got {scale.dtype} "
-                             f"{tuple(scale.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{sname} must be uint8 (or float8_e8m0fnu) [{n}, {k // 32}], got {scale.dtype} {tuple(scale.shape)}"
+            )
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         weight, scale = self.mx_weight()
         destination[prefix + "weight"], destination[prefix + "weight_scale"] = weight, scale
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):  # fmt: skip
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -209,7 +215,7 @@ class MXFP8Linear(nn.Module):
 
     def on_gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
         """``self(silu(gate) * up)``, the product quantized by one kernel that reads ``gate`` and ``up``
-        (:meth:`Backend.run_gated`, :mod:`mxgemm.gated`): the same bits. None where that does not run (traced,
+        (:func:`mxgemm.ops.run_gated`, :mod:`mxgemm.gated`): the same bits. None where that does not run (traced,
         subclass or fp32 inputs, gradients, an M or backend whose call does not quantize its input): the
         caller then computes the product and calls the layer. Hooks on the layer are the caller's to honour."""
         start = self._gated_from  # fewer rows, or a backend that never runs it: at once
@@ -230,7 +236,7 @@ class MXFP8Linear(nn.Module):
         w = self._prepared
         check_inputs(gate, w.in_features, w.out_features, w.device, bias)
         g, u = gate.reshape(-1, w.in_features), up.reshape(-1, w.in_features)
-        y = get_backend(w.backend).run_gated(g, u, w, bias)
+        y = run_gated(g, u, w, bias)
         return None if y is None else y.reshape(*gate.shape[:-1], y.shape[-1])
 
     def traced_gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
@@ -303,8 +309,13 @@ class MXFP8Linear(nn.Module):
 def _gated_operands(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether a gated call takes these operands: gate and up of one shape and a kernel dtype (not fp32), no
     gradients asked for."""
-    return (gate.dtype not in _WIDE and up.dtype == gate.dtype and up.shape == gate.shape
-            and not wants_grad(gate, bias) and not wants_grad(up, None))  # fmt: skip
+    return (
+        gate.dtype not in _WIDE
+        and up.dtype == gate.dtype
+        and up.shape == gate.shape
+        and not wants_grad(gate, bias)
+        and not wants_grad(up, None)
+    )
 
 
 def _device(op: dict) -> torch.device:

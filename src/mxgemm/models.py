@@ -14,8 +14,15 @@ from .fusion import fuse as fuse_model
 from .gated import GATED
 from .linear import MXFP8Linear
 
-__all__ = ["LayerReport", "QuantizeReport", "hf_model_class", "linear_shapes", "quantizable_linears", "quantize_model",
-           "skip_reason"]  # fmt: skip
+__all__ = [
+    "LayerReport",
+    "QuantizeReport",
+    "hf_model_class",
+    "linear_shapes",
+    "quantizable_linears",
+    "quantize_model",
+    "skip_reason",
+]
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,9 @@ class QuantizeReport:
         return "\n".join(lines)
 
 
-def _matches(name: str, patterns: Sequence[str]) -> bool:
+def _matches(name: str, patterns: str | Sequence[str]) -> bool:
+    if isinstance(patterns, str):  # skip="lm_head" is one pattern, not seven letters
+        patterns = (patterns,)
     last = name.rsplit(".", 1)[-1]
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(last, p) for p in patterns)
 

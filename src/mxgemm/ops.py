@@ -17,16 +17,26 @@ a call, which a compiled graph without CUDA graphs pays on every layer). They co
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import autotune, fastcall
+from . import autotune, fastcall, tuning
 from .backends import PreparedWeight, get_backend
+from .backends.capabilities import GatedInput
 from .block128 import padded_1x128_shape
 from .format import BLOCK_SIZE, quantize
 
-__all__ = ["linear_gated_op", "linear_op", "quantize_1x128_op", "quantize_mx_op", "run_planned"]
+__all__ = [
+    "call_tactic",
+    "linear_gated_op",
+    "linear_op",
+    "quantize_1x128_op",
+    "quantize_mx_op",
+    "run_gated",
+    "run_planned",
+]
 
 _LIB = torch.library.Library("mxgemm", "DEF")
 
@@ -43,11 +53,14 @@ def _define(schema: str, impl, fake):
 
 def run_planned(x: Tensor, weight: PreparedWeight, bias: Tensor | None) -> Tensor:
     """Run ``x`` [M, K] (or [..., K], its leading dimensions M rows; the output [..., N]) through the weight's plan
-    for (M, dtype), made on first use with the tactic the tuner gives (:func:`mxgemm.autotune.tactic_for_call`, which
-    reads ``MXGEMM_AUTOTUNE`` then); a plan is remade when tuning changes the cache. A plan C++ can call joins the
-    weight's table of them (:mod:`mxgemm.fastcall`), which later eager calls of that M take first."""
+    for (M, dtype), made on first use with the call's tactic (:func:`call_tactic`); a plan is remade when tuning
+    changes the cache. A plan C++ can call joins the
+    weight's table of them (:mod:`mxgemm.fastcall`), which later eager calls of that M take first. A strided
+    ``bias`` is copied contiguous first: kernels that add it in their epilogue read it at unit stride."""
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
     m = x.shape[0] if x.dim() == 2 else x.numel() // weight.in_features
-    key = (m, x.dtype, autotune.generation())
+    key = (m, x.dtype, tuning.generation())
     plan = weight.plans.get(key)
     if plan is None:
         plan = weight.cached(key, lambda: _plan(x, weight, m))
@@ -56,9 +69,41 @@ def run_planned(x: Tensor, weight: PreparedWeight, bias: Tensor | None) -> Tenso
 
 
 def _plan(x: Tensor, weight: PreparedWeight, m: int):
-    backend = get_backend(weight.backend)
     rows = x.reshape(m, weight.in_features)
-    return backend.plan(weight, m, x.dtype, autotune.tactic_for_call(backend, weight, rows))
+    return get_backend(weight.backend).plan(weight, m, x.dtype, call_tactic(weight, rows))
+
+
+def call_tactic(weight: PreparedWeight, x: Tensor) -> Any:
+    """The tactic of ``weight``'s call on ``x``'s M rows ([M, K]): the tuner's (:func:`mxgemm.autotune.tactic_for_call`,
+    which reads ``MXGEMM_AUTOTUNE`` then), None for the backend's default. Resolved once per M, dtype and tuning
+    generation, and handed to every route of that call (its plan, the rows it shares with weights of the same input,
+    its gated product), so that they give its bits."""
+    backend = get_backend(weight.backend)
+    if not backend.tunable:
+        return None
+    key = ("tactic", x.shape[0], x.dtype, tuning.generation())
+    return weight.cached(key, lambda: (autotune.tactic_for_call(backend, weight, x),))[0]
+
+
+def run_gated(gate: Tensor, up: Tensor, weight: PreparedWeight, bias: Tensor | None) -> Tensor | None:
+    """``weight``'s call on ``silu(gate) * up`` ([M, K] each), the product quantized by one kernel with the GEMM's
+    input, through the route the backend plans for the call's tactic (:meth:`GatedInput.gated_plan`), made once per M,
+    dtype and tuning generation, kept with the weight's plans and given to its C++ table; None for rows strided along
+    K, or where the backend plans no route (the caller then computes the product)."""
+    if gate.stride(1) != 1 or up.stride(1) != 1:
+        return None
+    m = gate.shape[0]
+    key = ("gated", m, gate.dtype, tuning.generation())
+    route = weight.plans.get(key)
+    if route is None:
+        backend = get_backend(weight.backend)
+        if not isinstance(backend, GatedInput):
+            return None
+        route = weight.cached(
+            key, lambda: backend.gated_plan(weight, m, gate.dtype, call_tactic(weight, gate)) or False
+        )
+        fastcall.register(weight, m, gate.dtype, route)
+    return route(gate, up, bias) if route else None
 
 
 def _linear(x: Tensor, tensors: list[Tensor], bias: Tensor | None, backend: str, meta: str) -> Tensor:
@@ -69,28 +114,35 @@ def _linear_fake(x: Tensor, tensors: list[Tensor], bias: Tensor | None, backend:
     return x.new_empty((x.shape[0], json.loads(meta)["out_features"]))
 
 
-linear_op = _define("linear(Tensor x, Tensor[] tensors, Tensor? bias, str backend, str meta) -> Tensor", _linear,
-                    _linear_fake)  # fmt: skip
+linear_op = _define(
+    "linear(Tensor x, Tensor[] tensors, Tensor? bias, str backend, str meta) -> Tensor", _linear, _linear_fake
+)
 """``mxgemm::linear``: ``x`` [M, K] -> [M, N] in ``x.dtype`` on ``backend``, for the prepared weight described by
 (tensors, meta)."""
 
 
-def _linear_gated(gate: Tensor, up: Tensor, tensors: list[Tensor], bias: Tensor | None, backend: str,
-                  meta: str) -> Tensor:  # fmt: skip
+def _linear_gated(
+    gate: Tensor, up: Tensor, tensors: list[Tensor], bias: Tensor | None, backend: str, meta: str
+) -> Tensor:
     weight = PreparedWeight.from_op_args(backend, tensors, meta)
-    y = get_backend(backend).run_gated(gate, up, weight, bias)
+    bias = None if bias is None else bias.contiguous()  # as run_planned: kernels read it at unit stride
+    y = run_gated(gate, up, weight, bias)
     return run_planned(torch.nn.functional.silu(gate) * up, weight, bias) if y is None else y
 
 
-def _linear_gated_fake(gate: Tensor, up: Tensor, tensors: list[Tensor], bias: Tensor | None, backend: str,
-                       meta: str) -> Tensor:  # fmt: skip
+def _linear_gated_fake(
+    gate: Tensor, up: Tensor, tensors: list[Tensor], bias: Tensor | None, backend: str, meta: str
+) -> Tensor:
     return gate.new_empty((gate.shape[0], json.loads(meta)["out_features"]))
 
 
-linear_gated_op = _define("linear_gated(Tensor gate, Tensor up, Tensor[] tensors, Tensor? bias, str backend, str meta) "
-                          "-> Tensor", _linear_gated, _linear_gated_fake)  # fmt: skip
+linear_gated_op = _define(
+    "linear_gated(Tensor gate, Tensor up, Tensor[] tensors, Tensor? bias, str backend, str meta) -> Tensor",
+    _linear_gated,
+    _linear_gated_fake,
+)
 """``mxgemm::linear_gated``: ``mxgemm::linear`` on ``silu(gate) * up`` as PyTorch computes it in their dtype (gate and
-up [M, K]), the product made by one kernel with the GEMM's input where the backend runs it (:meth:`Backend.run_gated`),
+up [M, K]), the product made by one kernel with the GEMM's input where the backend plans it (:func:`run_gated`),
 else computed first: the same bits either way."""
 
 
@@ -105,8 +157,9 @@ def _quantize_mx_fake(x: Tensor, scale_mode: str, elem_dtype: torch.dtype) -> tu
     )
 
 
-quantize_mx_op = _define("quantize_mx(Tensor x, str scale_mode, ScalarType elem_dtype) -> (Tensor, Tensor)",
-                         _quantize_mx, _quantize_mx_fake)  # fmt: skip
+quantize_mx_op = _define(
+    "quantize_mx(Tensor x, str scale_mode, ScalarType elem_dtype) -> (Tensor, Tensor)", _quantize_mx, _quantize_mx_fake
+)
 """``mxgemm::quantize_mx``: :func:`mxgemm.quantize` as an op: (float8 data shaped like ``x``, uint8 scales
 [..., K/32])."""
 

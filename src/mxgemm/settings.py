@@ -64,5 +64,7 @@ def reencode_max_error() -> float:
 
 
 def cache_dir() -> Path:
-    """``MXGEMM_CACHE_DIR``: where tuning files and built kernels live (default ``~/.cache/mxgemm``)."""
-    return Path(os.environ.get("MXGEMM_CACHE_DIR", "").strip() or Path.home() / ".cache" / "mxgemm")
+    """``MXGEMM_CACHE_DIR``: where tuning files and built kernels live (default ``~/.cache/mxgemm``); ``~`` is the
+    user's home, as in a shell."""
+    raw = os.environ.get("MXGEMM_CACHE_DIR", "").strip()
+    return Path(os.path.expanduser(raw)) if raw else Path.home() / ".cache" / "mxgemm"

@@ -9,8 +9,16 @@ from .format import MXTensor, check_mx_pair, dequantize, e8m0_bytes
 from .ops import linear_gated_op, linear_op, run_planned
 from .resolve import resolve_and_prepare
 
-__all__ = ["ACTIVATION_DTYPES", "PreparedWeight", "check_inputs", "linear", "op_linear", "op_linear_gated",
-           "prepare_weight", "wants_grad"]  # fmt: skip
+__all__ = [
+    "ACTIVATION_DTYPES",
+    "PreparedWeight",
+    "check_inputs",
+    "linear",
+    "op_linear",
+    "op_linear_gated",
+    "prepare_weight",
+    "wants_grad",
+]
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -75,8 +83,9 @@ def op_linear_gated(gate: torch.Tensor, up: torch.Tensor, op: dict, n: int, bias
     """``silu(gate) * up`` ([..., K] each, checked) through one ``mxgemm::linear_gated`` op on their [M, K] rows, as
     :func:`op_linear`."""
     tensors = list(op["tensors"].values())
-    return _on_rows(gate, n, lambda rows: linear_gated_op(rows, up.reshape(rows.shape), tensors, bias, op["backend"],
-                                                          op["meta"]))  # fmt: skip
+    return _on_rows(
+        gate, n, lambda rows: linear_gated_op(rows, up.reshape(rows.shape), tensors, bias, op["backend"], op["meta"])
+    )
 
 
 def _on_rows(x: torch.Tensor, n: int, run) -> torch.Tensor:

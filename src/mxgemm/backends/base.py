@@ -1,4 +1,6 @@
-"""What every backend provides: a capability check with a reason, a recipe, weight preparation and a run."""
+"""What every backend provides: a capability check with a reason, a recipe, weight preparation, a run and its plan,
+tactics, and the MX tensors of a prepared weight. What only some backends offer is a capability of its own
+(:mod:`mxgemm.backends.capabilities`)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import json
 import operator
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -19,8 +21,16 @@ from ..availability import Availability
 from ..device import DeviceInfo
 from ..recipes import RECIPES, Recipe
 
-__all__ = ["RECIPES", "Availability", "Backend", "PreparedWeight", "Recipe", "Tactic", "UnsupportedWeightError",
-           "tactic_json"]  # fmt: skip
+__all__ = [
+    "RECIPES",
+    "Availability",
+    "Backend",
+    "PreparedWeight",
+    "Recipe",
+    "Tactic",
+    "UnsupportedWeightError",
+    "tactic_json",
+]
 
 
 @dataclass(frozen=True)
@@ -67,7 +77,7 @@ def any_rows(plan: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]):
 
 def run_time_info(weight: PreparedWeight) -> dict[str, Any]:
     """A prepared weight's info less its re-encoding report (``"reencode"``, the one entry about this weight's values
-    rather than how it runs): what weights joined into one (:meth:`Backend.joined_info`) must agree on."""
+    rather than how it runs): what weights joined into one (:meth:`JoinsRows.joined_info`) must agree on."""
     return {k: v for k, v in weight.info.items() if k != "reencode"}
 
 
@@ -216,60 +226,12 @@ class Backend(ABC):
         ref = weakref.ref(weight)
         return any_rows(lambda x, bias: self.run(x, ref(), bias, tactic=tactic))
 
-    def run_sharing(
-        self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None
-    ) -> tuple[torch.Tensor, Any] | None:
-        """(``y``, ``rows``): what :meth:`run` answers for ``x`` [M, K], and ``x``'s activations as that call quantized
-        them apart from its GEMM, for the calls of weights that read the same input (:mod:`mxgemm.fusion`) to share
-        through :meth:`run_quantized`; None where the call quantizes nothing apart (this default): the weight then
-        runs its own call."""
-        return None
-
-    def run_quantized(
-        self, x: torch.Tensor, rows: Any, weight: PreparedWeight, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """What :meth:`run` answers for ``x`` [M, K], from the ``rows`` :meth:`run_sharing` answered for ``x`` (on any
-        weight of the same input size and regime)."""
-        raise NotImplementedError(f"{self.name} does not share quantized activations")
-
-    def run_gated(
-        self, gate: torch.Tensor, up: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """What :meth:`run` answers for the input ``silu(gate) * up`` ([M, K] each, as a gated MLP computes that
-        product in their dtype), that product quantized by one kernel that reads ``gate`` and ``up``, where this
-        weight's call at M quantizes its input; None elsewhere (this default): the caller then
-        computes the product and runs the weight on it (:mod:`mxgemm.gated`)."""
-        return None
-
-    def gated_from(self, weight: PreparedWeight) -> int | None:
-        """The fewest rows a layer asks :meth:`run_gated` for (calls of fewer run the model's own steps at the cost of
-        one comparison), or None where it never asks (this default)."""
-        return None
-
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         """The MX checkpoint tensors (float8 ``[N, K]``, uint8 E8M0 ``[N, K/32]``) that dequantize to exactly the
         weight this backend computes with, rebuilt from the prepared tensors (views of them where the layout allows):
         a prepared weight is the only copy a layer keeps. This default serves backends that keep the MX pair as
         given."""
         return weight.tensors["qdata"], weight.tensors["scale"]
-
-    def row_layout(self, weight: PreparedWeight) -> dict[str, int] | None:
-        """How the prepared tensors hold the output rows, for weights that share an input and run as one
-        (:mod:`mxgemm.fusion`): for each tensor, the output rows one of its rows covers, its rows in output order; None
-        where the layout does not split by rows so. Row padding makes a weight unfit (checked there)."""
-        return None
-
-    def joined_info(self, members: Sequence[PreparedWeight], out_features: int) -> dict[str, Any]:
-        """The run-time info of the weight that joins ``members`` along the output rows into ``out_features`` rows
-        (:mod:`mxgemm.fusion`), their re-encoding reports aside; raises ValueError (why) where they cannot be one
-        weight. This default: their info, which must be the same."""
-        first = run_time_info(members[0])
-        for w in members[1:]:
-            info = run_time_info(w)
-            differ = sorted(k for k in first.keys() | info.keys() if first.get(k) != info.get(k))
-            if differ:
-                raise ValueError(f"they differ in {', '.join(differ)}")
-        return first
 
     def tuning_context(self, weight: PreparedWeight) -> contextlib.AbstractContextManager:
         """Entered while the autotuner times this backend on ``weight``: a backend whose library tunes itself

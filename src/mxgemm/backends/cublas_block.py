@@ -15,11 +15,12 @@ from ..device import DeviceInfo
 from ..kernels.cublaslt import blockwise_device_check, blockwise_linear
 from ..recipes import Recipe
 from .base import Availability, Backend, PreparedWeight
+from .capabilities import JoinsRows
 
 __all__ = ["CublasBlockBackend"]
 
 
-class CublasBlockBackend(Backend):
+class CublasBlockBackend(Backend, JoinsRows):
     name = "cublas_block"
     recipes = (Recipe.W8A8_BLOCK,)
     summary = "FP8 tensor cores via cuBLASLt blockwise scaling; weight re-encoded to 128x128 blocks (SM90)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -18,6 +19,7 @@ from ..device import DeviceInfo
 from ..format import MXTensor, dequantize, quantize
 from ..recipes import MX_ACT_SCALE_MODE, RECIPES, Recipe, hybrid_crossover
 from .base import Availability, Backend, PreparedWeight, run_time_info
+from .capabilities import GatedInput, JoinsRows, SharesQuantizedInput
 
 __all__ = ["EmulationBackend", "emulate_linear"]
 
@@ -29,14 +31,15 @@ def _effective_weight(weight: PreparedWeight) -> torch.Tensor:
     return dequantize(MXTensor(t["qdata"], t["scale"]))
 
 
-def _quantizes(x: torch.Tensor, weight: PreparedWeight) -> bool:
-    """Whether the recipe quantizes these activations (all but w8a16's, and the hybrid recipe's below its crossover)."""
+def _quantizes(m: int, weight: PreparedWeight) -> bool:
+    """Whether the recipe quantizes the activations of M rows (all but w8a16's, and the hybrid recipe's below its
+    crossover)."""
     recipe = weight.recipe
-    return not (recipe == Recipe.W8A16 or (recipe == Recipe.HYBRID_BLOCK128 and x.shape[0] < weight.info["crossover"]))
+    return not (recipe == Recipe.W8A16 or (recipe == Recipe.HYBRID_BLOCK128 and m < weight.info["crossover"]))
 
 
 def _effective_activation(x: torch.Tensor, weight: PreparedWeight) -> torch.Tensor:
-    if not _quantizes(x, weight):
+    if not _quantizes(x.shape[0], weight):
         return x.float()
     if weight.recipe == Recipe.W8A8_MX:
         return dequantize(quantize(x, scale_mode=MX_ACT_SCALE_MODE))
@@ -56,7 +59,7 @@ def emulate_linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor |
     return _product(_effective_activation(x, weight), weight, bias, x.dtype)
 
 
-class EmulationBackend(Backend):
+class EmulationBackend(Backend, JoinsRows, SharesQuantizedInput, GatedInput):
     name = "emulation"
     recipes = tuple(RECIPES)
     summary = "dequantize + fp32 matmul in plain torch; the reference (slow)"
@@ -81,21 +84,28 @@ class EmulationBackend(Backend):
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return emulate_linear(x, weight, bias)
 
-    def run_sharing(self, x, weight, bias) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run_sharing(self, x, weight, bias, tactic=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Shared rows: the dequantized activations the call multiplies, where its recipe quantizes them at this M."""
-        if not _quantizes(x, weight):
+        if not _quantizes(x.shape[0], weight):
             return None
         rows = _effective_activation(x, weight)
         return self.run_quantized(x, rows, weight, bias), rows
 
-    def run_quantized(self, x, rows, weight, bias) -> torch.Tensor:
+    def run_quantized(self, x, rows, weight, bias, tactic=None) -> torch.Tensor:
         return _product(rows, weight, bias, x.dtype)
 
-    def run_gated(self, gate, up, weight, bias) -> torch.Tensor | None:
+    def gated_plan(self, weight, m, x_dtype, tactic=None):
         """The product as the model computes it, quantized as :meth:`run_sharing` quantizes an input: the twin of a
-        backend's gated quantizer."""
-        shared = self.run_sharing(torch.nn.functional.silu(gate) * up, weight, bias)
-        return None if shared is None else shared[0]
+        backend's gated quantizer; None where the recipe does not quantize M rows."""
+        if not _quantizes(m, weight):
+            return None
+        ref = weakref.ref(weight)
+
+        def run(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            product = torch.nn.functional.silu(gate) * up
+            return self.run_quantized(product, _effective_activation(product, ref()), ref(), bias)
+
+        return run
 
     def gated_from(self, weight) -> int | None:
         if weight.recipe == Recipe.W8A16:
@@ -105,8 +115,10 @@ class EmulationBackend(Backend):
     def joined_info(self, members: Sequence[PreparedWeight], out_features: int) -> dict:
         """Hybrid weights whose crossovers are all the recipe's for their sizes: the recipe's for the joined size;
         crossovers given to :meth:`prepare` must be the same, and stay."""
-        if all("crossover" in w.info and w.info["crossover"] == hybrid_crossover(w.out_features, w.in_features)
-               for w in members):  # fmt: skip
+        if all(
+            "crossover" in w.info and w.info["crossover"] == hybrid_crossover(w.out_features, w.in_features)
+            for w in members
+        ):
             return {**run_time_info(members[0]), "crossover": hybrid_crossover(out_features, members[0].in_features)}
         return super().joined_info(members, out_features)
 

@@ -158,8 +158,15 @@ class FlashInferTRTLLM(_FlashInferMX):
 
     def _mm(self, xq, xs, weight: PreparedWeight) -> torch.Tensor:
         t = weight.tensors
-        return _flashinfer().mm_mxfp8(xq, t["qdata"].t(), xs, t["scale"], out_dtype=torch.bfloat16,
-                                      backend=self.fi_backend, use_8x4_sf_layout=True)  # fmt: skip
+        return _flashinfer().mm_mxfp8(
+            xq,
+            t["qdata"].t(),
+            xs,
+            t["scale"],
+            out_dtype=torch.bfloat16,
+            backend=self.fi_backend,
+            use_8x4_sf_layout=True,
+        )
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         """FlashInfer's shuffles undone: where each stored byte came from is found by running the same shuffles on
@@ -183,8 +190,8 @@ class FlashInferTRTLLM(_FlashInferMX):
 def tactics_path(device: torch.device) -> Path:
     """Where FlashInfer's tuned tactics for this device persist: ``flashinfer-<mxgemm's tuning file name>`` beside
     that file (FlashInfer's own JSON format, with its environment metadata)."""
-    from ..autotune import default_cache_path
     from ..device import describe_device
+    from ..tuning import default_cache_path
 
     path = default_cache_path(describe_device(device))
     return path.with_name(f"flashinfer-{path.name}")
@@ -224,8 +231,10 @@ def _kernels_origin() -> str:
             pass
     if found:
         return f"kernels precompiled ({', '.join(found)} {version})"
-    return (f"kernels compiled when it first prepares a weight (no flashinfer-cubin / flashinfer-jit-cache {version} "
-            "installed; trtllm downloads its kernel binaries)")  # fmt: skip
+    return (
+        f"kernels compiled when it first prepares a weight (no flashinfer-cubin / flashinfer-jit-cache {version} "
+        "installed; trtllm downloads its kernel binaries)"
+    )
 
 
 def _source_positions(move, shape: tuple[int, int], device: torch.device) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .. import fastcall, settings
+from .. import settings
 from ..block128 import BLOCK128_ROWS, block128_to_mx, prepare_block128
 from ..device import DeviceInfo
 from ..kernels import cublaslt, fp8_gemm
@@ -33,11 +33,20 @@ from ..kernels.small_m import MAX_M, SmallMConfig, small_m_status
 from ..kernels.small_m import linear_plan as small_m_plan
 from ..recipes import Recipe, StrEnum, hybrid_crossover
 from .base import Availability, Backend, PreparedWeight, Tactic, UnsupportedWeightError, any_rows, run_time_info
+from .capabilities import GatedInput, JoinsRows, SharesQuantizedInput
 
 logger = logging.getLogger("mxgemm")
 
-__all__ = ["HybridSM90Backend", "Path", "fp8_beats_cublas", "fp8_configs", "fp8_default", "reencode_max_error",
-           "small_m_configs", "small_m_default"]  # fmt: skip
+__all__ = [
+    "HybridSM90Backend",
+    "Path",
+    "fp8_beats_cublas",
+    "fp8_configs",
+    "fp8_default",
+    "reencode_max_error",
+    "small_m_configs",
+    "small_m_default",
+]
 
 
 class Path(StrEnum):
@@ -104,8 +113,13 @@ def fp8_configs(m: int, k_padded: int) -> list[Fp8Config]:
     CTA, one or two consumer warpgroups per row tile (with one row tile), 1, 2 or 4 K splits, each ring depth; above
     M = 32 also tokens as wgmma M with 64 or 128 weight rows per CTA."""
     tiles = (_fitting_tile(m),) if m <= 64 else (64, 128)
-    configs: list[Fp8Config] = [SwapAB(tn, rw, kc, sp, st) for tn in tiles for rw, kc in ((1, 1), (2, 1), (1, 2))
-                                for sp in (1, 2, 4) for st in STAGES]  # fmt: skip
+    configs: list[Fp8Config] = [
+        SwapAB(tn, rw, kc, sp, st)
+        for tn in tiles
+        for rw, kc in ((1, 1), (2, 1), (1, 2))
+        for sp in (1, 2, 4)
+        for st in STAGES
+    ]
     if m > 32:
         configs += [TokensAsM(tn, wn, sp, st) for tn in tiles for wn in (64, 128) for sp in (1, 2, 4) for st in STAGES]
     return [c for c in configs if c.valid(k_padded)]
@@ -137,7 +151,7 @@ _FP8_TACTICS_MAX_M = 256
 reencode_max_error = settings.reencode_max_error
 
 
-class HybridSM90Backend(Backend):
+class HybridSM90Backend(Backend, JoinsRows, SharesQuantizedInput, GatedInput):
     name = "hybrid_sm90"
     recipes = (Recipe.HYBRID_BLOCK128,)
     tunable = True
@@ -207,8 +221,13 @@ class HybridSM90Backend(Backend):
         triton = [Tactic(Path.TRITON, _triton_default(m, weight))]
         base = triton[0].config
         if m <= _TRITON_VARIANTS_MAX_M:
-            variants = [{"bn": 32}, {"bn": 128}, {"split_k": base.split_k * 2}, {"split_k": max(base.split_k // 2, 1)},
-                        {"stages": 4}]  # fmt: skip
+            variants = [
+                {"bn": 32},
+                {"bn": 128},
+                {"split_k": base.split_k * 2},
+                {"split_k": max(base.split_k // 2, 1)},
+                {"stages": 4},
+            ]
             for v in variants:
                 t = Tactic(Path.TRITON, dataclasses.replace(base, **v))
                 if t.config.fills_splits(weight.in_features) and t not in triton:
@@ -253,27 +272,25 @@ class HybridSM90Backend(Backend):
     def run(self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic=None) -> torch.Tensor:
         return self.plan(weight, x.shape[0], x.dtype, tactic)(x, bias)
 
-    def run_sharing(self, x, weight, bias) -> tuple[torch.Tensor, Any] | None:
-        """On the cuBLAS path (the default above M = 256): the planned call, and the 1x128-quantized rows its buffer
-        holds (:func:`cublaslt.linear_plan`); where planned calls do not run, the CUDA quantizer's rows and
-        ``torch._scaled_mm``."""
+    def run_sharing(self, x, weight, bias, tactic=None) -> tuple[torch.Tensor, Any] | None:
+        """Where the call runs the cuBLAS path (the default above M = 256): the planned call, and the 1x128-quantized
+        rows its buffer holds (:func:`cublaslt.linear_plan`); where planned calls do not run, the CUDA quantizer's rows
+        and ``torch._scaled_mm``."""
         m = x.shape[0]
-        if not self._own_cublas(weight, x):
+        if self.choose(m, weight, tactic).path != Path.CUBLAS:
             return None
         planned = _rows_plan(weight, m, x.dtype)
         if planned:
             return planned.sharing(x, bias)
         rows = _quantized_rows(weight, x)
-        return self.run_quantized(x, rows, weight, bias), rows
+        return self.run_quantized(x, rows, weight, bias, tactic), rows
 
-    def run_quantized(self, x, rows, weight, bias) -> torch.Tensor:
-        """cuBLASLt's blockwise GEMM on the shared rows, as this weight's own call runs it. Rows made by the other
-        route (cuBLASLt planned one member's call and refused another's) are not read: the call quantizes ``x``
-        itself, the same bits. A weight whose own call at M takes another path (a tuned FP8 tactic) runs that call."""
-        if not self._own_cublas(weight, x):
-            from ..ops import run_planned
-
-            return run_planned(x, weight, bias)
+    def run_quantized(self, x, rows, weight, bias, tactic=None) -> torch.Tensor | None:
+        """cuBLASLt's blockwise GEMM on the shared rows, as the call runs it. Rows made by the other route (cuBLASLt
+        planned one member's call and refused another's) are not read: the call quantizes ``x`` itself, the same
+        bits. None where the call takes another path (a tuned FP8 tactic)."""
+        if self.choose(x.shape[0], weight, tactic).path != Path.CUBLAS:
+            return None
         planned = _rows_plan(weight, x.shape[0], x.dtype)
         if isinstance(rows, cublaslt.PlannedRows):
             if planned:
@@ -284,48 +301,15 @@ class HybridSM90Backend(Backend):
         t, n = weight.tensors, weight.out_features
         return blockwise_linear(x, t["qdata"], t["block_scale"], n, bias, quantize=lambda _: rows)
 
-    def run_gated(self, gate, up, weight, bias) -> torch.Tensor | None:
-        """Where this weight's own call at M quantizes its activations (from the crossover on): the product quantized
-        by one kernel from ``gate`` and ``up`` (unit stride along K), then the GEMM of that call's path and config
-        (cuBLASLt's, through its planned call or ``torch._scaled_mm``, or our FP8 kernel's). The route is made once per
-        M and tuning generation and kept beside the weight's plans. Below the crossover none: the small-M kernel reads
-        bf16 activations, and making the product as it loads them costs more than SiLU and the product apart."""
-        if gate.stride(1) != 1 or up.stride(1) != 1:
-            return None
-        from .. import autotune
-
-        key = ("gated", gate.shape[0], gate.dtype, autotune.generation())
-        run = weight.plans.get(key)
-        if run is None:
-            run = weight.cached(key, lambda: self._gated_route(weight, gate))
-            fastcall.register(weight, gate.shape[0], gate.dtype, run)
-        return run(gate, up, bias) if run else None
-
-    def gated_from(self, weight: PreparedWeight) -> int | None:
-        """The crossover, from which every path quantizes activations, where the CUDA quantizer is built."""
-        return weight.info["crossover"] if "fp8_sms" in weight.info else None
-
-    def _own_tactic(self, weight: PreparedWeight, x: torch.Tensor) -> Tactic:
-        """The tactic of this weight's own call for ``x``'s M: the one ``ops.run_planned`` gives it (the tuned one where
-        the tuning cache has one, else the default), kept per M and tuning generation. Rows shared or gated for it
-        then give exactly the bits of that call."""
-        from .. import autotune
-
-        m = x.shape[0]
-        return weight.cached(("tactic", m, x.dtype, autotune.generation()),
-                             lambda: self.choose(m, weight, autotune.tactic_for_call(self, weight, x)))  # fmt: skip
-
-    def _own_cublas(self, weight: PreparedWeight, x: torch.Tensor) -> bool:
-        """Whether this weight's own call for ``x``'s M runs cuBLASLt's blockwise GEMM."""
-        return self._own_tactic(weight, x).path == Path.CUBLAS
-
-    def _gated_route(self, weight: PreparedWeight, gate: torch.Tensor):
-        """``(gate, up, bias) -> y`` for the tactic this weight's own call at ``gate``'s M runs, or False where that
-        does not quantize its activations (or the gated quantizer is not built)."""
-        m, dtype = gate.shape[0], gate.dtype
-        chosen = self._own_tactic(weight, gate)
+    def gated_plan(self, weight, m, x_dtype, tactic=None):
+        """Where the call quantizes its activations (from the crossover on, where the CUDA quantizer is built): the
+        product quantized by one kernel from ``gate`` and ``up``, then the GEMM of the call's path and config
+        (cuBLASLt's, through its planned call or ``torch._scaled_mm``, or our FP8 kernel's). Below the crossover none:
+        the small-M kernel reads bf16 activations, and making the product as it loads them costs more than SiLU and
+        the product apart."""
+        chosen = self.choose(m, weight, tactic)
         if "fp8_sms" not in weight.info or not chosen.path.quantized:
-            return False
+            return None
         if chosen.path == Path.FP8:
             epilogue = _bf16_epilogue(_fp8_plan(weight, m, chosen.config), gated=True)
 
@@ -334,7 +318,7 @@ class HybridSM90Backend(Backend):
 
             fp8_route.entry = epilogue.entry
             return fp8_route
-        planned = _rows_plan(weight, m, dtype)
+        planned = _rows_plan(weight, m, x_dtype)
         if planned:  # the route holds the plan itself, whose cuBLASLt handle lives as long as the plan
             return lambda gate, up, bias: planned.gated(gate, up, bias)
 
@@ -345,6 +329,10 @@ class HybridSM90Backend(Backend):
 
         return run
 
+    def gated_from(self, weight: PreparedWeight) -> int | None:
+        """The crossover, from which every path quantizes activations, where the CUDA quantizer is built."""
+        return weight.info["crossover"] if "fp8_sms" in weight.info else None
+
     def row_layout(self, weight: PreparedWeight) -> dict[str, int]:
         return BLOCK128_ROWS
 
@@ -352,8 +340,12 @@ class HybridSM90Backend(Backend):
         """The recipe's crossover for the joined weight's size, whatever the members' (the regime each M runs in
         follows the kernels that stream the weight); the rest is the device's, the same for all."""
         info = run_time_info(members[0])
-        return {**info, "crossover": hybrid_crossover(out_features, members[0].in_features, small_m=info["small_m"],
-                                                      fp8="fp8_sms" in info)}  # fmt: skip
+        return {
+            **info,
+            "crossover": hybrid_crossover(
+                out_features, members[0].in_features, small_m=info["small_m"], fp8="fp8_sms" in info
+            ),
+        }
 
     def export_mx(self, weight: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         t = weight.tensors
@@ -366,8 +358,9 @@ def _blockwise_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):
     if not weight.info.get("blockwise_plan"):
         return None
     try:
-        return cublaslt.linear_plan(weight.tensors["qdata"], weight.tensors["block_scale"], weight.out_features,
-                                    weight.in_features, m, x_dtype)  # fmt: skip
+        return cublaslt.linear_plan(
+            weight.tensors["qdata"], weight.tensors["block_scale"], weight.out_features, weight.in_features, m, x_dtype
+        )
     except RuntimeError as exc:
         logger.warning("mxgemm: %s; M=%d runs through torch._scaled_mm", exc, m)
         return None

@@ -37,7 +37,7 @@ using SmallM = int (*)(void*, const void*, const void*, void*, void*);
 using NoBias = int (*)(void*, const void*, int, void*, void*);
 using Gated = int (*)(void*, const void*, int, const void*, int, const void*, void*, void*);
 
-// The tuning generation of the process (mxgemm.autotune.generation()): entries of another one are stale
+// The tuning generation of the process (mxgemm.tuning.generation()): entries of another one are stale
 int64_t g_generation = 0;
 
 struct Entry {

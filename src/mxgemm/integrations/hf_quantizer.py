@@ -29,7 +29,8 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..format import BLOCK_SIZE
+from ..checkpoints import CheckpointError
+from ..format import BLOCK_SIZE, e8m0_bytes, nonfinite_reason
 from ..fusion import fuse
 from ..linear import MXFP8Linear
 from ..models import quantizable_linears, quantize_model
@@ -79,6 +80,15 @@ class _MXWeights(nn.Module):
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.bias = linear.bias
 
+    def checked(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loaded (weight, scale), or :class:`mxgemm.CheckpointError` naming the layer where they do not
+        dequantize to finite values (the values check of :func:`mxgemm.load_checkpoint`)."""
+        weight, scale = self.weight.detach(), e8m0_bytes(self.weight_scale.detach())
+        reason = nonfinite_reason(weight, scale)
+        if reason:
+            raise CheckpointError(f"{name}.weight / weight_scale {reason}: every output it touches would not be finite")
+        return weight, scale
+
 
 class MXFP8HfQuantizer(HfQuantizer):
     """The transformers quantizer of :class:`MXFP8Config` (see the module docstring)."""
@@ -110,15 +120,16 @@ class MXFP8HfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         config = self.quantization_config
         if not self.pre_quantized:
-            quantize_model(model, backend=config.backend, scale_mode=config.scale_mode, recipe=config.recipe,
-                           skip=config.skip)  # fmt: skip
+            quantize_model(
+                model, backend=config.backend, scale_mode=config.scale_mode, recipe=config.recipe, skip=config.skip
+            )
             return model
-        for name, module in list(model.named_modules()):
-            if isinstance(module, _MXWeights):
-                bias = None if module.bias is None else module.bias.detach()
-                layer = MXFP8Linear.from_quantized(module.weight.detach(), module.weight_scale.detach(), bias,
-                                                   backend=config.backend, recipe=config.recipe)  # fmt: skip
-                model.set_submodule(name, layer)
+        loaded = {name: module for name, module in model.named_modules() if isinstance(module, _MXWeights)}
+        checked = {name: module.checked(name) for name, module in loaded.items()}  # all, before the model changes
+        for name, module in loaded.items():
+            bias = None if module.bias is None else module.bias.detach()
+            layer = MXFP8Linear.from_quantized(*checked[name], bias, backend=config.backend, recipe=config.recipe)
+            model.set_submodule(name, layer)
         fuse(model)
         return model
 

@@ -1,0 +1,86 @@
+"""What a backend may offer beyond :class:`Backend`'s narrow contract, each capability opted into by subclassing it.
+
+Callers ask ``isinstance(backend, Capability)``; a backend without it is never asked, so none carries hooks it does
+not implement. A new problem kind (grouped weights of a mixture of experts) is a new capability here, taken by the
+backends that run it.
+
+- :class:`JoinsRows`: weights that read the same input can be joined by rows into one prepared weight
+  (:mod:`mxgemm.fusion`).
+- :class:`SharesQuantizedInput`: a call quantizes its input apart from its GEMM and can hand those rows to the calls of
+  other weights of the same input.
+- :class:`GatedInput`: a call can quantize a gated MLP's product ``silu(gate) * up`` in one kernel with its input.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .base import PreparedWeight, run_time_info
+
+__all__ = ["GatedInput", "JoinsRows", "SharesQuantizedInput"]
+
+
+class JoinsRows(ABC):
+    """Prepared weights that split by output rows, so that weights of one input join into one."""
+
+    @abstractmethod
+    def row_layout(self, weight: PreparedWeight) -> dict[str, int] | None:
+        """How the prepared tensors hold the output rows: for each tensor, the output rows one of its rows covers, its
+        rows in output order; None where this weight's layout does not split so. Row padding makes a weight unfit
+        (checked by the caller)."""
+
+    def joined_info(self, members: Sequence[PreparedWeight], out_features: int) -> dict[str, Any]:
+        """The run-time info of the weight that joins ``members`` along the output rows into ``out_features`` rows,
+        their re-encoding reports aside; raises ValueError (why) where they cannot be one weight. This default: their
+        info, which must be the same."""
+        first = run_time_info(members[0])
+        for w in members[1:]:
+            info = run_time_info(w)
+            differ = sorted(k for k in first.keys() | info.keys() if first.get(k) != info.get(k))
+            if differ:
+                raise ValueError(f"they differ in {', '.join(differ)}")
+        return first
+
+
+class SharesQuantizedInput(ABC):
+    """Calls that quantize their input apart from the GEMM, whose quantized rows other weights' calls can read."""
+
+    @abstractmethod
+    def run_sharing(
+        self, x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None, tactic: Any = None
+    ) -> tuple[torch.Tensor, Any] | None:
+        """(``y``, ``rows``): what the weight's call with ``tactic`` (the caller's, resolved once for the call's M:
+        :func:`mxgemm.ops.call_tactic`) answers for ``x`` [M, K], and ``x``'s activations as that call quantized them
+        apart from its GEMM, for the calls of weights that read the same input to share through
+        :meth:`run_quantized`; None where this call quantizes nothing apart: the weight then runs its own call."""
+
+    @abstractmethod
+    def run_quantized(
+        self, x: torch.Tensor, rows: Any, weight: PreparedWeight, bias: torch.Tensor | None, tactic: Any = None
+    ) -> torch.Tensor | None:
+        """What the weight's call with ``tactic`` answers for ``x`` [M, K], from the ``rows`` :meth:`run_sharing`
+        answered for ``x`` (on any weight of the same input size and regime); None where that call does not read such
+        rows (the caller then runs it)."""
+
+
+class GatedInput(ABC):
+    """Calls that can take a gated MLP's product as two inputs, quantized by one kernel with the GEMM's input."""
+
+    @abstractmethod
+    def gated_plan(
+        self, weight: PreparedWeight, m: int, x_dtype: torch.dtype, tactic: Any = None
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
+        """Where the weight's call of M rows with ``tactic`` quantizes its input: ``(gate, up, bias) -> y``, what that
+        call answers for the input ``silu(gate) * up`` ([M, K] each with unit stride along K, the product as a gated
+        MLP computes it in their dtype), the product quantized by one kernel that reads ``gate`` and ``up``. None
+        elsewhere: the caller then computes the product and runs the weight on it (:mod:`mxgemm.gated`). A route is
+        kept with the weight's plans, so it must not hold the weight."""
+
+    @abstractmethod
+    def gated_from(self, weight: PreparedWeight) -> int | None:
+        """The fewest rows a layer asks :meth:`gated_plan` for (calls of fewer run the model's own steps at the cost of
+        one comparison), or None where it never asks."""
