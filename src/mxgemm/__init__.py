@@ -9,6 +9,7 @@ from .errors import BackendUnavailableError, MXGemmError, UnknownBackendError
 from .format import BLOCK_SIZE, MXTensor, dequantize, quantize
 from .fusion import fuse_shared_inputs
 from .gated import fuse_gated_mlps
+from .grouped import PreparedGroupedWeight, grouped_linear, prepare_grouped_weight
 from .linear import MXFP8Linear
 from .models import QuantizeReport, quantize_model
 from .resolve import BackendStatus, available_backends, explain_auto, resolve_backend
@@ -28,6 +29,7 @@ __all__ = [
     "MXFP8Linear",
     "MXGemmError",
     "MXTensor",
+    "PreparedGroupedWeight",
     "PreparedWeight",
     "QuantizeReport",
     "UnknownBackendError",
@@ -38,8 +40,10 @@ __all__ = [
     "explain_auto",
     "fuse_gated_mlps",
     "fuse_shared_inputs",
+    "grouped_linear",
     "linear",
     "load_checkpoint",
+    "prepare_grouped_weight",
     "prepare_weight",
     "quantize",
     "quantize_model",

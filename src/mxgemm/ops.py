@@ -23,13 +23,14 @@ import torch
 from torch import Tensor
 
 from . import autotune, fastcall, tuning
-from .backends import PreparedWeight, get_backend
+from .backends import PreparedGroupedWeight, PreparedWeight, get_backend
 from .backends.capabilities import GatedInput
 from .block128 import padded_1x128_shape
 from .format import BLOCK_SIZE, quantize
 
 __all__ = [
     "call_tactic",
+    "grouped_linear_op",
     "linear_gated_op",
     "linear_op",
     "quantize_1x128_op",
@@ -144,6 +145,25 @@ linear_gated_op = _define(
 """``mxgemm::linear_gated``: ``mxgemm::linear`` on ``silu(gate) * up`` as PyTorch computes it in their dtype (gate and
 up [M, K]), the product made by one kernel with the GEMM's input where the backend plans it (:func:`run_gated`),
 else computed first: the same bits either way."""
+
+
+def _grouped_linear(x: Tensor, offsets: Tensor, tensors: list[Tensor], backend: str, meta: str) -> Tensor:
+    weight = PreparedGroupedWeight.from_op_args(backend, tensors, meta)
+    return get_backend(backend).run_grouped(x, weight, offsets)
+
+
+def _grouped_linear_fake(x: Tensor, offsets: Tensor, tensors: list[Tensor], backend: str, meta: str) -> Tensor:
+    return x.new_empty((x.shape[0], json.loads(meta)["out_features"]))
+
+
+grouped_linear_op = _define(
+    "grouped_linear(Tensor x, Tensor offsets, Tensor[] tensors, str backend, str meta) -> Tensor",
+    _grouped_linear,
+    _grouped_linear_fake,
+)
+"""``mxgemm::grouped_linear``: ``x`` [S, K], rows sorted by expert, through the grouped weight described by
+(tensors, meta): row ``i`` times expert ``e``'s weight where ``offsets[e-1] <= i < offsets[e]`` -> [S, N] in
+``x.dtype`` (zeros past ``offsets[-1]``); no host synchronisation, one shape whatever the routing."""
 
 
 def _quantize_mx(x: Tensor, scale_mode: str, elem_dtype: torch.dtype) -> tuple[Tensor, Tensor]:

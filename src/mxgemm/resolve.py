@@ -18,6 +18,7 @@ from .backends import (
     backend_names,
     get_backend,
 )
+from .backends.capabilities import GroupedWeights
 from .device import DeviceInfo, describe_device
 from .errors import BackendUnavailableError
 
@@ -57,9 +58,22 @@ def default_request() -> str:
     return settings.backend_request()
 
 
-def _check(backend: Backend, device: DeviceInfo, recipe: str | None, shape: tuple[int, int] | None) -> Availability:
-    if recipe is not None and recipe not in backend.recipes:
-        return Availability(False, f"computes {'/'.join(backend.recipes)}, not the requested recipe {recipe}")
+def _recipes(backend: Backend, grouped: bool) -> tuple[str, ...]:
+    """The recipes ``backend`` computes: for grouped weights its ``grouped_recipes``, none where it runs none."""
+    if not grouped:
+        return backend.recipes
+    return backend.grouped_recipes if isinstance(backend, GroupedWeights) else ()
+
+
+def _check(
+    backend: Backend, device: DeviceInfo, recipe: str | None, shape: tuple[int, int] | None, grouped: bool = False
+) -> Availability:
+    recipes = _recipes(backend, grouped)
+    if not recipes:
+        return Availability(False, "runs dense weights only, not the grouped weights of a mixture of experts")
+    if recipe is not None and recipe not in recipes:
+        what = "grouped weights in " if grouped else ""
+        return Availability(False, f"computes {what}{'/'.join(recipes)}, not the requested recipe {recipe}")
     answer = backend.check_device(device)
     if answer and shape is not None:
         answer = backend.check_problem(*shape)
@@ -91,10 +105,12 @@ def explain_auto(
     recipe: str | None = None,
     shape: tuple[int, int] | None = None,
     refused: tuple[tuple[str, str], ...] = (),
+    grouped: bool = False,
 ) -> Resolution:
     """What ``auto`` picks and why it passed over the backends before it.
 
-    ``refused``: (name, reason) of backends that already refused this particular weight.
+    ``refused``: (name, reason) of backends that already refused this particular weight. ``grouped``: for the
+    ``[E, N, K]`` weights of a mixture of experts (backends with :class:`GroupedWeights`).
     """
     _validate_recipe(recipe)
     dev = describe_device(device)
@@ -102,9 +118,9 @@ def explain_auto(
     refusals = dict(refused)
     for name in AUTO_PRIORITY:
         b = get_backend(name)
-        answer = Availability(False, refusals[name]) if name in refusals else _check(b, dev, recipe, shape)
+        answer = Availability(False, refusals[name]) if name in refusals else _check(b, dev, recipe, shape, grouped)
         if answer:
-            return Resolution(b, recipe or b.default_recipe, tuple(skipped))
+            return Resolution(b, recipe or _recipes(b, grouped)[0], tuple(skipped))
         skipped.append((name, answer.reason))
     detail = "; ".join(f"{n}: {r}" for n, r in skipped)
     raise BackendUnavailableError("auto", f"no backend can run on {dev}: {detail}")
@@ -146,16 +162,17 @@ def _resolve(
     recipe: str | None = None,
     shape: tuple[int, int] | None = None,
     refused: tuple[tuple[str, str], ...] = (),
+    grouped: bool = False,
 ) -> Backend:
     requested = requested or default_request()
     if requested == "auto":
-        res = explain_auto(device, recipe=recipe, shape=shape, refused=refused)
+        res = explain_auto(device, recipe=recipe, shape=shape, refused=refused, grouped=grouped)
         skipped = "; ".join(f"{n} ({r})" for n, r in res.skipped) or "nothing"
         _log_once(f"auto chose '{res.backend.name}' ({res.recipe}) on {describe_device(device)}; skipped {skipped}")
         return res.backend
     backend = get_backend(requested)
     _validate_recipe(recipe)
-    answer = _check(backend, describe_device(device), recipe, shape)
+    answer = _check(backend, describe_device(device), recipe, shape, grouped)
     if not answer:
         raise BackendUnavailableError(requested, answer.reason)
     return backend
@@ -164,14 +181,20 @@ def _resolve(
 def resolve_and_prepare(
     qdata: torch.Tensor, scale: torch.Tensor, requested: str | None = None, *, recipe: str | None = None
 ) -> PreparedWeight:
-    """Resolve for this weight on its device and prepare it. A backend may refuse a weight's values
-    (:class:`UnsupportedWeightError`): a named backend then raises :class:`BackendUnavailableError` with the reason,
-    while ``auto`` logs it and moves on to the next backend of the priority list."""
-    n, k = qdata.shape
+    """Resolve for this weight on its device and prepare it: a dense weight ``[N, K]``, or the grouped weights
+    ``[E, N, K]`` of a mixture of experts (backends with :class:`GroupedWeights`). A backend may refuse a weight's
+    values (:class:`UnsupportedWeightError`): a named backend then raises :class:`BackendUnavailableError` with the
+    reason, while ``auto`` logs it and moves on to the next backend of the priority list."""
+    grouped = qdata.dim() == 3
+    n, k = qdata.shape[-2:]
     refused: tuple[tuple[str, str], ...] = ()
     while True:
-        backend = _resolve(requested, device=qdata.device, recipe=recipe, shape=(n, k), refused=refused)
+        backend = _resolve(
+            requested, device=qdata.device, recipe=recipe, shape=(n, k), refused=refused, grouped=grouped
+        )
         try:
+            if grouped:
+                return backend.prepare_grouped(qdata, scale, recipe or _recipes(backend, True)[0])
             return backend.prepare(qdata, scale, recipe or backend.default_recipe)
         except UnsupportedWeightError as exc:
             if (requested or default_request()) != "auto":

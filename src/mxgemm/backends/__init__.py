@@ -12,13 +12,14 @@ import inspect
 import pkgutil
 
 from ..errors import UnknownBackendError
-from .base import RECIPES, Availability, Backend, PreparedWeight, UnsupportedWeightError
+from .base import RECIPES, Availability, Backend, PreparedGroupedWeight, PreparedWeight, UnsupportedWeightError
 
 __all__ = [
     "AUTO_PRIORITY",
     "RECIPES",
     "Availability",
     "Backend",
+    "PreparedGroupedWeight",
     "PreparedWeight",
     "UnsupportedWeightError",
     "backend_names",

@@ -25,6 +25,7 @@ __all__ = [
     "RECIPES",
     "Availability",
     "Backend",
+    "PreparedGroupedWeight",
     "PreparedWeight",
     "Recipe",
     "Tactic",
@@ -125,11 +126,16 @@ class PreparedWeight:
             "out_features": self.out_features,
             "in_features": self.in_features,
             "info": {k: v for k, v in self.info.items() if isinstance(v, (bool, int, float, str))},
+            **self._meta_extra(),
         }
         views = [t.view(torch.uint8) if n in fp8 else t for n, t in self.tensors.items()]
         object.__setattr__(self, "op_tensors", views)
         object.__setattr__(self, "op_meta", json.dumps(meta, sort_keys=True))
         _LIVE[id(views[0])] = self
+
+    def _meta_extra(self) -> dict[str, Any]:
+        """What a subclass adds to the op meta (and :meth:`from_op_args` reads back as keyword arguments)."""
+        return {}
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
         """``plans[key]``, made by ``make()`` on first use; past ``MAX_PLANS`` entries (a workload of that many
@@ -181,7 +187,23 @@ class PreparedWeight:
         m = _parse_meta(meta)
         fp8 = m["fp8"]
         named = {n: t.view(_FP8[fp8[n]]) if n in fp8 else t for n, t in zip(m["names"], tensors, strict=True)}
-        return cls(backend, m["recipe"], m["out_features"], m["in_features"], named, m["info"], tensors, meta)
+        extra = {f.name: m[f.name] for f in dataclasses.fields(cls) if f.name in m and f.name not in _META_KEYS}
+        return cls(backend, m["recipe"], m["out_features"], m["in_features"], named, m["info"], tensors, meta, **extra)
+
+
+_META_KEYS = {"names", "fp8", "recipe", "out_features", "in_features", "info"}
+
+
+@dataclass(frozen=True)
+class PreparedGroupedWeight(PreparedWeight):
+    """The weights of ``experts`` experts, ``[E, N, K]`` (``out_features`` N and ``in_features`` K each), prepared once
+    for one backend (:class:`mxgemm.backends.capabilities.GroupedWeights`); it crosses the op boundary as a dense
+    weight does, its expert count in the meta."""
+
+    experts: int = 0
+
+    def _meta_extra(self) -> dict[str, Any]:
+        return {"experts": self.experts}
 
 
 class Backend(ABC):

@@ -9,19 +9,21 @@ backends that run it.
 - :class:`SharesQuantizedInput`: a call quantizes its input apart from its GEMM and can hand those rows to the calls of
   other weights of the same input.
 - :class:`GatedInput`: a call can quantize a gated MLP's product ``silu(gate) * up`` in one kernel with its input.
+- :class:`GroupedWeights`: the ``[E, N, K]`` weights of a mixture of experts, run on rows sorted by expert.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from .base import PreparedWeight, run_time_info
+from ..recipes import Recipe
+from .base import PreparedGroupedWeight, PreparedWeight, run_time_info
 
-__all__ = ["GatedInput", "JoinsRows", "SharesQuantizedInput"]
+__all__ = ["GatedInput", "GroupedWeights", "JoinsRows", "SharesQuantizedInput"]
 
 
 class JoinsRows(ABC):
@@ -84,3 +86,29 @@ class GatedInput(ABC):
     def gated_from(self, weight: PreparedWeight) -> int | None:
         """The fewest rows a layer asks :meth:`gated_plan` for (calls of fewer run the model's own steps at the cost of
         one comparison), or None where it never asks."""
+
+
+class GroupedWeights(ABC):
+    """The experts of a mixture of experts: ``E`` weights ``[N, K]`` of one projection prepared as one, run on the rows
+    of each expert (sorted by expert, ``offsets`` their cumulative ends) in one call, with no host synchronisation."""
+
+    grouped_recipes: ClassVar[tuple[Recipe, ...]]  # the recipes it computes grouped weights in; the first its default
+
+    @abstractmethod
+    def prepare_grouped(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedGroupedWeight:
+        """Turn checkpoint tensors (float8 ``[E, N, K]``, uint8 E8M0 ``[E, N, K/32]``) into this backend's prepared
+        grouped weight, once."""
+
+    @abstractmethod
+    def run_grouped(
+        self, x: torch.Tensor, weight: PreparedGroupedWeight, offsets: torch.Tensor, tactic: Any = None
+    ) -> torch.Tensor:
+        """``x`` [S, K] (bf16/fp16, rows sorted by expert) -> [S, N] in ``x.dtype``: row ``i`` through the weight of
+        the expert ``e`` with ``offsets[e-1] <= i < offsets[e]`` (``offsets`` int32 ``[E]``, non-decreasing, on
+        ``x``'s device; expert 0 starts at row 0); rows at or past ``offsets[-1]`` answer zeros. Inputs are already
+        validated; the offsets' values are not read on the host."""
+
+    @abstractmethod
+    def export_grouped_mx(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MX tensors (float8 ``[E, N, K]``, uint8 E8M0 ``[E, N, K/32]``) that dequantize to exactly the weights
+        this backend computes with."""

@@ -18,14 +18,15 @@ from ..block128 import (
 from ..device import DeviceInfo
 from ..format import MXTensor, dequantize, quantize
 from ..recipes import MX_ACT_SCALE_MODE, RECIPES, Recipe, hybrid_crossover
-from .base import Availability, Backend, PreparedWeight, run_time_info
-from .capabilities import GatedInput, JoinsRows, SharesQuantizedInput
+from .base import Availability, Backend, PreparedGroupedWeight, PreparedWeight, run_time_info
+from .capabilities import GatedInput, GroupedWeights, JoinsRows, SharesQuantizedInput
 
 __all__ = ["EmulationBackend", "emulate_linear"]
 
 
-def _effective_weight(weight: PreparedWeight) -> torch.Tensor:
-    t = weight.tensors
+def _effective_weight(weight: PreparedWeight, expert: int | None = None) -> torch.Tensor:
+    """The weight the recipe multiplies, in fp32 (``expert``: that expert's of a grouped weight)."""
+    t = weight.tensors if expert is None else {name: v[expert] for name, v in weight.tensors.items()}
     if Recipe(weight.recipe).block128:
         return dequantize_block128(t["qdata"], t["block_scale"])
     return dequantize(MXTensor(t["qdata"], t["scale"]))
@@ -59,9 +60,11 @@ def emulate_linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor |
     return _product(_effective_activation(x, weight), weight, bias, x.dtype)
 
 
-class EmulationBackend(Backend, JoinsRows, SharesQuantizedInput, GatedInput):
+class EmulationBackend(Backend, JoinsRows, SharesQuantizedInput, GatedInput, GroupedWeights):
     name = "emulation"
     recipes = tuple(RECIPES)
+    # grouped weights run every row in one regime: the hybrid recipe's regime would hang on each expert's row count
+    grouped_recipes = tuple(r for r in RECIPES if r != Recipe.HYBRID_BLOCK128)
     summary = "dequantize + fp32 matmul in plain torch; the reference (slow)"
 
     def check_device(self, device: DeviceInfo) -> Availability:
@@ -130,3 +133,41 @@ class EmulationBackend(Backend, JoinsRows, SharesQuantizedInput, GatedInput):
         if "block_scale" in t:
             return block128_to_mx(t["qdata"], t["block_scale"], weight.out_features, weight.in_features)
         return t["qdata"], t["scale"]
+
+    def prepare_grouped(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedGroupedWeight:
+        """Each expert as :meth:`prepare` prepares a dense weight (block recipes: re-encoded to 128x128 blocks, the
+        report of the expert it changes most kept), stacked."""
+        e, n, k = qdata.shape
+        if Recipe(recipe).block128:
+            blocks = [reencode_block128(qdata[i], scale[i]) for i in range(e)]
+            tensors = {
+                "qdata": torch.stack([b.qdata for b in blocks]),
+                "block_scale": torch.stack([b.scale for b in blocks]),
+            }
+            info = {"reencode": max((b.report for b in blocks), key=lambda r: r.rel_error)}
+        else:
+            tensors, info = {"qdata": qdata, "scale": scale}, {}
+        return PreparedGroupedWeight(self.name, recipe, n, k, tensors, info, experts=e)
+
+    def run_grouped(self, x, weight, offsets, tactic=None) -> torch.Tensor:
+        """Every expert's product on every row, each row keeping its own expert's (a mask from ``offsets``, read on
+        the device): the recipe's numerics per row, at E times the work of the rows alone."""
+        rows = torch.arange(x.shape[0], device=x.device)
+        ends = offsets.to(torch.int64)
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        a = _effective_activation(x, weight)  # per-row quantization: the same for a row whatever rows run with it
+        y = torch.zeros(x.shape[0], weight.out_features, dtype=torch.float32, device=x.device)
+        for e in range(weight.experts):
+            mine = ((rows >= starts[e]) & (rows < ends[e])).unsqueeze(1)
+            y = torch.where(mine, a @ _effective_weight(weight, e).T, y)
+        return y.to(x.dtype)
+
+    def export_grouped_mx(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        t = weight.tensors
+        if "block_scale" not in t:
+            return t["qdata"], t["scale"]
+        pairs = [
+            block128_to_mx(q, s, weight.out_features, weight.in_features)
+            for q, s in zip(t["qdata"], t["block_scale"], strict=True)
+        ]
+        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
