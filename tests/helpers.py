@@ -134,3 +134,16 @@ def kernels_launched(fn) -> list[str]:
     if not names:
         pytest.skip("the profiler records no CUDA kernels here")
     return names
+
+
+def tiny_qwen3_moe(layers: int = 2, *, hidden: int = 64, width: int = 32, experts: int = 4):
+    """A tiny random Qwen3-MoE causal LM in bf16 (transformers' 3-D experts, top-2 routing), seeded."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=hidden, intermediate_size=128, moe_intermediate_size=width,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)

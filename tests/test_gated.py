@@ -115,6 +115,35 @@ def test_the_models_steps_run_with_hooks_gradients_and_traced(gated_calls):
     assert x.grad is not None and gated_calls == [True, False]
 
 
+@pytest.mark.parametrize("change", ["gelu", "nn.Linear down_proj", "global hook"])
+def test_a_gated_mlp_changed_after_fusion_computes_what_it_now_says(change, gated_calls):
+    """A module taken once is checked on every call: an act_fn swapped for GELU runs GELU, a down_proj replaced by an
+    nn.Linear runs that layer, and a hook on every module sees down_proj called, all through the model's own steps."""
+    plain, fused, _ = _pair()
+    ids = torch.randint(0, 500, (1, 300))
+    seen, handle = [], None
+    for model in (plain, fused):
+        mlp = model.model.layers[0].mlp
+        if change == "gelu":
+            mlp.act_fn = nn.GELU()
+        elif change == "nn.Linear down_proj":
+            torch.manual_seed(5)
+            mlp.down_proj = nn.Linear(384, 256, bias=False).to(torch.bfloat16)
+    if change == "global hook":
+        down = fused.model.layers[0].mlp.down_proj
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: seen.append(args[0].shape) if m is down else None
+        )
+    try:
+        with torch.no_grad():
+            assert torch.equal(fused(ids).logits, plain(ids).logits)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert gated_calls == ([] if change == "global hook" else [True])  # layer 0 its own steps, layer 1 unchanged
+    assert seen == ([(1, 300, 384)] if change == "global hook" else [])
+
+
 def test_traced_gated_mlps_run_one_op_with_the_eager_bits(gated_calls):
     """Traced, a gated MLP leaves one ``mxgemm::linear_gated`` op where the model's steps left SiLU, the product and
     ``down_proj``'s op, from the rows ``on_gated`` takes (the crossover here); it gives the eager call's bits (the

@@ -291,29 +291,40 @@ def test_save_checkpoint_replaces_an_older_sharded_checkpoint(model_dir, tmp_pat
 
 
 def _tiny_moe(tmp_path) -> Path:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "moe")
+    pytest.importorskip("transformers")
+    from helpers import tiny_qwen3_moe
+
+    tiny_qwen3_moe().save_pretrained(tmp_path / "moe")
     return tmp_path / "moe"
 
 
-def test_quantize_of_a_moe_model_names_what_it_left_in_ignore(tmp_path):
-    """The experts and routers stay in bf16 (grouped weights are not quantized yet): the checkpoint's config must
-    name them in ``ignore``, or a reader of ``targets: ["Linear"]`` (vLLM) takes their bf16 bytes for FP8."""
+@pytest.mark.parametrize("skip_experts", [False, True])
+def test_quantize_of_a_moe_model_claims_only_what_it_quantized(tmp_path, capsys, skip_experts):
+    """The experts are quantized per expert, as other producers store them; the routers stay in bf16 and are named
+    in ``ignore``, as are experts left out (here by ``--skip``): a reader of ``targets: ["Linear"]`` (vLLM) must not
+    take bf16 bytes for FP8."""
     src = _tiny_moe(tmp_path)
     out = tmp_path / "out"
-    assert main(["quantize", str(src), str(out)]) == 0
+    skip = ["--skip", "lm_head", "*.experts"] if skip_experts else []
+    assert main(["quantize", str(src), str(out), *skip]) == 0
+    said = capsys.readouterr().out
+    assert f"{0 if skip_experts else 2} of 2 experts modules" in said
     q = json.loads((out / "config.json").read_text())["quantization_config"]
     stored = load_file(str(out / "model.safetensors"))
+    source = load_file(str(src / "model.safetensors"))
     for layer in range(2):
         prefix = f"model.layers.{layer}.mlp"
-        assert {f"{prefix}.experts", f"{prefix}.gate"} <= set(q["ignore"])
-        assert f"{prefix}.gate.weight_scale" not in stored
-        assert not any(k.startswith(f"{prefix}.experts") and k.endswith("_scale") for k in stored)
+        assert f"{prefix}.gate" in q["ignore"] and f"{prefix}.gate.weight_scale" not in stored
+        assert (f"{prefix}.experts" in q["ignore"]) is skip_experts
+        for e in range(4):
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                weight = stored[f"{prefix}.experts.{e}.{p}.weight"]
+                if skip_experts:
+                    assert weight.dtype == torch.bfloat16 and f"{prefix}.experts.{e}.{p}.weight_scale" not in stored
+                    continue
+                ref = mxgemm.quantize(source[f"{prefix}.experts.{e}.{p}.weight"])
+                assert torch.equal(weight.view(torch.uint8), ref.qdata.view(torch.uint8))
+                assert torch.equal(stored[f"{prefix}.experts.{e}.{p}.weight_scale"], ref.scale)
         assert stored[f"model.layers.{layer}.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
     assert "lm_head" in q["ignore"] and not any("embed_tokens" in n or "norm" in n for n in q["ignore"])
 
@@ -321,7 +332,7 @@ def test_quantize_of_a_moe_model_names_what_it_left_in_ignore(tmp_path):
 def test_save_checkpoint_of_a_moe_model_names_what_it_left_in_ignore(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(_tiny_moe(tmp_path))
-    mxgemm.quantize_model(model, backend="emulation", fuse=False)
+    mxgemm.quantize_model(model, backend="emulation", fuse=False, experts=False)  # the experts stay in bf16
     save_checkpoint(model, tmp_path / "out", config=model.config.to_dict())
     q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert {"model.layers.0.mlp.experts", "model.layers.0.mlp.gate", "lm_head"} <= set(q["ignore"])

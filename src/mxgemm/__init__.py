@@ -12,6 +12,7 @@ from .gated import fuse_gated_mlps
 from .grouped import PreparedGroupedWeight, grouped_linear, prepare_grouped_weight
 from .linear import MXFP8Linear
 from .models import QuantizeReport, quantize_model
+from .moe import MXFP8Experts, moe_experts
 from .resolve import BackendStatus, available_backends, explain_auto, resolve_backend
 from .version import __version__
 from .weights import linear, prepare_weight
@@ -26,6 +27,7 @@ __all__ = [
     "BackendUnavailableError",
     "CheckpointError",
     "DeviceInfo",
+    "MXFP8Experts",
     "MXFP8Linear",
     "MXGemmError",
     "MXTensor",
@@ -43,6 +45,7 @@ __all__ = [
     "grouped_linear",
     "linear",
     "load_checkpoint",
+    "moe_experts",
     "prepare_grouped_weight",
     "prepare_weight",
     "quantize",

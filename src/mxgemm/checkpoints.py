@@ -19,11 +19,13 @@ import torch
 from torch import nn
 
 from .errors import MXGemmError
-from .format import BLOCK_SIZE, SCALE_DTYPES, e8m0_bytes, nonfinite_reason
+from .format import BLOCK_SIZE, SCALE_DTYPES, MXTensor, dequantize, e8m0_bytes, nonfinite_reason
 from .fusion import fuse as fuse_model
 from .fusion import tally
+from .grouped import prepare_grouped_weight
 from .linear import MXFP8Linear
 from .model_folder import ModelFolderError, folder_file, read_folder_file
+from .moe import MXFP8Experts, experts_unfit_reason
 
 __all__ = [
     "SCHEMES",
@@ -243,12 +245,16 @@ class LoadReport:
     quantized: tuple[str, ...]  # layers now MXFP8Linear
     tied: tuple[str, ...]  # parameters not in the checkpoint because they share storage with one that is
     fusion: tuple[str, ...] = ()  # :func:`mxgemm.fusion.fuse`'s account, one line a group or gated MLP
+    experts: tuple[str, ...] = ()  # experts modules now MXFP8Experts
+    dequantized: tuple[str, ...] = ()  # MXFP8 experts loaded into the model's own bf16 experts, with the reason
 
     def __str__(self) -> str:
         fused, _, regimes, gated = tally(self.fusion)
         groups = f", {fused} groups of layers sharing an input run as one" if fused else ""
         groups += "".join(f" ({n} of them: {what})" for what, n in regimes.items())
         groups += f", {gated} gated MLPs' products quantized for down_proj in one kernel" if gated else ""
+        groups += f", {len(self.experts)} MXFP8 experts modules" if self.experts else ""
+        groups += "".join(f"; {line}" for line in self.dequantized)
         return f"{self.format.kind} {self.format.scheme}: {len(self.quantized)} MXFP8 layers loaded{groups}"
 
 
@@ -275,11 +281,19 @@ def load_checkpoint(
     parameters the checkpoint lacks (unless tied to one it has). ``fuse``: then make each layer's q, k and v
     projections, and its gate and up projections, run as one, and its gated MLP hand ``down_proj`` the product
     quantized in one kernel (:func:`mxgemm.fusion.fuse`).
+
+    Experts stored per expert (``<experts>.<e>.{gate,up,down}_proj.weight``, as compressed-tensors, ModelOpt and
+    :func:`save_checkpoint` write them) fill a model's 3-D experts (transformers' ``gate_up_proj`` / ``down_proj``):
+    MXFP8 ones become an ``MXFP8Experts`` (on a GPU where ``auto`` finds no grouped backend but the emulation,
+    they are dequantized into the model's own experts instead, and the report says so); bf16 ones are stacked into
+    the model's tensors.
     """
     fmt = read_format(path)
     source = TensorSource(path)
     target = _target_device(model, device)
-    plans, consumed = [], set()
+    experts, consumed, stacked = _experts_in(model, source)
+    experts_to_dequantize = _experts_left_in_bf16(experts, target, backend, recipe)
+    plans = []
     for name, module in model.named_modules():
         if type(module) is not nn.Linear or f"{name}.weight_scale" not in source:
             if type(module) is nn.Linear and source.dtypes.get(f"{name}.weight") == torch.float8_e4m3fn:
@@ -307,7 +321,7 @@ def load_checkpoint(
             raise CheckpointError(f"{k} has shape {source.shapes[k]}; the model's is {tuple(state[k].shape)}")
     groups = tied_groups(model)  # names sharing one tensor object (tied weights)
     replaced = {f"{name}.{p}" for name, *_ in plans for p in ("weight", "bias")}
-    given = {g for k in rest for g in groups.get(k, (k,))}
+    given = {g for k in [*rest, *stacked] for g in groups.get(k, (k,))}  # stacked: experts' 3-D tensors
     retie = _declared_ties(model)  # ties the model makes itself (transformers' tie_weights) once loaded
     given |= {alias for alias, origin in retie.items() if origin in given}
     missing = [k for k in state if k not in given and k not in replaced and not _is_mx_buffer(model, k)]
@@ -330,14 +344,120 @@ def load_checkpoint(
         weight = weight.to(target)
         layers[name] = MXFP8Linear.from_quantized(weight, scale.to(target), b, backend=backend, recipe=recipe)
         del weight
-    for name, layer in layers.items():
+    modules = {}
+    for name, names in experts.items():
+        if name in experts_to_dequantize:  # checked now, loaded below: the model is not changed yet
+            for n in (n for ns in names.values() for n in ns):
+                _check_values(n.removesuffix(".weight"), source.load(n), e8m0_bytes(source.load(f"{n}_scale")))
+        else:
+            modules[name] = _load_experts(names, source, target, backend, recipe)
+    for name, layer in [*layers.items(), *modules.items()]:
         model.set_submodule(name, layer)
     for k in rest:
         _assign(model, groups.get(k, (k,)), source.load(k), target)
+    for k, (names, quantized) in stacked.items():
+        if k.rpartition(".")[0] not in modules:  # experts kept in the model's own tensors
+            _assign(model, groups.get(k, (k,)), _stack_experts(source, names, quantized), target)
     if retie:
         model.tie_weights()
     model.to(target)
-    return LoadReport(fmt, tuple(layers), tuple(tied), tuple(fuse_model(model)) if fuse else ())
+    fusion = tuple(fuse_model(model)) if fuse else ()
+    dequantized = tuple(f"{name} in bf16: {reason}" for name, reason in experts_to_dequantize.items())
+    return LoadReport(fmt, tuple(layers), tuple(tied), fusion, tuple(modules), dequantized)
+
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _experts_in(model: nn.Module, source: TensorSource):
+    """The experts modules of ``model`` (3-D ``gate_up_proj`` / ``down_proj``) whose experts the checkpoint stores per
+    expert (``<experts>.<e>.{gate,up,down}_proj.weight``, with ``weight_scale`` where quantized), checked: (the
+    quantized ones by name, the checkpoint names they consume, {the model's 3-D tensor name: (the per-expert names
+    stacked into it, quantized)} for the experts to load into the model's own tensors (bf16 in the checkpoint)."""
+    experts, consumed, stacked = {}, set(), {}
+    for name, module in model.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3) or f"{name}.0.gate_proj.weight" not in source:
+            continue
+        count, width = gate_up.shape[0], down.shape[-1]
+        names = {p: [f"{name}.{e}.{p}.weight" for e in range(count)] for p in _PROJECTIONS}
+        absent = [n for ns in names.values() for n in ns if n not in source]
+        if absent:
+            raise CheckpointError(f"{absent[0]} is missing: {name} has {count} experts ({len(absent)} tensors missing)")
+        quantized = f"{name}.0.gate_proj.weight_scale" in source
+        shapes = {"gate_proj": (width, gate_up.shape[-1]), "up_proj": (width, gate_up.shape[-1])}
+        shapes["down_proj"] = tuple(down.shape[1:])
+        for p, ns in names.items():
+            for n in ns:
+                out_features, in_features = shapes[p]
+                layer = _Shape(out_features, in_features)
+                if quantized:
+                    _check_pair(n.removesuffix(".weight"), source, layer)
+                elif source.shapes[n] != shapes[p]:
+                    raise CheckpointError(
+                        f"{n} has shape {source.shapes[n]}; the model's experts are {list(shapes[p])}"
+                    )
+        consumed |= {n for ns in names.values() for n in ns}
+        if quantized:
+            reason = experts_unfit_reason(module)
+            if reason:
+                raise CheckpointError(f"{name} holds MXFP8 experts that MXFP8Experts cannot take: {reason}")
+            consumed |= {f"{n}_scale" for ns in names.values() for n in ns}
+            experts[name] = names
+        prefix = f"{name}." if name else ""
+        stacked[prefix + "gate_up_proj"] = ((names["gate_proj"], names["up_proj"]), quantized)
+        stacked[prefix + "down_proj"] = ((names["down_proj"],), quantized)
+    return experts, consumed, stacked
+
+
+@dataclass(frozen=True)
+class _Shape:
+    out_features: int
+    in_features: int
+
+
+def _experts_left_in_bf16(experts: dict, device: torch.device, backend: str | None, recipe: str | None) -> dict:
+    """The quantized experts modules loaded into the model's own bf16 experts instead, with the reason: on a GPU
+    where ``auto`` finds no backend but the emulation for grouped weights (which would run many times slower)."""
+    if not experts or device.type != "cuda" or (backend or "auto") != "auto":
+        return {}
+    from .resolve import explain_auto
+
+    if explain_auto(device, recipe=recipe, grouped=True).backend.name != "emulation":
+        return {}
+    return dict.fromkeys(experts, "no backend runs grouped weights fast on this GPU yet")
+
+
+def _stack_experts(source: TensorSource, groups: tuple[list[str], ...], quantized: bool) -> torch.Tensor:
+    """The per-expert tensors of ``groups`` (gate and up, or down) joined into ``[E, rows, K]``: each expert's
+    groups concatenated by rows (dequantized to fp32 where stored as MXFP8)."""
+
+    def load(n: str) -> torch.Tensor:
+        if not quantized:
+            return source.load(n)
+        weight, scale = source.load(n), e8m0_bytes(source.load(f"{n}_scale"))
+        _check_values(n.removesuffix(".weight"), weight, scale)
+        return dequantize(MXTensor(weight, scale))
+
+    return torch.stack([torch.cat([load(g[e]) for g in groups]) for e in range(len(groups[0]))])
+
+
+def _load_experts(names: dict, source: TensorSource, device, backend, recipe) -> MXFP8Experts:
+    """The :class:`MXFP8Experts` of an experts module from its per-expert MXFP8 tensors, checked, on ``device``."""
+
+    def stacked(projections: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, scales = [], []
+        for e in range(len(names["gate_proj"])):
+            pairs = [(source.load(names[p][e]), e8m0_bytes(source.load(f"{names[p][e]}_scale"))) for p in projections]
+            for (w, s), p in zip(pairs, projections, strict=True):
+                _check_values(names[p][e].removesuffix(".weight"), w, s)
+            weights.append(torch.cat([w for w, _ in pairs]))
+            scales.append(torch.cat([s for _, s in pairs]))
+        return torch.stack(weights).to(device), torch.stack(scales).to(device)
+
+    gate_up = prepare_grouped_weight(*stacked(("gate_proj", "up_proj")), backend=backend, recipe=recipe)
+    down = prepare_grouped_weight(*stacked(("down_proj",)), backend=backend, recipe=recipe)
+    return MXFP8Experts(gate_up, down)
 
 
 def _declared_ties(model: nn.Module) -> dict[str, str]:
@@ -399,6 +519,26 @@ def _assign(model: nn.Module, names: tuple[str, ...], value: torch.Tensor, devic
         (holder._parameters if attr in holder._parameters else holder._buffers)[attr] = new
 
 
+def _per_expert(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each :class:`MXFP8Experts`' stacked MX tensors written per expert, as compressed-tensors and
+    ModelOpt store experts: ``<experts>.<e>.{gate,up,down}_proj.weight`` and ``.weight_scale``."""
+    for name, module in model.named_modules():
+        if not isinstance(module, MXFP8Experts):
+            continue
+        prefix = f"{name}." if name else ""
+        gate_up, gate_up_scale = state.pop(prefix + "gate_up_proj"), state.pop(prefix + "gate_up_proj_scale")
+        down, down_scale = state.pop(prefix + "down_proj"), state.pop(prefix + "down_proj_scale")
+        width = down.shape[-1]
+        for e in range(module.num_experts):
+            for proj, weight, scale in (
+                ("gate_proj", gate_up[e, :width], gate_up_scale[e, :width]),
+                ("up_proj", gate_up[e, width:], gate_up_scale[e, width:]),
+                ("down_proj", down[e], down_scale[e]),
+            ):
+                state[f"{prefix}{e}.{proj}.weight"], state[f"{prefix}{e}.{proj}.weight_scale"] = weight, scale
+    return state
+
+
 def unquantized_owners(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """The modules of ``model`` that own a tensor of ``shapes`` (names as in its state dict or a checkpoint, to their
     shapes) of two or more dimensions kept in high precision: every owner but ``MXFP8Linear`` layers and embeddings
@@ -411,7 +551,7 @@ def unquantized_owners(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> 
         while owner and owner not in modules:  # per-expert tensors: mlp.experts.0.gate_proj.weight -> mlp.experts
             owner = owner.rpartition(".")[0]
         module = modules.get(owner)
-        if len(shape) >= 2 and owner and not isinstance(module, (MXFP8Linear, nn.Embedding)):
+        if len(shape) >= 2 and owner and not isinstance(module, (MXFP8Linear, MXFP8Experts, nn.Embedding)):
             owners.append(owner)
     return list(dict.fromkeys(owners))
 
@@ -447,21 +587,23 @@ def save_checkpoint(
     config: dict | None = None,
     progress: Callable[[Sequence[str]], Sequence[str]] | None = None,
 ) -> Path:
-    """Write ``model`` (its ``MXFP8Linear`` layers quantized, everything else as is) as a compressed-tensors MXFP8
-    checkpoint: ``model.safetensors`` and ``config.json`` (``config`` plus its ``quantization_config``).
+    """Write ``model`` (its ``MXFP8Linear`` layers and ``MXFP8Experts`` quantized, everything else as is) as a
+    compressed-tensors MXFP8 checkpoint: ``model.safetensors`` and ``config.json`` (``config`` plus its
+    ``quantization_config``).
 
-    Every module whose weights stay in high precision and that a reader of ``targets: ["Linear"]`` could take for a
-    quantized layer is listed in ``ignore`` (:func:`unquantized_owners`: ``nn.Linear`` layers that are not
-    ``MXFP8Linear``, routers, experts). An earlier checkpoint in ``out_dir`` is removed first
-    (:func:`clear_checkpoint`). Tensors that share storage (tied weights) are written once. ``progress`` wraps the
-    iteration over state-dict names (e.g. a progress bar).
+    Experts are written per expert (``<experts>.<e>.{gate,up,down}_proj.weight`` and ``weight_scale``, as other
+    producers store them). Every module whose weights stay in high precision and that a reader of ``targets:
+    ["Linear"]`` could take for a quantized layer is listed in ``ignore`` (:func:`unquantized_owners`: ``nn.Linear``
+    layers that are not ``MXFP8Linear``, routers, experts left in bf16). An earlier checkpoint in ``out_dir`` is
+    removed first (:func:`clear_checkpoint`). Tensors that share storage (tied weights) are written once.
+    ``progress`` wraps the iteration over state-dict names (e.g. a progress bar).
     """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     clear_checkpoint(out)
-    state = model.state_dict()
+    state = _per_expert(model, model.state_dict())
     ignore = unquantized_owners(model, {name: tuple(t.shape) for name, t in state.items()})
     names = list(state)
     tensors: dict[str, torch.Tensor] = {}

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from .backends import AUTO_PRIORITY, get_backend
 from .backends.base import tactic_json
+from .backends.capabilities import GroupedWeights
 from .bench import (
     BASELINES,
     CPU_M,
@@ -42,17 +43,26 @@ def _info(console: Console) -> int:
     console.print(f"[bold]device[/bold]: {device}")
     console.print("versions: " + ", ".join(f"{k} {env[k]}" for k in ("mxgemm", "torch", "triton", "cuda", "python")))
     table = Table(title="backends")
-    for col in ("backend", "available", "recipes", "tunable", "reason"):
+    for col in ("backend", "available", "recipes", "grouped (MoE)", "tunable", "reason"):
         table.add_column(col)
     for row in available_backends(device):
-        tunable = "yes" if get_backend(row.name).tunable else "no"
-        table.add_row(row.name, "yes" if row.available else "no", ", ".join(row.recipes), tunable, escape(row.reason))
+        backend = get_backend(row.name)
+        tunable = "yes" if backend.tunable else "no"
+        grouped = ", ".join(backend.grouped_recipes) if isinstance(backend, GroupedWeights) else "no"
+        table.add_row(
+            row.name, "yes" if row.available else "no", ", ".join(row.recipes), grouped, tunable, escape(row.reason)
+        )
     console.print(table)
     console.print(f"auto priority: {' > '.join(AUTO_PRIORITY)}")
-    res = explain_auto(device)
-    console.print(f"[bold]auto[/bold] resolves to: {res.backend.name} ({res.recipe})")
-    for name, reason in res.skipped:
-        console.print(f"  skipped {name}: {escape(reason)}")
+    for label, grouped in (("", False), (" for grouped weights (MoE experts)", True)):
+        try:
+            res = explain_auto(device, grouped=grouped)
+        except MXGemmError as exc:
+            console.print(f"[bold]auto[/bold]{label}: {escape(str(exc))}")
+            continue
+        console.print(f"[bold]auto[/bold]{label} resolves to: {res.backend.name} ({res.recipe})")
+        for name, reason in res.skipped:
+            console.print(f"  skipped {name}: {escape(reason)}")
     console.print(f"default request (MXGEMM_BACKEND): {default_request()}")
     if device.type == "cuda":
         from .fastcall import status

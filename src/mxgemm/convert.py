@@ -28,7 +28,8 @@ from .checkpoints import (
     unquantized_owners,
 )
 from .format import ScaleMode, quantize
-from .models import LayerReport, QuantizeReport, hf_model_class, skip_reason
+from .models import LayerReport, QuantizeReport, hf_model_class, matches_skip, router_names, skip_reason
+from .moe import experts_unfit_reason
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ShardWriter", "quantize_folder"]
 
@@ -93,6 +94,27 @@ def _meta_model(config) -> tuple[nn.Module, dict[str, nn.Linear], dict[str, str]
     return model, {name: m for name, m in model.named_modules() if type(m) is nn.Linear}, tied
 
 
+def _experts_targets(model: nn.Module, source: TensorSource, skip, reports: list[LayerReport]) -> dict:
+    """The per-expert tensors to quantize of each experts module of the meta model (3-D ``gate_up_proj`` /
+    ``down_proj``): ``<experts>.<e>.{gate,up,down}_proj.weight`` -> its shape; each module's report (or why it stays
+    as stored) appended to ``reports``."""
+    targets = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
+            continue
+        reason = "matches skip" if matches_skip(name, skip) else experts_unfit_reason(module)
+        if not reason and f"{name}.0.gate_proj.weight" not in source:
+            reason = "the checkpoint stores these experts stacked, not per expert"
+        if reason:
+            reports.append(LayerReport(name, False, None, None, reason, kind="experts"))
+            continue
+        e, h, width = module.down_proj.shape
+        projections = {"gate_proj": (width, h), "up_proj": (width, h), "down_proj": (h, width)}
+        reports.append(LayerReport(name, True, "emulation", "w8a16", "", kind="experts"))
+        targets.update({f"{name}.{i}.{p}.weight": shape for i in range(e) for p, shape in projections.items()})
+    return targets
+
+
 def quantize_folder(
     src: Path,
     out: Path,
@@ -116,31 +138,30 @@ def quantize_folder(
             f"{src} is already quantized ({_describe_quantization(config)}); give an unquantized model"
         )
     model, layers, tied = _meta_model(config)
-    reports, targets = [], set()
+    routers = router_names(model)
+    source = TensorSource(src)
+    reports, targets = [], {}  # targets: tensor name -> the shape the config gives it
     for name, module in layers.items():
-        reason = f"tied to {tied[f'{name}.weight']}" if f"{name}.weight" in tied else skip_reason(name, module, skip)
+        tied_to = tied.get(f"{name}.weight")
+        reason = f"tied to {tied_to}" if tied_to else skip_reason(name, module, skip, routers)
         if reason:
             reports.append(LayerReport(name, False, None, None, reason))
         else:
             reports.append(LayerReport(name, True, "emulation", "w8a16", ""))
-            targets.add(f"{name}.weight")
+            targets[f"{name}.weight"] = (module.out_features, module.in_features)
+    targets.update(_experts_targets(model, source, skip, reports))
     writer, quantized = ShardWriter(out, max_shard_bytes), set()
-    source = TensorSource(src)
     total = sum(math.prod(source.shapes[n]) * (source.dtypes[n] or torch.float32).itemsize for n in source.where)
     for name in source.where:
         tensor = source.load(name)
         nbytes = tensor.numel() * tensor.element_size()
         if name in targets:
-            module = layers[name.removesuffix(".weight")]
-            if tuple(tensor.shape) != (module.out_features, module.in_features):
-                raise CheckpointError(
-                    f"{name} has shape {tuple(tensor.shape)}; the config's layer is "
-                    f"[{module.out_features}, {module.in_features}]"
-                )
+            if tuple(tensor.shape) != targets[name]:
+                raise CheckpointError(f"{name} has shape {tuple(tensor.shape)}; the config's is {list(targets[name])}")
             t = quantize(tensor.to(device), scale_mode=scale_mode)
             writer.add(name, t.qdata.cpu())
             writer.add(f"{name}_scale", t.scale.cpu())
-            targets.discard(name)
+            del targets[name]
             quantized.add(name)
         else:
             writer.add(name, tensor)

@@ -1,12 +1,13 @@
 """Gated MLPs, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with SiLU (Hugging Face's Llama, Mistral, Qwen and most
 decoder models), whose product reaches ``down_proj`` quantized by one kernel.
 
-Where ``down_proj`` quantizes its input (:meth:`Backend.run_gated`: ``hybrid_sm90`` from its crossover, on cuBLASLt's
+Where ``down_proj`` quantizes its input (:func:`mxgemm.ops.run_gated`: ``hybrid_sm90`` from its crossover, on cuBLASLt's
 path and on our FP8 kernel's), one kernel reads the gate and up projections' outputs and writes the 1x128-quantized
 product ``down_proj``'s GEMM reads, where the model runs SiLU, the product and ``down_proj``'s quantizer as three
 kernels (the product written in bf16 and read back twice): the same bits (:meth:`MXFP8Linear.on_gated`). Elsewhere
-(rows the backend does not quantize, traced calls, gradients, hooks on ``act_fn`` or ``down_proj``) the model's own
-steps run.
+(rows the backend does not quantize, traced calls, gradients, hooks on ``act_fn`` or ``down_proj`` or on every module,
+an ``act_fn`` no longer SiLU or a ``down_proj`` no longer an ``MXFP8Linear``: each call checks) the model's own steps
+run.
 
 A module is taken where its class's ``forward`` is that expression (its bytecode the same as :func:`_written_so`'s or
 :func:`_returned_so`'s), ``act_fn`` is SiLU and the three projections are :class:`MXFP8Linear`. Its class becomes a
@@ -60,13 +61,19 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+def _global_hooks() -> bool:
+    """Forward hooks registered for every module (``nn.modules.module.register_module_forward_hook``)."""
+    state = nn.modules.module
+    return bool(getattr(state, "_global_forward_hooks", None) or getattr(state, "_global_forward_pre_hooks", None))
+
+
 @functools.cache
 def _gated_class(cls: type) -> type:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         down, act = self.down_proj, self.act_fn
-        if _hooked(down) or _hooked(act):
-            y = None
+        if not (_is_silu(act) and isinstance(down, MXFP8Linear)) or _hooked(down) or _hooked(act) or _global_hooks():
+            y = None  # the module changed since it was taken, or hooks would miss the steps: the model's own steps
         elif torch.compiler.is_compiling():
             y = down.traced_gated(gate, up)
         else:

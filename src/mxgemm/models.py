@@ -1,4 +1,5 @@
-"""Whole models: replace ``nn.Linear`` layers with ``MXFP8Linear`` in place and say what happened to each."""
+"""Whole models: replace ``nn.Linear`` layers with ``MXFP8Linear``, and the experts of mixture-of-experts layers with
+``MXFP8Experts``, in place, and say what happened to each."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ from .fusion import GROUPS, tally
 from .fusion import fuse as fuse_model
 from .gated import GATED
 from .linear import MXFP8Linear
+from .moe import MXFP8Experts, experts_unfit_reason
+from .resolve import explain_auto
 
 __all__ = [
     "LayerReport",
     "QuantizeReport",
     "hf_model_class",
     "linear_shapes",
+    "matches_skip",
     "quantizable_linears",
     "quantize_model",
+    "router_names",
     "skip_reason",
 ]
 
@@ -32,6 +37,7 @@ class LayerReport:
     backend: str | None  # the backend the layer got, when replaced
     recipe: str | None
     reason: str  # why it was skipped, or "" when replaced
+    kind: str = "linear"  # "linear" (an nn.Linear) or "experts" (the 3-D experts of a mixture-of-experts layer)
 
 
 @dataclass(frozen=True)
@@ -50,8 +56,14 @@ class QuantizeReport:
     def __str__(self) -> str:
         by_backend: dict[str, int] = {}
         for r in self.replaced:
-            by_backend[f"{r.backend} ({r.recipe})"] = by_backend.get(f"{r.backend} ({r.recipe})", 0) + 1
-        lines = [f"replaced {len(self.replaced)} of {len(self.layers)} linear layers"]
+            key = f"{r.backend} ({r.recipe})" + ("" if r.kind == "linear" else f", {_KINDS[r.kind]}")
+            by_backend[key] = by_backend.get(key, 0) + 1
+        counts = []
+        for kind in dict.fromkeys(["linear", *(r.kind for r in self.layers)]):
+            of_kind = [r for r in self.layers if r.kind == kind]
+            if of_kind or kind == "linear":
+                counts.append(f"{sum(r.replaced for r in of_kind)} of {len(of_kind)} {_KINDS[kind]}")
+        lines = ["replaced " + ", ".join(counts)]
         lines += [f"  {n} on {b}" for b, n in by_backend.items()]
         lines += [f"  skipped {r.name}: {r.reason}" for r in self.skipped]
         fused, kept, regimes, gated = tally(self.fusion)
@@ -64,7 +76,11 @@ class QuantizeReport:
         return "\n".join(lines)
 
 
-def _matches(name: str, patterns: str | Sequence[str]) -> bool:
+_KINDS = {"linear": "linear layers", "experts": "experts modules (mixture of experts)"}
+
+
+def matches_skip(name: str, patterns: str | Sequence[str]) -> bool:
+    """Whether ``name`` (or its last component) matches one of the glob ``patterns`` (one string is one pattern)."""
     if isinstance(patterns, str):  # skip="lm_head" is one pattern, not seven letters
         patterns = (patterns,)
     last = name.rsplit(".", 1)[-1]
@@ -79,21 +95,27 @@ def quantize_model(
     recipe: str | None = None,
     skip: Sequence[str] = ("lm_head",),
     fuse: bool = True,
+    experts: bool = True,
 ) -> QuantizeReport:
-    """Replace every ``nn.Linear`` of ``model`` by an ``MXFP8Linear`` quantized online, in place.
+    """Replace every ``nn.Linear`` of ``model`` by an ``MXFP8Linear`` quantized online, and every experts module of
+    a mixture of experts (transformers' 3-D ``gate_up_proj`` / ``down_proj`` experts) by an ``MXFP8Experts``, in
+    place.
 
     ``skip``: names or glob patterns, matched against the full module name and its last component. Layers whose
-    ``in_features`` is not a multiple of 32 stay as they are; the report says so. A named ``backend`` that cannot
-    run raises for the first layer it cannot take, as everywhere in mxgemm. ``fuse``: then make each layer's q, k
-    and v projections, and its gate and up projections, run as one, and its gated MLP hand ``down_proj`` the
-    product quantized in one kernel (:func:`mxgemm.fusion.fuse`).
+    ``in_features`` is not a multiple of 32, routers (the linear layers of a module that holds ``experts``) and
+    experts modules :class:`MXFP8Experts` cannot take stay as they are; the report says which and why, per kind. A
+    named ``backend`` that cannot run raises for the first layer it cannot take, as everywhere in mxgemm.
+    ``fuse``: then make each layer's q, k and v projections, and its gate and up projections, run as one, and its
+    gated MLP hand ``down_proj`` the product quantized in one kernel (:func:`mxgemm.fusion.fuse`). ``experts``: False
+    leaves every experts module as it is (the report says so).
     """
     reports = []
+    routers = router_names(model)
     # names, not modules: each nn.Linear (and its bf16 weight) is freed as soon as its replacement is in place
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     for name in names:
         module = model.get_submodule(name)
-        reason = skip_reason(name, module, skip)
+        reason = skip_reason(name, module, skip, routers)
         if reason:
             reports.append(LayerReport(name, False, None, None, reason))
             continue
@@ -101,14 +123,55 @@ def quantize_model(
         del module
         model.set_submodule(name, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
+    reports += _quantize_experts(model, backend, scale_mode, recipe, skip if experts else ("*",))
     return QuantizeReport(tuple(reports), tuple(fuse_model(model)) if fuse else ())
 
 
-def skip_reason(name: str, module: nn.Linear, skip: Sequence[str]) -> str:
+def _quantize_experts(model: nn.Module, backend, scale_mode, recipe, skip) -> list[LayerReport]:
+    """Each experts module of ``model`` replaced by an :class:`MXFP8Experts`, or left with the reason. Where no
+    backend but the emulation runs grouped weights on a GPU (``auto``), the experts stay as they are: the emulated
+    experts would run many times slower than bf16's."""
+    reports = []
+    for name in [n for n, m in model.named_modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]:
+        module = model.get_submodule(name)
+        if isinstance(module, MXFP8Experts):
+            continue
+        reason = "matches skip" if matches_skip(name, skip) else experts_unfit_reason(module)
+        device = module.gate_up_proj.device
+        if not reason and (backend or "auto") == "auto" and device.type == "cuda":
+            chosen = explain_auto(device, recipe=recipe, grouped=True).backend.name
+            if chosen == "emulation":
+                reason = "no backend runs grouped weights fast on this GPU yet (name backend='emulation' to emulate)"
+        if reason:
+            reports.append(LayerReport(name, False, None, None, reason, kind="experts"))
+            continue
+        experts = MXFP8Experts.from_experts(module, backend=backend, scale_mode=scale_mode, recipe=recipe)
+        del module
+        model.set_submodule(name, experts)
+        reports.append(LayerReport(name, True, experts.backend, experts.recipe, "", kind="experts"))
+    return reports
+
+
+def router_names(model: nn.Module) -> frozenset[str]:
+    """The linear layers that route a mixture of experts: those a module holding ``experts`` holds itself (``gate``,
+    ``shared_expert_gate``), which stay in full precision."""
+    return frozenset(
+        f"{owner}.{child}" if owner else child
+        for owner, module in model.named_modules()
+        if isinstance(getattr(module, "experts", None), nn.Module)
+        for child, sub in module.named_children()
+        if type(sub) is nn.Linear
+    )
+
+
+def skip_reason(name: str, module: nn.Linear, skip: Sequence[str], routers: frozenset[str] = frozenset()) -> str:
     """Why :func:`quantize_model` (and ``mxgemm quantize``) leave a linear layer as it is, or "" when they quantize
-    it: its name matches ``skip``, or its ``in_features`` is not a multiple of 32."""
-    if _matches(name, skip):
+    it: its name matches ``skip``, it routes a mixture of experts (``routers``: :func:`router_names`), or its
+    ``in_features`` is not a multiple of 32."""
+    if matches_skip(name, skip):
         return "matches skip"
+    if name in routers:
+        return "routes a mixture of experts (kept in full precision)"
     if module.in_features % BLOCK_SIZE:
         return f"in_features={module.in_features} is not a multiple of {BLOCK_SIZE}"
     return ""
@@ -117,7 +180,8 @@ def skip_reason(name: str, module: nn.Linear, skip: Sequence[str]) -> str:
 def quantizable_linears(model: nn.Module, skip: Sequence[str]) -> list[tuple[str, nn.Linear]]:
     """The ``nn.Linear`` layers of ``model`` that :func:`quantize_model` replaces (none of :func:`skip_reason`'s),
     with their names."""
-    return [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not skip_reason(n, m, skip)]
+    routers = router_names(model)
+    return [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not skip_reason(n, m, skip, routers)]
 
 
 def hf_model_class(config):

@@ -120,9 +120,9 @@ class MXFP8HfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         config = self.quantization_config
         if not self.pre_quantized:
-            quantize_model(
-                model, backend=config.backend, scale_mode=config.scale_mode, recipe=config.recipe, skip=config.skip
-            )
+            # experts stay as they are: this route does not save and load MXFP8Experts yet
+            options = {"backend": config.backend, "scale_mode": config.scale_mode, "recipe": config.recipe}
+            quantize_model(model, skip=config.skip, experts=False, **options)
             return model
         loaded = {name: module for name, module in model.named_modules() if isinstance(module, _MXWeights)}
         checked = {name: module.checked(name) for name, module in loaded.items()}  # all, before the model changes

@@ -1,0 +1,156 @@
+"""The routed experts of a mixture-of-experts layer: ``moe_experts`` (functional) and ``MXFP8Experts`` (the module
+that takes the place of transformers' 3-D experts modules).
+
+A call sorts the token copies by expert, runs the experts' gate/up projection (one grouped call), ``silu(gate) *
+up``, the down projection (one grouped call), and combines each token's copies weighted by the router, in a fixed
+order: deterministic, no host synchronisation and no shape that depends on the routing, so that a decode step
+captures in a CUDA graph and compiles with ``fullgraph=True``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .backends import get_backend
+from .format import quantize
+from .grouped import PreparedGroupedWeight, grouped_linear, prepare_grouped_weight
+
+__all__ = ["MXFP8Experts", "experts_unfit_reason", "moe_experts"]
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: PreparedGroupedWeight,
+    down: PreparedGroupedWeight,
+) -> torch.Tensor:
+    """``x`` [T, H] (bf16/fp16; fp32 runs in bf16 and answers fp32), each token sent to ``topk_ids`` [T, k] (int,
+    < E) with ``topk_weights`` [T, k]: ``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for
+    ``e = topk_ids[t, j]``, [T, H]. ``gate_up``: the experts' [E, 2I, H] (gate rows first, then up, as transformers
+    stacks them); ``down``: [E, H, I]. The products and the weighted sum round to the activations' dtype, as
+    transformers' experts round them."""
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_ids and topk_weights must both be [T, k] for x of {x.shape[0]} tokens, got "
+            f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
+        )
+    if gate_up.experts != down.experts or gate_up.out_features != 2 * down.in_features:
+        raise ValueError(
+            f"gate_up [{gate_up.experts}, {gate_up.out_features}, {gate_up.in_features}] and down [{down.experts}, "
+            f"{down.out_features}, {down.in_features}] are not one layer's experts"
+        )
+    dtype = x.dtype
+    x = x if dtype in (torch.bfloat16, torch.float16) else x.to(torch.bfloat16)  # fp32 models: bf16 activations
+    tokens, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # token copies sorted by expert, each expert's in token order
+    counts = torch.zeros(gate_up.experts, dtype=torch.int64, device=x.device).index_add_(
+        0, flat.long(), torch.ones_like(flat, dtype=torch.int64)
+    )
+    offsets = counts.cumsum(0).to(torch.int32)
+    rows = x[order // k]
+    gate, up = grouped_linear(rows, gate_up, offsets).chunk(2, dim=-1)
+    y = grouped_linear(nn.functional.silu(gate) * up, down, offsets)
+    unsorted = torch.empty_like(y).index_copy_(0, order, y).reshape(tokens, k, -1)
+    return (unsorted * topk_weights.to(x.dtype).unsqueeze(-1)).sum(1).to(dtype)
+
+
+def experts_unfit_reason(module: nn.Module) -> str:
+    """Why ``module`` is not an experts module :class:`MXFP8Experts` takes the place of, or "" where it is: 3-D
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] parameters without biases, SiLU between them, K (H and
+    I) a multiple of 32."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return "no 3-D gate_up_proj and down_proj tensors"
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not 3-D"
+    e, two_i, h = gate_up.shape
+    if down.shape != (e, h, two_i // 2) or two_i % 2:
+        return f"down_proj {tuple(down.shape)} does not match gate_up_proj {tuple(gate_up.shape)} as [E, H, I]"
+    if any(getattr(module, b, None) is not None for b in ("gate_up_proj_bias", "down_proj_bias")):
+        return "its projections have biases"
+    act = type(getattr(module, "act_fn", None)).__name__
+    if act not in ("SiLU", "SiLUActivation"):
+        return f"its activation is {act}, not SiLU"
+    if h % 32 or (two_i // 2) % 32:
+        return f"hidden size {h} or expert width {two_i // 2} is not a multiple of 32"
+    return ""
+
+
+class MXFP8Experts(nn.Module):
+    """The experts of one mixture-of-experts layer on prepared grouped weights, called as transformers calls its 3-D
+    experts modules: ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``
+    (:func:`moe_experts`). ``gate_up_proj`` / ``down_proj`` and their ``_scale`` are the MX tensors rebuilt from the
+    prepared weights (what they compute), as in its state dict."""
+
+    def __init__(self, gate_up: PreparedGroupedWeight, down: PreparedGroupedWeight):
+        super().__init__()
+        if gate_up.experts != down.experts or gate_up.out_features != 2 * down.in_features:
+            raise ValueError("gate_up and down are not one layer's experts ([E, 2I, H] and [E, H, I])")
+        self.gate_up, self.down = gate_up, down
+        self.num_experts = gate_up.experts
+
+    @classmethod
+    def from_experts(
+        cls,
+        module: nn.Module,
+        *,
+        backend: str | None = None,
+        scale_mode: str = "floor",
+        recipe: str | None = None,
+    ) -> MXFP8Experts:
+        """Quantize an experts module's ``gate_up_proj`` and ``down_proj`` (:func:`experts_unfit_reason` says which
+        it takes) and prepare them on their device."""
+        reason = experts_unfit_reason(module)
+        if reason:
+            raise TypeError(f"{type(module).__name__} cannot become MXFP8Experts: {reason}")
+
+        def prepared(weight: torch.Tensor) -> PreparedGroupedWeight:
+            t = quantize(weight.detach(), scale_mode=scale_mode)
+            return prepare_grouped_weight(t.qdata, t.scale, backend=backend, recipe=recipe)
+
+        return cls(prepared(module.gate_up_proj), prepared(module.down_proj))
+
+    @property
+    def backend(self) -> str:
+        return self.gate_up.backend
+
+    @property
+    def recipe(self) -> str:
+        return self.gate_up.recipe
+
+    def _exported(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        return get_backend(weight.backend).export_grouped_mx(weight)
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        return self._exported(self.gate_up)[0]
+
+    @property
+    def gate_up_proj_scale(self) -> torch.Tensor:
+        return self._exported(self.gate_up)[1]
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return self._exported(self.down)[0]
+
+    @property
+    def down_proj_scale(self) -> torch.Tensor:
+        return self._exported(self.down)[1]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, weight in (("gate_up_proj", self.gate_up), ("down_proj", self.down)):
+            qdata, scale = self._exported(weight)
+            destination[prefix + name], destination[prefix + name + "_scale"] = qdata, scale
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up, self.down)
+
+    def extra_repr(self) -> str:
+        e, two_i, h = self.num_experts, self.gate_up.out_features, self.gate_up.in_features
+        return f"experts={e}, hidden={h}, width={two_i // 2}, backend={self.backend}, recipe={self.recipe}"

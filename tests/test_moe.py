@@ -1,0 +1,228 @@
+"""The routed experts of a mixture of experts on CPU: ``moe_experts`` equal to each token's experts run one by one
+through their dense calls, ``MXFP8Experts`` in place of transformers' 3-D experts in tiny random Qwen3-MoE, Qwen2-MoE
+and Mixtral models (routers kept), compile fullgraph, and what is refused by name."""
+
+import copy
+import re
+
+import pytest
+import torch
+from helpers import random_act, sqnr_db, tiny_qwen3_moe
+from torch import nn
+
+import mxgemm
+from mxgemm.moe import MXFP8Experts, experts_unfit_reason
+
+transformers = pytest.importorskip("transformers")
+
+E, H, I = 4, 64, 96  # noqa: E741 (the expert width, as the papers name it)
+
+
+def _experts(seed=0):
+    torch.manual_seed(seed)
+    gate_up = torch.randn(E, 2 * I, H) * 0.05
+    down = torch.randn(E, H, I) * 0.05
+    pair = [mxgemm.quantize(w) for w in (gate_up, down)]
+    return [mxgemm.prepare_grouped_weight(t.qdata, t.scale, backend="emulation") for t in pair], pair
+
+
+def _routing(tokens, k, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "one expert":
+        ids = torch.full((tokens, k), 2, dtype=torch.int64)
+        ids[:, 1:] = torch.randint(0, E, (tokens, k - 1), generator=g)
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g).softmax(-1)
+    return ids, weights
+
+
+@pytest.mark.parametrize("tokens, kind", [(1, "random"), (7, "random"), (9, "one expert")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_moe_experts_is_each_tokens_experts_run_one_by_one(tokens, kind, dtype):
+    (gate_up, down), (gq, dq) = _experts()
+    x = random_act(tokens, H, dtype=dtype)
+    ids, weights = _routing(tokens, 2, kind)
+    y = mxgemm.moe_experts(x, ids, weights, gate_up, down)
+    assert y.shape == (tokens, H) and y.dtype == dtype and torch.isfinite(y).all()
+    dense = {
+        (name, e): mxgemm.prepare_weight(t.qdata[e], t.scale[e], backend="emulation")
+        for name, t in (("gate_up", gq), ("down", dq))
+        for e in range(E)
+    }
+    for t in range(tokens):
+        outs = []
+        for j in range(2):
+            e = int(ids[t, j])
+            gate, up = mxgemm.linear(x[t : t + 1], dense["gate_up", e]).chunk(2, -1)
+            outs.append(mxgemm.linear(nn.functional.silu(gate) * up, dense["down", e])[0])
+        expected = (torch.stack(outs) * weights[t].to(dtype).unsqueeze(-1)).sum(0)
+        assert torch.equal(y[t], expected), t
+
+
+def test_fp32_activations_run_in_bf16_and_answer_fp32():
+    (gate_up, down), _ = _experts()
+    x = random_act(5, H, dtype=torch.float32)
+    ids, weights = _routing(5, 2, "random")
+    y = mxgemm.moe_experts(x, ids, weights, gate_up, down)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, mxgemm.moe_experts(x.bfloat16(), ids, weights, gate_up, down).float())
+
+
+def test_compile_fullgraph_matches_eager():
+    (gate_up, down), _ = _experts()
+    experts = MXFP8Experts(gate_up, down)
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+    x = random_act(6, H)
+    for seed in range(3):  # other routings of the same tokens: the same graph
+        ids, weights = _routing(6, 2, "random", seed)
+        assert torch.equal(compiled(x, ids, weights), experts(x, ids, weights))
+
+
+def _tiny(kind):
+    common = dict(vocab_size=128, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    if kind == "qwen3_moe":
+        return tiny_qwen3_moe(hidden=H, width=I, experts=E).float()
+    if kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**common, intermediate_size=128, moe_intermediate_size=I, num_experts=E,
+                                             num_experts_per_tok=2, shared_expert_intermediate_size=64)  # fmt: skip
+        return transformers.Qwen2MoeForCausalLM(config)
+    config = transformers.MixtralConfig(**common, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(config)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_quantize_model_takes_the_experts_and_keeps_the_routers(kind):
+    torch.manual_seed(0)
+    model = _tiny(kind).to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    report = mxgemm.quantize_model(model, backend="emulation")
+    experts = [n for n, m in model.named_modules() if isinstance(m, MXFP8Experts)]
+    assert experts == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert "2 of 2 experts modules (mixture of experts)" in str(report)
+    routers = [m for n, m in model.named_modules() if n.endswith(("mlp.gate", "shared_expert_gate"))]
+    assert routers and all(not isinstance(m, mxgemm.MXFP8Linear) for m in routers)
+    if kind == "qwen2_moe":  # the shared expert is a dense MLP: quantized; its gate routes: kept, and said so
+        assert isinstance(model.model.layers[0].mlp.shared_expert.gate_proj, mxgemm.MXFP8Linear)
+        assert "skipped model.layers.0.mlp.shared_expert_gate: routes a mixture of experts" in str(report)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, expected = model(ids).logits, reference(ids).logits
+    assert torch.isfinite(logits).all() and sqnr_db(logits.float(), expected.float()) >= 20
+    state = model.state_dict()
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.float8_e4m3fn
+    assert state["model.layers.0.mlp.experts.gate_up_proj_scale"].shape == (E, 2 * I, H // 32)
+    assert state["model.layers.0.mlp.experts.down_proj"].shape == (E, H, I)
+
+
+def test_experts_mxgemm_cannot_take_are_left_with_the_reason():
+    torch.manual_seed(0)
+    model = _tiny("qwen3_moe").to(torch.bfloat16)
+    model.model.layers[1].mlp.experts.act_fn = nn.GELU()
+    report = mxgemm.quantize_model(model, backend="emulation", skip=("lm_head", "model.layers.0.mlp.experts"))
+    assert not any(isinstance(m, MXFP8Experts) for m in model.modules())
+    text = str(report)
+    assert "replaced 8 of 9 linear layers, 0 of 2 experts modules" in text
+    assert "skipped model.layers.0.mlp.experts: matches skip" in text
+    assert "skipped model.layers.1.mlp.experts: its activation is GELU, not SiLU" in text
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda m: setattr(m, "gate_up_proj_bias", nn.Parameter(torch.zeros(E, 2 * I))), "its projections have biases"),
+        (lambda m: setattr(m, "down_proj", nn.Parameter(torch.zeros(E, H, 7))), "does not match gate_up_proj"),
+        (lambda m: setattr(m, "act_fn", nn.ReLU()), "its activation is ReLU, not SiLU"),
+    ],
+)
+def test_unfit_experts_are_named_with_the_reason(change, reason):
+    experts = _tiny("qwen3_moe").model.layers[0].mlp.experts
+    assert experts_unfit_reason(experts) == ""
+    change(experts)
+    assert reason in experts_unfit_reason(experts)
+    with pytest.raises(TypeError, match=f"cannot become MXFP8Experts: .*{re.escape(reason)}"):
+        MXFP8Experts.from_experts(experts, backend="emulation")
+
+
+def test_save_checkpoint_writes_the_experts_per_expert(tmp_path):
+    """As compressed-tensors and ModelOpt store experts: each expert's gate, up and down projections with their
+    scales, the same bits the module computes with; the experts are not in ignore, the routers are."""
+    import json
+
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = _tiny("qwen3_moe").to(torch.bfloat16)
+    mxgemm.quantize_model(model, backend="emulation")
+    mxgemm.save_checkpoint(model, tmp_path, config=model.config.to_dict())
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    experts = model.model.layers[1].mlp.experts
+    gate_up, scale = experts.gate_up_proj, experts.gate_up_proj_scale
+    prefix = "model.layers.1.mlp.experts"
+    for e in range(E):
+        assert torch.equal(stored[f"{prefix}.{e}.gate_proj.weight"].view(torch.uint8), gate_up[e, :I].view(torch.uint8))
+        assert torch.equal(stored[f"{prefix}.{e}.up_proj.weight_scale"], scale[e, I:])
+        assert stored[f"{prefix}.{e}.down_proj.weight"].shape == (H, I)
+    assert not any(k.endswith(("gate_up_proj", "gate_up_proj_scale")) for k in stored)
+    ignore = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.1.mlp.gate" in ignore and not any("experts" in n for n in ignore)
+
+
+@pytest.mark.parametrize("experts_quantized", [True, False])
+def test_a_moe_checkpoint_loads_back_into_the_same_model(tmp_path, experts_quantized):
+    """save_checkpoint's per-expert experts load back with load_checkpoint: MXFP8 ones into MXFP8Experts of the
+    same bits, bf16 ones stacked into the model's own 3-D experts; the logits are the saved model's."""
+    torch.manual_seed(0)
+    model = _tiny("qwen3_moe").to(torch.bfloat16)
+    mxgemm.quantize_model(model, backend="emulation", experts=experts_quantized)
+    mxgemm.save_checkpoint(model, tmp_path, config=model.config.to_dict())
+    fresh = _tiny("qwen3_moe").to(torch.bfloat16)
+    report = mxgemm.load_checkpoint(fresh, tmp_path, backend="emulation")
+    assert (f"{2 if experts_quantized else 0} MXFP8 experts modules" in str(report)) is experts_quantized
+    kinds = {type(m).__name__ for n, m in fresh.named_modules() if n.endswith("mlp.experts")}
+    assert kinds == {"MXFP8Experts" if experts_quantized else "Qwen3MoeExperts"}
+    if experts_quantized:
+        got, saved = fresh.model.layers[0].mlp.experts, model.model.layers[0].mlp.experts
+        assert torch.equal(got.gate_up_proj.view(torch.uint8), saved.gate_up_proj.view(torch.uint8))
+        assert torch.equal(got.down_proj_scale, saved.down_proj_scale)
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+
+
+def test_a_moe_checkpoint_missing_an_expert_is_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    model = _tiny("qwen3_moe").to(torch.bfloat16)
+    mxgemm.quantize_model(model, backend="emulation")
+    mxgemm.save_checkpoint(model, tmp_path, config=model.config.to_dict())
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    fresh = _tiny("qwen3_moe").to(torch.bfloat16)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(mxgemm.CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight is missing"):
+        mxgemm.load_checkpoint(fresh, tmp_path, backend="emulation")
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+
+@pytest.mark.parametrize("skip_experts", [False, True])
+def test_mxgemm_quantize_of_a_moe_model_loads_as_quantize_model_computes(tmp_path, skip_experts):
+    """`mxgemm quantize` (per-expert MXFP8 experts, or bf16 ones with --skip) and load_checkpoint give the model that
+    quantize_model makes of the same weights: the same logits."""
+    from mxgemm.cli import main
+
+    torch.manual_seed(0)
+    _tiny("qwen3_moe").to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    skip = ["--skip", "lm_head", "*.experts"] if skip_experts else []
+    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "mx"), *skip]) == 0
+    auto = transformers.AutoModelForCausalLM
+    reference = auto.from_pretrained(tmp_path / "src")
+    mxgemm.quantize_model(reference, backend="emulation", experts=not skip_experts)
+    loaded = auto.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "src"), dtype=torch.bfloat16)
+    mxgemm.load_checkpoint(loaded, tmp_path / "mx", backend="emulation")
+    assert isinstance(loaded.model.layers[1].mlp.experts, MXFP8Experts) is not skip_experts
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
