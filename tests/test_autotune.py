@@ -120,6 +120,19 @@ def test_metadata_mismatch_is_not_used_nor_overwritten(tmp_path, weight, caplog)
     assert (tmp_path / "tuning.json").read_text() == before
 
 
+def test_a_file_without_an_environment_record_is_not_used(tmp_path, weight, caplog):
+    """Entries with no record of the environment they were timed in are not followed: they may come from any GPU."""
+    b = FakeTunable()
+    _tuner(tmp_path, b).tune(b, weight, 16, torch.bfloat16)
+    data = json.loads((tmp_path / "tuning.json").read_text())
+    del data["metadata"]
+    (tmp_path / "tuning.json").write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="mxgemm"):
+        tuner = _tuner(tmp_path, b)
+    assert "no environment record" in tuner.cache.status and "not used, not overwritten" in caplog.text
+    assert tuner.lookup(b, weight, 16, torch.bfloat16) is None
+
+
 def test_untunable_backend_is_never_timed(tmp_path, weight):
     def no_timing(fn):
         raise AssertionError("emulation has no tactics")

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import random_act
 from torch import nn
 
 import mxgemm
@@ -71,6 +72,21 @@ def test_groups_compute_what_each_layer_does_alone(recipe, bias):
             assert torch.equal(fused(x), alone(x)), m
             q = fused.self_attn["q_proj"]
             assert q.shared[0].enabled and not q.shared[0]._pending  # every member took its output
+
+
+def test_members_of_different_recipes_are_not_fused():
+    """One joined weight has one recipe: layers of one input quantized with different recipes run each alone."""
+    attn = nn.Module()
+    for name, recipe in (("q_proj", "w8a16"), ("k_proj", "w8a8-mx"), ("v_proj", "w8a16")):
+        linear = nn.Linear(96, 64, bias=False).to(torch.bfloat16)
+        setattr(attn, name, mxgemm.MXFP8Linear.from_linear(linear, backend="emulation", recipe=recipe))
+    model = nn.ModuleDict({"self_attn": attn})
+    x = random_act(3, 96)
+    alone = [getattr(attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")]
+    assert fusion.fuse_shared_inputs(model) == [
+        "self_attn: q_proj, k_proj, v_proj: not fused (backend, recipe, input size or device differ)"
+    ]
+    assert all(torch.equal(getattr(attn, n)(x), y) for n, y in zip(("q_proj", "k_proj", "v_proj"), alone, strict=True))
 
 
 def test_inputs_of_many_rows_run_each_layer_alone(monkeypatch):

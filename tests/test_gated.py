@@ -97,6 +97,29 @@ def test_only_the_gated_expression_with_silu_is_taken():
         fusion.JOINED_MAX_ROWS, None, None, None]  # fmt: skip
 
 
+def test_transformers_activations_other_than_silu_are_not_taken():
+    """transformers names many activations ``...Activation``: only its SiLU is SiLU."""
+    from transformers import activations
+
+    class Gated(nn.Module):
+        def __init__(self, act):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(64, 96), nn.Linear(64, 96), nn.Linear(96, 64)
+            self.act_fn = act
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    acts = {
+        "silu": activations.SiLUActivation(),
+        "gelu": activations.GELUActivation(),
+        "fast": activations.FastGELUActivation(),
+    }
+    model = nn.ModuleDict({name: Gated(act) for name, act in acts.items()})
+    report = mxgemm.quantize_model(model, backend="emulation")
+    assert [line for line in report.fusion if line.endswith(GATED)] == [f"silu{GATED}"]
+
+
 def test_the_models_steps_run_with_hooks_gradients_and_traced(gated_calls):
     plain, fused, _ = _pair()
     ids = torch.randint(0, 500, (1, 300))
@@ -342,6 +365,19 @@ def test_gated_mlps_on_the_gpu(gated_calls, monkeypatch):
                 assert torch.equal(y, model(ids).logits), (planned, rows)
                 monkeypatch.setattr(MXFP8Linear, "on_gated", on_gated)
     assert paths == {hybrid_sm90.Path.SMALL_M, hybrid_sm90.Path.FP8, hybrid_sm90.Path.CUBLAS}
+
+
+def test_the_gated_op_computes_silu_of_gate_times_up_where_no_route_runs():
+    """Where the backend plans no gated route (the exact recipe here), ``mxgemm::linear_gated`` computes the product
+    itself: silu(gate) * up, in that order."""
+    from mxgemm.ops import linear_gated_op
+
+    q, s = random_mx_weight(64, 96)
+    w = mxgemm.prepare_weight(q, s, backend="emulation", recipe="w8a16")
+    gate, up = random_act(5, 96), random_act(5, 96, seed=3)
+    y = linear_gated_op(gate, up, w.op_tensors, None, w.backend, w.op_meta)
+    assert torch.equal(y, mxgemm.linear(nn.functional.silu(gate) * up, w))
+    assert not torch.equal(y, mxgemm.linear(nn.functional.silu(up) * gate, w))
 
 
 def test_a_gated_model_pickles_and_copies_as_gated(gated_calls, tmp_path):

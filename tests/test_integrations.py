@@ -128,6 +128,20 @@ def test_from_pretrained_quantizes_online_through_the_registered_method(bf16_lla
     _assert_mxgemm_layers_and_same_logits(model, reference, dtype, seed=1)
 
 
+@pytest.mark.parametrize("scale_mode", ["rceil", "compressed-tensors"])
+def test_the_online_route_quantizes_with_the_scale_mode_it_is_given(bf16_llama, scale_mode):
+    """MXFP8Config(scale_mode=...) reaches the quantizer: each layer's scales are that rule's (and not floor's)."""
+    from mxgemm.integrations import MXFP8Config
+
+    auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(bf16_llama, quantization_config=MXFP8Config(scale_mode=scale_mode))
+    plain = auto.from_pretrained(bf16_llama)
+    weight = plain.model.layers[0].mlp.down_proj.weight.detach()
+    got = model.model.layers[0].mlp.down_proj.weight_scale
+    assert torch.equal(got, mxgemm.quantize(weight, scale_mode=scale_mode).scale)
+    assert not torch.equal(got, mxgemm.quantize(weight, scale_mode="floor").scale)
+
+
 def test_a_saved_quantized_model_loads_back_into_mxgemm_layers(bf16_llama, tmp_path):
     from mxgemm.integrations import MXFP8Config
 

@@ -98,6 +98,19 @@ def test_state_dict_round_trip_re_prepares():
     assert set(a.state_dict()) == {"weight", "weight_scale", "bias"}
 
 
+@pytest.mark.parametrize("half", ["weight", "weight_scale"])
+def test_half_of_a_weight_and_scale_pair_is_refused(half):
+    """A state dict with the weight but not its scale (or the other way round) would leave the layer built from one
+    new tensor and one old: refused, even where missing keys are allowed, and the layer keeps its weight."""
+    a = mxgemm.MXFP8Linear.from_linear(_linear(64, 96, seed=1), backend="emulation")
+    b = mxgemm.MXFP8Linear.from_linear(_linear(64, 96, seed=2), backend="emulation")
+    x = random_act(2, 96)
+    before = b(x)
+    with pytest.raises(RuntimeError, match="weight and weight_scale must be loaded together"):
+        b.load_state_dict({half: a.state_dict()[half]}, strict=False)
+    assert torch.equal(b(x), before)
+
+
 def test_module_dtype_casts_keep_the_quantized_weight():
     layer = mxgemm.MXFP8Linear.from_linear(_linear(64, 96, dtype=torch.float32), backend="emulation")
     q = layer.weight.clone()

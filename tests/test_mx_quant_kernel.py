@@ -90,3 +90,21 @@ def test_errors():
         mx_quantize(torch.zeros(2, 40, device=DEVICE))
     with pytest.raises(ValueError, match="unsupported layout"):
         mx_quantize(torch.zeros(2, 32, device=DEVICE), layout="4x4")
+
+
+@pytest.mark.parametrize("elem_dtype", [E4M3, E5M2])
+def test_rceil_at_the_bottom_of_the_exponent_range(elem_dtype):
+    """Blocks whose amax / max_elem falls among fp32's subnormals: rounded up to 2^-127 (code 0) only up to exactly
+    2^-127, above it to 2^-126 (code 1), as the plain-torch rule does."""
+    from mxgemm.kernels.mx_quant import mx_quantize
+
+    max_elem = torch.finfo(elem_dtype).max
+    amax = [max_elem * m * 2.0**e for e in range(-136, -119) for m in (1.0, 1.25, 1.5, 1.75)]
+    x = torch.randn(len(amax), 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64).clamp(-1, 1)
+    x[:, 7] = 1.0
+    x = (x * torch.tensor(amax, dtype=torch.float64).unsqueeze(1)).float().to(DEVICE)
+    ref = mxgemm.quantize(x, scale_mode="rceil", elem_dtype=elem_dtype)
+    assert {0, 1} <= set(ref.scale.flatten().tolist())  # the boundary is among the probes
+    q, s = mx_quantize(x, scale_mode="rceil", elem_dtype=elem_dtype)
+    assert torch.equal(s, ref.scale)
+    assert torch.equal(q.view(torch.uint8), ref.qdata.view(torch.uint8))

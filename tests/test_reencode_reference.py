@@ -71,3 +71,19 @@ def test_rceil_at_the_bottom_of_the_exponent_range(elem_dtype):
     centre = len(steps) + 8  # max_elem * 2^-127 exactly: descale 2^-127 (mantissa 0x400000) keeps code 0
     codes = t.scale[:, 0].tolist()
     assert codes[centre - 1 : centre + 2] == [0, 0, 1] and codes[-1] == 2 and codes[0] == 0
+
+
+def test_chunks_of_rows_keep_whole_128_row_groups(monkeypatch):
+    """The re-encoding works through chunks of rows (``_CHUNK_ELEMENTS``); with chunks far smaller than the weight
+    and K not a multiple of 128, every chunk still holds whole 128-row groups: the block-by-block reference's bits."""
+    from mxgemm import block128
+
+    n, k = 300, 160
+    monkeypatch.setattr(block128, "_CHUNK_ELEMENTS", k * 130)  # about 130 rows a chunk
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(n, k, generator=g) * 60).to(torch.float8_e4m3fn)
+    s = (torch.randint(100, 127, (n, k // 32), generator=g)).to(torch.uint8)
+    out, codes = reference_reencode(q, s)
+    block = reencode_block128(q, s)
+    assert torch.equal(block.qdata.view(torch.uint8), out.view(torch.uint8))
+    assert torch.equal(block.scale, torch.exp2(codes.float() - 127))

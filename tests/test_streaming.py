@@ -76,6 +76,20 @@ checkpoint_io = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(checkpoint_io)
 
 
+@pytest.mark.parametrize("scale_mode", ["rceil", "compressed-tensors"])
+def test_the_converter_quantizes_with_the_scale_mode_it_is_given(tmp_path, scale_mode):
+    """`mxgemm quantize --scale-mode` reaches the quantizer: the stored bytes are that rule's (and not floor's)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config())
+    model.save_pretrained(tmp_path / "model")
+    assert main(["quantize", str(tmp_path / "model"), str(tmp_path / "mx"), "--scale-mode", scale_mode]) == 0
+    stored = load_file(str(tmp_path / "mx" / "model.safetensors"))
+    weight = model.model.layers[0].mlp.down_proj.weight.detach()
+    got = stored["model.layers.0.mlp.down_proj.weight_scale"]
+    assert torch.equal(got, mxgemm.quantize(weight, scale_mode=scale_mode).scale)
+    assert not torch.equal(got, mxgemm.quantize(weight, scale_mode="floor").scale)
+
+
 def _big_source(src, layers=32, hidden=1024, inter=2816) -> int:
     """A Llama-shaped bf16 source of about 0.76 GB in one shard per layer, written without building a model; its
     bytes."""
