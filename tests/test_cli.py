@@ -6,6 +6,7 @@ import sys
 
 import torch
 
+import mxgemm
 from mxgemm.cli import main
 
 
@@ -122,3 +123,69 @@ def test_dot_scaled_runs_in_a_pass_of_its_own():
     assert [r.us["dot_scaled"] for r in rows] == [128.0, None]
     assert rows[0].notes == [] and rows[1].notes == ["dot_scaled faulted at M=2"]
     assert seen == ["dot_scaled M=1 N=8 K=16", "dot_scaled M=2 N=8 K=16"]
+
+
+def test_version_bare_command_and_defaults_in_help(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"mxgemm {mxgemm.__version__}"
+    assert main([]) == 0  # bare: the help, not an error
+    assert "{info,bench,quantize,tune}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: MXFP8)" in text and "(default: lm_head)" in text and "(default: 5GB)" in text
+
+
+def _model_dir(tmp_path):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def test_quantize_mistakes_are_one_line_before_anything_is_written(tmp_path, capsys):
+    """A size without a unit (5 would be 5 bytes: hundreds of shards), an infinite size, a --skip pattern that
+    matches nothing, a CUDA device this torch has not: one line each, and no output folder."""
+    src = _model_dir(tmp_path)
+    cases = {
+        ("--max-shard-size", "5"): "give a size with its unit",
+        ("--max-shard-size", "inf"): "give a size with its unit",
+        ("--max-shard-size", "infGB"): "must be a finite size",
+        ("--skip", "lm_head", "nothing_like_this*"): "skip pattern 'nothing_like_this*' matches no linear layer",
+    }
+    if not torch.cuda.is_available():
+        cases["--device", "cuda"] = "sees no CUDA GPU; use --device cpu"
+    for args, message in cases.items():
+        assert main(["quantize", str(src), str(tmp_path / "out"), *args]) == 2
+        out = capsys.readouterr().out
+        assert message in out and "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_the_output_follows_the_umask(tmp_path):
+    """The checkpoint is written in a private staging folder, then moved into place with the umask's mode."""
+    import os
+    import stat
+
+    src = _model_dir(tmp_path)
+    old = os.umask(0o022)
+    try:
+        assert main(["quantize", str(src), str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="no model folder"):
+        main(["--debug", "quantize", str(tmp_path / "missing"), str(tmp_path / "out")])

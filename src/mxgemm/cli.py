@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -166,6 +168,8 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
 
     src, out = Path(args.model_dir).resolve(), Path(args.out_dir).resolve()
     _check_quantize_paths(src, out, args.force)
+    max_shard_bytes = _parse_size(args.max_shard_size)
+    _check_device(args.device)
     if not _have_transformers(console, "quantize"):
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -180,12 +184,16 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
                 staging,
                 scheme=args.scheme,
                 scale_mode=args.scale_mode,
-                skip=tuple(args.skip),
+                skip=tuple(getattr(args, "skip", ("lm_head",))),
+                skip_must_match=hasattr(args, "skip"),
                 device=args.device,
-                max_shard_bytes=_parse_size(args.max_shard_size),
+                max_shard_bytes=max_shard_bytes,
                 progress=lambda nbytes, total: bar.update(task, total=total, advance=nbytes),
             )
         _move_into_place(staging, out)
+        umask = os.umask(0)
+        os.umask(umask)
+        out.chmod(0o777 & ~umask)  # the staging folder was made private; the output follows the umask
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -194,10 +202,19 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _check_device(name: str) -> None:
+    """``--device``: a device torch knows and has here, or a one-line error."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device (cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
+
+
 def _parse_size(text: str) -> int:
-    """ "5GB", "500MB", "10KiB", "1000" -> bytes."""
+    """ "5GB", "500MB", "10KiB", "1000B" -> bytes; a number without a unit is refused (5 would be 5 bytes)."""
     units = {
-        "": 1,
         "B": 1,
         "KB": 10**3,
         "MB": 10**6,
@@ -211,11 +228,11 @@ def _parse_size(text: str) -> int:
     number = text.strip().upper().rstrip("BIKMGT")
     unit = text.strip().upper()[len(number) :]
     try:
-        value = float(number) * units[unit]
+        value = float(number) * units[unit or "none"]
     except (ValueError, KeyError):
-        raise ValueError(f"--max-shard-size {text!r}: give a size such as 5GB, 500MB or 2GiB") from None
-    if value < 1:
-        raise ValueError(f"--max-shard-size {text!r} must be positive")
+        raise ValueError(f"--max-shard-size {text!r}: give a size with its unit, such as 5GB, 500MB or 2GiB") from None
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"--max-shard-size {text!r} must be a finite size of at least one byte")
     return int(value)
 
 
@@ -329,10 +346,19 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mxgemm", description="MXFP8 GEMMs for PyTorch")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="device, versions, every backend: available or not and why, what auto picks")
-    bench = sub.add_parser("bench", help="time the available backends against bf16 on a shape set")
+    from .version import __version__
+
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="mxgemm", description="MXFP8 GEMMs for PyTorch", formatter_class=defaults)
+    parser.add_argument("--version", action="version", version=f"mxgemm {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its line")
+    sub = parser.add_subparsers(dest="command", metavar="{info,bench,quantize,tune}")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=defaults)
+
+    command("info", "device, versions, every backend: available or not and why, what auto picks")
+    bench = command("bench", "time the available backends against bf16 on a shape set")
     bench.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["llama3-8b"], help="shape sets")
     bench.add_argument("--m", type=int, nargs="+", help=f"token counts (default {' '.join(map(str, DEFAULT_M))})")
     bench.add_argument("--shapes", help="explicit shapes MxNxK,MxNxK (overrides --model/--m)")
@@ -343,7 +369,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--baselines", nargs="*", default=list(BASELINES), choices=list(BASELINES), help="baselines besides mxgemm"
     )
-    quant = sub.add_parser("quantize", help="write a compressed-tensors MXFP8 checkpoint of a Hugging Face model")
+    quant = command("quantize", "write a compressed-tensors MXFP8 checkpoint of a Hugging Face model")
     quant.add_argument("model_dir", help="a model folder (config.json + safetensors)")
     quant.add_argument("out_dir", help="where to write the MXFP8 checkpoint")
     quant.add_argument("--scheme", choices=["MXFP8", "MXFP8A16"], default="MXFP8", help="activation scheme recorded")
@@ -353,11 +379,16 @@ def _parser() -> argparse.ArgumentParser:
         default="floor",
         help="E8M0 scale rule: OCP floor, NVIDIA rceil, or compressed-tensors' MXFP8 rule",
     )
-    quant.add_argument("--skip", nargs="*", default=["lm_head"], help="linear layers to keep (names or globs)")
+    quant.add_argument(
+        "--skip",
+        nargs="*",
+        default=argparse.SUPPRESS,
+        help="layers to keep, names or globs (each must match one) (default: lm_head)",
+    )
     quant.add_argument("--force", action="store_true", help="replace the output folder's contents if it has any")
     quant.add_argument("--device", default="cpu", help="where weights are quantized (cpu, cuda); same bytes either way")
-    quant.add_argument("--max-shard-size", default="5GB", help="largest output shard (e.g. 5GB, 500MB)")
-    tune = sub.add_parser("tune", help="tune the resolved backend's tactics for a shape set and cache them")
+    quant.add_argument("--max-shard-size", default="5GB", help="largest output shard, with a unit (5GB, 500MB, 2GiB)")
+    tune = command("tune", "tune the resolved backend's tactics for a shape set and cache them")
     tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["llama3-8b"], help="shape sets")
     tune.add_argument("--m", type=int, nargs="+", help="token counts (default: every tuning bucket)")
     tune.add_argument("--shapes", help="explicit shapes MxNxK,MxNxK (overrides --model/--m)")
@@ -369,8 +400,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     args.argv = argv
+    if args.command is None:  # bare `mxgemm`: what it can do
+        parser.print_help()
+        return 0
     console = Console(width=None if sys.stdout.isatty() else 220)
     try:
         if args.command == "info":
@@ -381,6 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _tune(args, console)
         return _bench(args, console)
     except (MXGemmError, ValueError, OSError) as exc:  # user mistakes and the file system's answers: one line
+        if args.debug:
+            raise
         console.print(f"[red]error:[/red] {escape(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}")
         return 2
 

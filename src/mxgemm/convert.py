@@ -125,11 +125,13 @@ def quantize_folder(
     device: str | torch.device = "cpu",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: Callable[[int, int], None] | None = None,
+    skip_must_match: bool = False,
 ) -> QuantizeReport:
     """Write the MXFP8 checkpoint of the model folder ``src`` into the existing folder ``out`` (its safetensors
     shards, index and ``config.json``; no other files). ``device``: where weights are quantized (the bytes are the
     same on any device). ``progress``: called with the bytes of each source tensor once it is written and the bytes
-    of them all. An already-quantized source is refused."""
+    of them all. ``skip_must_match``: a ``skip`` pattern that matches no linear layer or experts module is an error
+    (before anything is written). An already-quantized source is refused."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(src, local_files_only=True)
@@ -150,6 +152,9 @@ def quantize_folder(
             reports.append(LayerReport(name, True, "emulation", "w8a16", ""))
             targets[f"{name}.weight"] = (module.out_features, module.in_features)
     targets.update(_experts_targets(model, source, skip, reports))
+    unmatched = [p for p in skip if not any(matches_skip(r.name, (p,)) for r in reports)] if skip_must_match else []
+    if unmatched:
+        raise CheckpointError(f"skip pattern {unmatched[0]!r} matches no linear layer or experts module of {src}")
     writer, quantized = ShardWriter(out, max_shard_bytes), set()
     total = sum(math.prod(source.shapes[n]) * (source.dtypes[n] or torch.float32).itemsize for n in source.where)
     for name in source.where:
