@@ -47,3 +47,30 @@ def test_backend_and_cache_dir(monkeypatch, tmp_path):
     assert settings.backend_request() == "triton"
     monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
     assert settings.cache_dir() == tmp_path
+
+
+def test_an_unknown_backend_in_the_environment_is_named_as_the_variables(monkeypatch):
+    import torch
+
+    import mxgemm
+
+    monkeypatch.setenv("MXGEMM_BACKEND", "foo")
+    q, s = random_mx_weight(32, 64)
+    with pytest.raises(mxgemm.UnknownBackendError, match=r"MXGEMM_BACKEND='foo' is not a backend; valid names: auto"):
+        mxgemm.prepare_weight(q, s)
+    assert mxgemm.prepare_weight(q, s, backend="emulation").backend == "emulation"  # a named one needs no variable
+    assert torch.isfinite(
+        mxgemm.linear(torch.randn(2, 64, dtype=torch.bfloat16), mxgemm.prepare_weight(q, s, backend="emulation"))
+    ).all()
+
+
+def test_mxgemm_info_flags_every_bad_setting(monkeypatch, capsys):
+    from mxgemm.cli import main
+
+    monkeypatch.setenv("MXGEMM_BACKEND", "foo")
+    monkeypatch.setenv("MXGEMM_AUTOTUNE", "maybe")
+    monkeypatch.setenv("MXGEMM_REENCODE_MAX_ERROR", "nan")
+    assert main(["info"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for name in ("MXGEMM_BACKEND='foo'", "MXGEMM_AUTOTUNE='maybe'", "MXGEMM_REENCODE_MAX_ERROR='nan'"):
+        assert f"warning: {name}" in out, name

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from . import settings
 from .backends import AUTO_PRIORITY, get_backend
 from .backends.base import tactic_json
 from .backends.capabilities import GroupedWeights
@@ -65,7 +66,12 @@ def _info(console: Console) -> int:
         console.print(f"[bold]auto[/bold]{label} resolves to: {res.backend.name} ({res.recipe})")
         for name, reason in res.skipped:
             console.print(f"  skipped {name}: {escape(reason)}")
-    console.print(f"default request (MXGEMM_BACKEND): {default_request()}")
+    for line in settings.problems():
+        console.print(f"[yellow]warning:[/yellow] {escape(line)}")
+    try:
+        console.print(f"default request (MXGEMM_BACKEND): {default_request()}")
+    except MXGemmError as exc:
+        console.print(f"[yellow]warning:[/yellow] {escape(str(exc))}")
     if device.type == "cuda":
         from .fastcall import status
 

@@ -20,7 +20,7 @@ from .backends import (
 )
 from .backends.capabilities import GroupedWeights
 from .device import DeviceInfo, describe_device
-from .errors import BackendUnavailableError
+from .errors import BackendUnavailableError, UnknownBackendError
 
 __all__ = [
     "BackendStatus",
@@ -54,8 +54,13 @@ class Resolution:
 
 
 def default_request() -> str:
-    """The backend asked for when none is named: ``$MXGEMM_BACKEND``, else ``auto``."""
-    return settings.backend_request()
+    """The backend asked for when none is named: ``$MXGEMM_BACKEND``, else ``auto``; an unknown name raises
+    :class:`UnknownBackendError` naming the variable."""
+    name = settings.backend_request()
+    if name != "auto" and name not in backend_names():
+        valid = ", ".join(["auto", *backend_names()])
+        raise UnknownBackendError(f"MXGEMM_BACKEND={name!r} is not a backend; valid names: {valid}")
+    return name
 
 
 def _recipes(backend: Backend, grouped: bool) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ __all__ = [
     "backend_request",
     "cache_dir",
     "fast_calls_enabled",
+    "problems",
     "reencode_max_error",
 ]
 
@@ -35,8 +36,20 @@ def _flag(name: str) -> bool:
 
 
 def backend_request() -> str:
-    """``MXGEMM_BACKEND``: a backend name or ``auto`` (the default); the name is checked where it is resolved."""
+    """``MXGEMM_BACKEND``: a backend name or ``auto`` (the default); the name is checked where it is resolved, and
+    an unknown one named as this variable's (:func:`mxgemm.resolve.default_request`)."""
     return os.environ.get("MXGEMM_BACKEND", "").strip() or "auto"
+
+
+def problems() -> list[str]:
+    """What is wrong with the variables set now, one line each (``mxgemm info`` shows them): every reader is tried."""
+    found = []
+    for read in (autotune_enabled, fast_calls_enabled, reencode_max_error, cache_dir):
+        try:
+            read()
+        except SettingsError as exc:
+            found.append(str(exc))
+    return found
 
 
 def autotune_enabled() -> bool:
