@@ -94,23 +94,22 @@ def read_format(path: str | Path) -> CheckpointFormat:
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
     config = _read_json(path / "config.json") if (path / "config.json").exists() else {}
-    qc = config.get("quantization_config") or config.get("compression_config")
+    qc = _object(config.get("quantization_config") or config.get("compression_config") or {}, path / "config.json")
     if (path / "hf_quant_config.json").exists():
-        q = _read_json(path / "hf_quant_config.json").get("quantization", {})
-        return _modelopt_format(q, path / "hf_quant_config.json")
-    if qc and qc.get("quant_method") == "modelopt":
+        where = path / "hf_quant_config.json"
+        return _modelopt_format(_object(_read_json(where).get("quantization", {}), where), where)
+    if qc.get("quant_method") == "modelopt":
         return _modelopt_format(qc, path / "config.json")
-    if qc and qc.get("quant_method") == "compressed-tensors":
+    if qc.get("quant_method") == "compressed-tensors":
+        where = path / "config.json"
         if qc.get("format") != "mxfp8-quantized":
-            raise CheckpointError(
-                f"{path / 'config.json'}: compressed-tensors format {qc.get('format')!r} is not mxfp8-quantized"
-            )
-        groups = list((qc.get("config_groups") or {}).values())
+            raise CheckpointError(f"{where}: compressed-tensors format {qc.get('format')!r} is not mxfp8-quantized")
+        groups = list(_object(qc.get("config_groups") or {}, where).values())
         if not groups:
-            raise CheckpointError(f"{path / 'config.json'}: quantization_config has no config_groups")
-        acts = groups[0].get("input_activations")
-        scheme = "MXFP8" if acts and acts.get("dynamic") and acts.get("group_size") == BLOCK_SIZE else "MXFP8A16"
-        return CheckpointFormat("compressed-tensors", scheme, tuple(qc.get("ignore") or ()))
+            raise CheckpointError(f"{where}: quantization_config has no config_groups")
+        acts = _object(_object(groups[0], where).get("input_activations") or {}, where)
+        scheme = "MXFP8" if acts.get("dynamic") and acts.get("group_size") == BLOCK_SIZE else "MXFP8A16"
+        return CheckpointFormat("compressed-tensors", scheme, _names(qc.get("ignore"), where, "ignore"))
     raise CheckpointError(
         f"{path}: no MXFP8 quantization config (config.json quantization_config or hf_quant_config.json)"
     )
@@ -129,7 +128,23 @@ def _read_json(path: Path) -> dict:
 def _modelopt_format(q: dict, where: Path) -> CheckpointFormat:
     if q.get("quant_algo") != "MXFP8":
         raise CheckpointError(f"{where}: ModelOpt quant_algo {q.get('quant_algo')!r} is not MXFP8")
-    return CheckpointFormat("modelopt", "MXFP8", tuple(q.get("exclude_modules") or ()))
+    return CheckpointFormat("modelopt", "MXFP8", _names(q.get("exclude_modules"), where, "exclude_modules"))
+
+
+def _object(value, where: Path) -> dict:
+    """``value`` where it is a JSON object, else :class:`CheckpointError` naming the file."""
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: expected a JSON object in the quantization config, found {value!r:.60}")
+    return value
+
+
+def _names(value, where: Path, key: str) -> tuple[str, ...]:
+    """A list of module names (or patterns) from a quantization config, else :class:`CheckpointError`."""
+    if value is None:
+        return ()
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise CheckpointError(f"{where}: {key} must be a list of module names, found {value!r:.60}")
+    return tuple(value)
 
 
 def source_files(folder: str | Path) -> list[Path]:
@@ -138,9 +153,10 @@ def source_files(folder: str | Path) -> list[Path]:
     index = folder / INDEX
     if index.exists():
         weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: not a safetensors index (no weight_map object)")
-        return [_checked(folder_file, folder, f) for f in dict.fromkeys(weight_map.values())]
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: not a safetensors index (no weight_map object naming its shards)")
+        names = [_checked(folder_file, folder, f).name for f in weight_map.values()]  # each a file name: hashable
+        return [folder / f for f in dict.fromkeys(names)]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no .safetensors files")
