@@ -88,7 +88,10 @@ def test_only_the_gated_expression_with_silu_is_taken():
             self.act_fn = nn.GELU()
 
     model = nn.ModuleDict({"swapped": Swapped(), "gated": Gated(), "gelu": Gelu(), "plain": Gated()})
-    report = mxgemm.quantize_model(model, backend="emulation", skip=("plain.down_proj",))
+    report = mxgemm.quantize_model(model, backend="emulation", recipe="w8a8-mx", skip=("plain.down_proj",))
+    exact = nn.ModuleDict({"gated": Gated()})  # an exact recipe never quantizes the product: no kernel claimed
+    assert not any(line.endswith(GATED) for line in mxgemm.quantize_model(exact, backend="emulation").fusion)
+    assert type(exact["gated"]) is Gated
     assert [line for line in report.fusion if line.endswith(GATED)] == [f"gated{GATED}"]  # plain's down: nn.Linear
     assert type(model["gated"]) is not Gated and isinstance(model["gated"], Gated)
     assert all(type(model[n]) is c for n, c in (("swapped", Swapped), ("gelu", Gelu), ("plain", Gated)))
@@ -116,7 +119,7 @@ def test_transformers_activations_other_than_silu_are_not_taken():
         "fast": activations.FastGELUActivation(),
     }
     model = nn.ModuleDict({name: Gated(act) for name, act in acts.items()})
-    report = mxgemm.quantize_model(model, backend="emulation")
+    report = mxgemm.quantize_model(model, backend="emulation", recipe="w8a8-mx")
     assert [line for line in report.fusion if line.endswith(GATED)] == [f"silu{GATED}"]
 
 

@@ -60,3 +60,22 @@ def test_hf_llama_compiles_fullgraph_and_matches_eager():
     with torch.no_grad():
         x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
         assert torch.equal(compiled(x), body(inputs_embeds=x, use_cache=False).last_hidden_state)
+
+
+def test_a_model_left_on_the_emulation_by_auto_says_so(caplog, monkeypatch):
+    """On a machine where auto finds nothing faster, quantize_model warns in one line that the model now runs on the
+    slow reference; a backend named on purpose is not warned about."""
+    import logging
+
+    from torch import nn
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a plain CPU machine: no Triton kernels
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    with caplog.at_level(logging.WARNING, logger="mxgemm"):
+        mxgemm.quantize_model(model, skip=())
+    assert "every quantized layer runs on the emulation backend" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mxgemm"):
+        mxgemm.quantize_model(nn.Sequential(nn.Linear(64, 64)), backend="emulation", skip=())
+    assert "emulation backend" not in caplog.text

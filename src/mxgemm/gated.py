@@ -10,7 +10,9 @@ an ``act_fn`` no longer SiLU or a ``down_proj`` no longer an ``MXFP8Linear``: ea
 run.
 
 A module is taken where its class's ``forward`` is that expression (its bytecode the same as :func:`_written_so`'s or
-:func:`_returned_so`'s), ``act_fn`` is SiLU and the three projections are :class:`MXFP8Linear`. Its class becomes a
+:func:`_returned_so`'s), ``act_fn`` is SiLU, the three projections are :class:`MXFP8Linear` and ``down_proj``'s backend
+runs the product's kernel (:class:`mxgemm.backends.capabilities.GatedInput`: at some M; a report claims nothing that
+does not run). Its class becomes a
 subclass of its own, of the same name, with that forward (its repr says so); parameters, buffers and state dict stay
 as they were.
 """
@@ -54,6 +56,7 @@ def _gated_mlp(module: nn.Module) -> bool:
         and (code.co_code, code.co_names) in _FORMS
         and _is_silu(getattr(module, "act_fn", None))
         and all(isinstance(layer, MXFP8Linear) for layer in layers)
+        and module.down_proj._gated_from is not None  # its backend runs the product's kernel at some M
     )
 
 

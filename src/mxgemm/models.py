@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import fnmatch
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from .gated import GATED
 from .linear import MXFP8Linear
 from .moe import MXFP8Experts, experts_unfit_reason
 from .resolve import explain_auto
+
+logger = logging.getLogger("mxgemm")
 
 __all__ = [
     "LayerReport",
@@ -124,6 +127,12 @@ def quantize_model(
         model.set_submodule(name, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
     reports += _quantize_experts(model, backend, scale_mode, recipe, skip if experts else ("*",))
+    replaced = [r for r in reports if r.replaced]
+    if backend is None and replaced and all(r.backend == "emulation" for r in replaced):
+        logger.warning(
+            "mxgemm: every quantized layer runs on the emulation backend (plain torch, fp32): the reference, several "
+            "times slower than bf16; no faster backend runs here (`mxgemm info` says why)"
+        )
     return QuantizeReport(tuple(reports), tuple(fuse_model(model)) if fuse else ())
 
 
