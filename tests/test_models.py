@@ -1,5 +1,6 @@
 """quantize_model: replaces nn.Linear layers in place and reports each layer."""
 
+import pytest
 import torch
 from helpers import sqnr_db
 from torch import nn
@@ -67,8 +68,6 @@ def test_a_model_left_on_the_emulation_by_auto_says_so(caplog, monkeypatch):
     slow reference; a backend named on purpose is not warned about."""
     import logging
 
-    from torch import nn
-
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a plain CPU machine: no Triton kernels
 
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
@@ -79,3 +78,20 @@ def test_a_model_left_on_the_emulation_by_auto_says_so(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="mxgemm"):
         mxgemm.quantize_model(nn.Sequential(nn.Linear(64, 64)), backend="emulation", skip=())
     assert "emulation backend" not in caplog.text
+
+
+def test_a_request_that_cannot_run_fails_before_the_model_changes():
+    """A named backend that cannot run here, an unknown recipe or scale mode: raised before the first layer is
+    replaced, so the model is as it was."""
+    from helpers import skip_unless_backend_runs
+
+    skip_unless_backend_runs("triton")  # runs the first layer here, and not the second, which is on meta
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64, device="meta"))
+    for kwargs, error in (
+        ({"backend": "triton"}, mxgemm.BackendUnavailableError),
+        ({"backend": "emulation", "recipe": "w4a4"}, ValueError),
+        ({"backend": "emulation", "scale_mode": "round"}, ValueError),
+    ):
+        with pytest.raises(error):
+            mxgemm.quantize_model(model, skip=(), **kwargs)
+        assert all(type(m) is nn.Linear for m in model), kwargs

@@ -226,3 +226,14 @@ def test_mxgemm_quantize_of_a_moe_model_loads_as_quantize_model_computes(tmp_pat
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
+def test_a_named_dense_backend_leaves_the_experts_with_its_reason():
+    from helpers import skip_unless_backend_runs
+
+    skip_unless_backend_runs("triton")
+    model = _tiny("qwen3_moe").to(torch.bfloat16)
+    report = mxgemm.quantize_model(model, backend="triton")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, mxgemm.MXFP8Linear)
+    assert not any(isinstance(m, MXFP8Experts) for m in model.modules())
+    assert "skipped model.layers.0.mlp.experts: triton: runs dense weights only" in str(report)

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .format import BLOCK_SIZE, ScaleMode
+from .errors import BackendUnavailableError
+from .format import BLOCK_SIZE, SCALE_MODES, ScaleMode
 from .fusion import GROUPS, tally
 from .fusion import fuse as fuse_model
 from .gated import GATED
 from .linear import MXFP8Linear
 from .moe import MXFP8Experts, experts_unfit_reason
-from .resolve import explain_auto
+from .resolve import resolve_backend
 
 logger = logging.getLogger("mxgemm")
 
@@ -114,6 +115,8 @@ def quantize_model(
     """
     reports = []
     routers = router_names(model)
+    _check_every_layer_resolves(model, backend, scale_mode, recipe, skip, routers)
+    experts_plan = _experts_plan(model, backend, recipe, skip if experts else ("*",))
     # names, not modules: each nn.Linear (and its bf16 weight) is freed as soon as its replacement is in place
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     for name in names:
@@ -126,7 +129,7 @@ def quantize_model(
         del module
         model.set_submodule(name, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
-    reports += _quantize_experts(model, backend, scale_mode, recipe, skip if experts else ("*",))
+    reports += _quantize_experts(model, experts_plan, backend, scale_mode, recipe)
     replaced = [r for r in reports if r.replaced]
     if backend is None and replaced and all(r.backend == "emulation" for r in replaced):
         logger.warning(
@@ -136,24 +139,50 @@ def quantize_model(
     return QuantizeReport(tuple(reports), tuple(fuse_model(model)) if fuse else ())
 
 
-def _quantize_experts(model: nn.Module, backend, scale_mode, recipe, skip) -> list[LayerReport]:
-    """Each experts module of ``model`` replaced by an :class:`MXFP8Experts`, or left with the reason. Where no
-    backend but the emulation runs grouped weights on a GPU (``auto``), the experts stay as they are: the emulated
-    experts would run many times slower than bf16's."""
-    reports = []
-    for name in [n for n, m in model.named_modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]:
-        module = model.get_submodule(name)
-        if isinstance(module, MXFP8Experts):
+def _check_every_layer_resolves(model: nn.Module, backend, scale_mode, recipe, skip, routers) -> None:
+    """Raise, before the model changes, what converting any linear layer would raise for its request: an unknown
+    scale mode, recipe or backend, or a named backend that cannot run a layer's shape on its device."""
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {', '.join(SCALE_MODES)}, got {scale_mode!r}")
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and not skip_reason(name, module, skip, routers):
+            shape = (module.out_features, module.in_features)
+            resolve_backend(backend, device=module.weight.device, recipe=recipe, shape=shape)
+
+
+def _experts_plan(model: nn.Module, backend, recipe, skip) -> dict[str, str]:
+    """Each experts module of ``model`` (not yet an :class:`MXFP8Experts`) -> why it stays as it is, or "" where it
+    is replaced: matched by ``skip``, unfit (:func:`experts_unfit_reason`), a named backend that does not run
+    grouped weights, or ``auto`` on a GPU where no backend but the emulation does (the emulated experts would run
+    many times slower than bf16's). Decided before the model changes."""
+    plan = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")) or isinstance(module, MXFP8Experts):
             continue
         reason = "matches skip" if matches_skip(name, skip) else experts_unfit_reason(module)
         device = module.gate_up_proj.device
-        if not reason and (backend or "auto") == "auto" and device.type == "cuda":
-            chosen = explain_auto(device, recipe=recipe, grouped=True).backend.name
-            if chosen == "emulation":
-                reason = "no backend runs grouped weights fast on this GPU yet (name backend='emulation' to emulate)"
+        if not reason:
+            try:
+                chosen = resolve_backend(backend, device=device, recipe=recipe, grouped=True).name
+            except BackendUnavailableError as exc:
+                reason = f"{exc.backend}: {exc.reason}"
+            else:
+                if chosen == "emulation" and (backend or "auto") == "auto" and device.type == "cuda":
+                    reason = (
+                        "no backend runs grouped weights fast on this GPU yet (name backend='emulation' to emulate)"
+                    )
+        plan[name] = reason
+    return plan
+
+
+def _quantize_experts(model: nn.Module, plan: dict[str, str], backend, scale_mode, recipe) -> list[LayerReport]:
+    """Each experts module of ``plan`` replaced by an :class:`MXFP8Experts`, or left with its reason."""
+    reports = []
+    for name, reason in plan.items():
         if reason:
             reports.append(LayerReport(name, False, None, None, reason, kind="experts"))
             continue
+        module = model.get_submodule(name)
         experts = MXFP8Experts.from_experts(module, backend=backend, scale_mode=scale_mode, recipe=recipe)
         del module
         model.set_submodule(name, experts)

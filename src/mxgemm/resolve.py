@@ -146,18 +146,20 @@ def resolve_backend(
     device: DeviceLike = None,
     recipe: str | None = None,
     shape: tuple[int, int] | None = None,
+    grouped: bool = False,
 ) -> Backend:
     """Resolve a backend request to the backend that will run.
 
     ``requested``: a backend name or ``"auto"``; None reads ``$MXGEMM_BACKEND`` (default ``auto``).
     ``device``: a device, or a :class:`DeviceInfo` to pretend to be one. ``recipe``: only backends computing it.
     ``shape``: ``(out_features, in_features)`` of the weight, checked against the backend's shape constraints.
+    ``grouped``: for the ``[E, N, K]`` weights of a mixture of experts (backends with :class:`GroupedWeights`).
 
     An explicit backend either passes every check or raises :class:`BackendUnavailableError` with the reason: there
     is never a silent fallback. ``auto`` takes the first backend of ``AUTO_PRIORITY`` whose checks pass and logs
     (logger ``mxgemm``, INFO) what it chose and why it skipped the ones before it.
     """
-    return _resolve(requested, device=device, recipe=recipe, shape=shape)
+    return _resolve(requested, device=device, recipe=recipe, shape=shape, grouped=grouped)
 
 
 def _resolve(
