@@ -140,15 +140,9 @@ def test_version_bare_command_and_defaults_in_help(capsys):
 
 
 def _model_dir(tmp_path):
-    import transformers
+    from helpers import tiny_llama_folder
 
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
-    return tmp_path / "model"
+    return tiny_llama_folder(tmp_path / "model")
 
 
 def test_quantize_mistakes_are_one_line_before_anything_is_written(tmp_path, capsys):

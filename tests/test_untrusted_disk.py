@@ -208,14 +208,10 @@ def test_a_tuning_file_in_a_folder_others_can_write_is_not_read(tmp_path, monkey
 
 @pytest.fixture
 def model_dir(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
-    return tmp_path / "model"
+    pytest.importorskip("transformers")
+    from helpers import tiny_llama_folder
+
+    return tiny_llama_folder(tmp_path / "model")
 
 
 @pytest.mark.parametrize("target", ["secret", "device", "parent"])
