@@ -183,3 +183,13 @@ def test_debug_shows_the_traceback(tmp_path):
 
     with pytest.raises(ValueError, match="no model folder"):
         main(["--debug", "quantize", str(tmp_path / "missing"), str(tmp_path / "out")])
+
+
+def test_bench_on_cpu_says_it_ignores_the_gpu_shape_sets(capsys):
+    import pytest
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU --model runs its shape sets")
+    assert main(["bench", "--model", "llama3-70b", "--baselines"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--model and --m choose GPU shape sets: ignored here" in out and "no CUDA GPU" in out

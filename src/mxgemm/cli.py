@@ -96,6 +96,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         )
         base = CPU_SHAPES
         ms = CPU_M
+        if "--model" in args.argv or "--m" in args.argv:
+            console.print("[yellow]--model and --m choose GPU shape sets: ignored here (--shapes runs yours)[/yellow]")
     else:
         base = [s for model in args.model for s in MODELS[model]]
         ms = args.m or DEFAULT_M
