@@ -74,6 +74,21 @@ def test_groups_compute_what_each_layer_does_alone(recipe, bias):
             assert q.shared[0].enabled and not q.shared[0]._pending  # every member took its output
 
 
+def test_a_member_called_in_another_grad_mode_gets_its_gradients():
+    """q called under no_grad makes the group's outputs without a graph; k then called with gradients on the same
+    input must not take them: its output carries the gradient of its own call."""
+    alone, fused, _ = _pair("w8a16")
+    x = random_act(4, 256).requires_grad_()
+    ref = x.detach().clone().requires_grad_()
+    with torch.no_grad():
+        fused.self_attn["q_proj"](x)
+    k = fused.self_attn["k_proj"](x)
+    assert k.requires_grad
+    k.float().sum().backward()
+    alone.self_attn["k_proj"](ref).float().sum().backward()
+    assert torch.equal(x.grad, ref.grad)
+
+
 def test_members_of_different_recipes_are_not_fused():
     """One joined weight has one recipe: layers of one input quantized with different recipes run each alone."""
     attn = nn.Module()

@@ -99,6 +99,7 @@ class SharedInput:
         ]
         self._x: torch.Tensor | None = None
         self._version = -1
+        self._grad = False  # the grad mode the pending outputs were made in
         self._pending: dict[int, torch.Tensor] = {}
         # above MAX_ROWS: (weak input, its version, its quantized rows, the members still to call on them)
         self._quantized: tuple | None = None
@@ -126,6 +127,9 @@ class SharedInput:
         # counter: there the input is taken to be unchanged between the members' calls, as in the decoder layers
         # these groups come from
         version = -1 if x.is_inference() else x._version
+        grad = torch.is_grad_enabled()
+        if x is self._x and version == self._version and grad != self._grad:
+            self._x, self._pending = None, {}  # made in the other grad mode: they would drop or keep gradients wrongly
         if x is self._x and version == self._version:
             y = self._pending.pop(index, None)
             if y is None:  # it took its output for this input already
@@ -140,7 +144,7 @@ class SharedInput:
             return self._own_gemm(index, x, bias, version)
         # split_with_sizes: Tensor.split's Python wrapper costs 1.4 µs more on a CPU host
         ys = linear(x, self.weight, self.bias).split_with_sizes(self.sizes, -1)
-        self._x, self._version = x, version
+        self._x, self._version, self._grad = x, version, grad
         self._pending = {i: y for i, y in enumerate(ys) if i != index}
         return ys[index]
 
