@@ -149,14 +149,14 @@ def tiny_qwen3_moe(layers: int = 2, *, hidden: int = 64, width: int = 32, expert
     return transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
 
 
-def tiny_llama_folder(folder):
-    """A one-layer random Llama (fp32, seeded) saved as a Hugging Face model folder at ``folder``; returns it."""
+def tiny_llama_folder(folder, *, layers: int = 1, vocab: int = 128, dtype: torch.dtype = torch.float32):
+    """A tiny random Llama (seeded) saved as a Hugging Face model folder at ``folder``; returns it."""
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(folder)
     return folder

@@ -90,14 +90,9 @@ def test_subnormal_blocks_stay_exact():
 
 @pytest.fixture(scope="module")
 def bf16_llama(tmp_path_factory):
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("bf16")
-    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    return folder
+    from helpers import tiny_llama_folder
+
+    return tiny_llama_folder(tmp_path_factory.mktemp("bf16"), layers=2, vocab=256, dtype=torch.bfloat16)
 
 
 def _linear_kinds(model) -> dict[str, str]:

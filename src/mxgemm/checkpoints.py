@@ -25,13 +25,21 @@ from .fusion import tally
 from .grouped import prepare_grouped_weight
 from .linear import MXFP8Linear
 from .model_folder import ModelFolderError, folder_file, read_folder_file
-from .moe import MXFP8Experts, experts_unfit_reason
+from .moe import (
+    MXFP8Experts,
+    experts_modules,
+    experts_stay_in_bf16,
+    experts_unfit_reason,
+    per_expert_names,
+    per_expert_shapes,
+)
 
 __all__ = [
     "SCHEMES",
     "CheckpointError",
     "CheckpointFormat",
     "TensorSource",
+    "check_values",
     "load_checkpoint",
     "read_format",
     "save_checkpoint",
@@ -247,7 +255,7 @@ def _check_pair(name: str, source: TensorSource, module: nn.Linear) -> None:
         )
 
 
-def _check_values(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+def check_values(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
     """Refuse a layer whose weight would not dequantize to finite values: every output it touches would be NaN or
     infinite."""
     reason = nonfinite_reason(weight, scale)
@@ -308,7 +316,8 @@ def load_checkpoint(
     source = TensorSource(path)
     target = _target_device(model, device)
     experts, consumed, stacked = _experts_in(model, source)
-    experts_to_dequantize = _experts_left_in_bf16(experts, target, backend, recipe)
+    kept = experts_stay_in_bf16(target, backend, recipe) if experts else ""
+    experts_to_dequantize = dict.fromkeys(experts, kept) if kept else {}
     plans = []
     for name, module in model.named_modules():
         if type(module) is not nn.Linear or f"{name}.weight_scale" not in source:
@@ -355,7 +364,7 @@ def load_checkpoint(
     for name, module, bias in plans:
         scale = e8m0_bytes(source.load(f"{name}.weight_scale"))
         weight = source.load(f"{name}.weight")
-        _check_values(name, weight, scale)
+        check_values(name, weight, scale)
         b = None if bias is None else source.load(bias).to(device=target, dtype=module.bias.dtype)
         weight = weight.to(target)
         layers[name] = MXFP8Linear.from_quantized(weight, scale.to(target), b, backend=backend, recipe=recipe)
@@ -364,7 +373,7 @@ def load_checkpoint(
     for name, names in experts.items():
         if name in experts_to_dequantize:  # checked now, loaded below: the model is not changed yet
             for n in (n for ns in names.values() for n in ns):
-                _check_values(n.removesuffix(".weight"), source.load(n), e8m0_bytes(source.load(f"{n}_scale")))
+                check_values(n.removesuffix(".weight"), source.load(n), e8m0_bytes(source.load(f"{n}_scale")))
         else:
             modules[name] = _load_experts(names, source, target, backend, recipe)
     for name, layer in [*layers.items(), *modules.items()]:
@@ -382,27 +391,23 @@ def load_checkpoint(
     return LoadReport(fmt, tuple(layers), tuple(tied), fusion, tuple(modules), dequantized)
 
 
-_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
 def _experts_in(model: nn.Module, source: TensorSource):
     """The experts modules of ``model`` (3-D ``gate_up_proj`` / ``down_proj``) whose experts the checkpoint stores per
     expert (``<experts>.<e>.{gate,up,down}_proj.weight``, with ``weight_scale`` where quantized), checked: (the
     quantized ones by name, the checkpoint names they consume, {the model's 3-D tensor name: (the per-expert names
     stacked into it, quantized)} for the experts to load into the model's own tensors (bf16 in the checkpoint)."""
     experts, consumed, stacked = {}, set(), {}
-    for name, module in model.named_modules():
-        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    for name, module in experts_modules(model):
+        gate_up = module.gate_up_proj
         if not (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3) or f"{name}.0.gate_proj.weight" not in source:
             continue
-        count, width = gate_up.shape[0], down.shape[-1]
-        names = {p: [f"{name}.{e}.{p}.weight" for e in range(count)] for p in _PROJECTIONS}
+        count = gate_up.shape[0]
+        names = per_expert_names(name, count)
         absent = [n for ns in names.values() for n in ns if n not in source]
         if absent:
             raise CheckpointError(f"{absent[0]} is missing: {name} has {count} experts ({len(absent)} tensors missing)")
         quantized = f"{name}.0.gate_proj.weight_scale" in source
-        shapes = {"gate_proj": (width, gate_up.shape[-1]), "up_proj": (width, gate_up.shape[-1])}
-        shapes["down_proj"] = tuple(down.shape[1:])
+        shapes = per_expert_shapes(module)
         for p, ns in names.items():
             for n in ns:
                 out_features, in_features = shapes[p]
@@ -432,48 +437,36 @@ class _Shape:
     in_features: int
 
 
-def _experts_left_in_bf16(experts: dict, device: torch.device, backend: str | None, recipe: str | None) -> dict:
-    """The quantized experts modules loaded into the model's own bf16 experts instead, with the reason: on a GPU
-    where ``auto`` finds no backend but the emulation for grouped weights (which would run many times slower)."""
-    if not experts or device.type != "cuda" or (backend or "auto") != "auto":
-        return {}
-    from .resolve import explain_auto
-
-    if explain_auto(device, recipe=recipe, grouped=True).backend.name != "emulation":
-        return {}
-    return dict.fromkeys(experts, "no backend runs grouped weights fast on this GPU yet")
+def _stacked(source: TensorSource, groups: tuple[list[str], ...], quantized: bool):
+    """The per-expert tensors of ``groups`` (gate and up, or down) joined into ``[E, rows, K]``, each expert's groups
+    concatenated by rows: (weights, scales) where stored as MXFP8 (their values checked), else (weights, None)."""
+    weights, scales = [], []
+    for e in range(len(groups[0])):
+        names = [g[e] for g in groups]
+        loaded = [source.load(n) for n in names]
+        weights.append(torch.cat(loaded))
+        if quantized:
+            expert_scales = [e8m0_bytes(source.load(f"{n}_scale")) for n in names]
+            for n, weight, scale in zip(names, loaded, expert_scales, strict=True):
+                check_values(n.removesuffix(".weight"), weight, scale)
+            scales.append(torch.cat(expert_scales))
+    return torch.stack(weights), (torch.stack(scales) if quantized else None)
 
 
 def _stack_experts(source: TensorSource, groups: tuple[list[str], ...], quantized: bool) -> torch.Tensor:
-    """The per-expert tensors of ``groups`` (gate and up, or down) joined into ``[E, rows, K]``: each expert's
-    groups concatenated by rows (dequantized to fp32 where stored as MXFP8)."""
-
-    def load(n: str) -> torch.Tensor:
-        if not quantized:
-            return source.load(n)
-        weight, scale = source.load(n), e8m0_bytes(source.load(f"{n}_scale"))
-        _check_values(n.removesuffix(".weight"), weight, scale)
-        return dequantize(MXTensor(weight, scale))
-
-    return torch.stack([torch.cat([load(g[e]) for g in groups]) for e in range(len(groups[0]))])
+    """The model's own 3-D experts tensor from per-expert tensors (dequantized to fp32 where stored as MXFP8)."""
+    weights, scales = _stacked(source, groups, quantized)
+    return weights if scales is None else dequantize(MXTensor(weights, scales))
 
 
 def _load_experts(names: dict, source: TensorSource, device, backend, recipe) -> MXFP8Experts:
     """The :class:`MXFP8Experts` of an experts module from its per-expert MXFP8 tensors, checked, on ``device``."""
 
-    def stacked(projections: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, scales = [], []
-        for e in range(len(names["gate_proj"])):
-            pairs = [(source.load(names[p][e]), e8m0_bytes(source.load(f"{names[p][e]}_scale"))) for p in projections]
-            for (w, s), p in zip(pairs, projections, strict=True):
-                _check_values(names[p][e].removesuffix(".weight"), w, s)
-            weights.append(torch.cat([w for w, _ in pairs]))
-            scales.append(torch.cat([s for _, s in pairs]))
-        return torch.stack(weights).to(device), torch.stack(scales).to(device)
+    def prepared(projections: tuple[str, ...]):
+        weights, scales = _stacked(source, tuple(names[p] for p in projections), quantized=True)
+        return prepare_grouped_weight(weights.to(device), scales.to(device), backend=backend, recipe=recipe)
 
-    gate_up = prepare_grouped_weight(*stacked(("gate_proj", "up_proj")), backend=backend, recipe=recipe)
-    down = prepare_grouped_weight(*stacked(("down_proj",)), backend=backend, recipe=recipe)
-    return MXFP8Experts(gate_up, down)
+    return MXFP8Experts(prepared(("gate_proj", "up_proj")), prepared(("down_proj",)))
 
 
 def _declared_ties(model: nn.Module) -> dict[str, str]:
@@ -545,13 +538,14 @@ def _per_expert(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
         gate_up, gate_up_scale = state.pop(prefix + "gate_up_proj"), state.pop(prefix + "gate_up_proj_scale")
         down, down_scale = state.pop(prefix + "down_proj"), state.pop(prefix + "down_proj_scale")
         width = down.shape[-1]
+        names = per_expert_names(name, module.num_experts)
         for e in range(module.num_experts):
             for proj, weight, scale in (
                 ("gate_proj", gate_up[e, :width], gate_up_scale[e, :width]),
                 ("up_proj", gate_up[e, width:], gate_up_scale[e, width:]),
                 ("down_proj", down[e], down_scale[e]),
             ):
-                state[f"{prefix}{e}.{proj}.weight"], state[f"{prefix}{e}.{proj}.weight_scale"] = weight, scale
+                state[names[proj][e]], state[f"{names[proj][e]}_scale"] = weight, scale
     return state
 
 

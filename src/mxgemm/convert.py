@@ -29,7 +29,7 @@ from .checkpoints import (
 )
 from .format import ScaleMode, quantize
 from .models import LayerReport, QuantizeReport, hf_model_class, matches_skip, router_names, skip_reason
-from .moe import experts_unfit_reason
+from .moe import experts_modules, experts_unfit_reason, per_expert_names, per_expert_shapes
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ShardWriter", "quantize_folder"]
 
@@ -99,19 +99,17 @@ def _experts_targets(model: nn.Module, source: TensorSource, skip, reports: list
     ``down_proj``): ``<experts>.<e>.{gate,up,down}_proj.weight`` -> its shape; each module's report (or why it stays
     as stored) appended to ``reports``."""
     targets = {}
-    for name, module in model.named_modules():
-        if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
-            continue
+    for name, module in experts_modules(model):
         reason = "matches skip" if matches_skip(name, skip) else experts_unfit_reason(module)
         if not reason and f"{name}.0.gate_proj.weight" not in source:
             reason = "the checkpoint stores these experts stacked, not per expert"
         if reason:
             reports.append(LayerReport(name, False, None, None, reason, kind="experts"))
             continue
-        e, h, width = module.down_proj.shape
-        projections = {"gate_proj": (width, h), "up_proj": (width, h), "down_proj": (h, width)}
+        shapes = per_expert_shapes(module)
         reports.append(LayerReport(name, True, "emulation", "w8a16", "", kind="experts"))
-        targets.update({f"{name}.{i}.{p}.weight": shape for i in range(e) for p, shape in projections.items()})
+        names = per_expert_names(name, module.down_proj.shape[0])
+        targets.update({n: shapes[p] for p, ns in names.items() for n in ns})
     return targets
 
 

@@ -16,7 +16,7 @@ from .fusion import GROUPS, tally
 from .fusion import fuse as fuse_model
 from .gated import GATED
 from .linear import MXFP8Linear
-from .moe import MXFP8Experts, experts_unfit_reason
+from .moe import MXFP8Experts, experts_modules, experts_stay_in_bf16, experts_unfit_reason
 from .resolve import resolve_backend
 
 logger = logging.getLogger("mxgemm")
@@ -156,21 +156,16 @@ def _experts_plan(model: nn.Module, backend, recipe, skip) -> dict[str, str]:
     grouped weights, or ``auto`` on a GPU where no backend but the emulation does (the emulated experts would run
     many times slower than bf16's). Decided before the model changes."""
     plan = {}
-    for name, module in model.named_modules():
-        if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")) or isinstance(module, MXFP8Experts):
-            continue
+    for name, module in experts_modules(model):
         reason = "matches skip" if matches_skip(name, skip) else experts_unfit_reason(module)
         device = module.gate_up_proj.device
         if not reason:
             try:
-                chosen = resolve_backend(backend, device=device, recipe=recipe, grouped=True).name
+                resolve_backend(backend, device=device, recipe=recipe, grouped=True)
             except BackendUnavailableError as exc:
                 reason = f"{exc.backend}: {exc.reason}"
             else:
-                if chosen == "emulation" and (backend or "auto") == "auto" and device.type == "cuda":
-                    reason = (
-                        "no backend runs grouped weights fast on this GPU yet (name backend='emulation' to emulate)"
-                    )
+                reason = experts_stay_in_bf16(device, backend, recipe)
         plan[name] = reason
     return plan
 

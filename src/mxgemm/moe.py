@@ -15,8 +15,20 @@ from torch import nn
 from .backends import get_backend
 from .format import quantize
 from .grouped import PreparedGroupedWeight, grouped_linear, prepare_grouped_weight
+from .resolve import explain_auto
 
-__all__ = ["MXFP8Experts", "experts_unfit_reason", "moe_experts"]
+__all__ = [
+    "PROJECTIONS",
+    "MXFP8Experts",
+    "experts_modules",
+    "experts_stay_in_bf16",
+    "experts_unfit_reason",
+    "moe_experts",
+    "per_expert_names",
+    "per_expert_shapes",
+]
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # each expert's, as checkpoints store experts
 
 
 def moe_experts(
@@ -55,6 +67,39 @@ def moe_experts(
     y = grouped_linear(nn.functional.silu(gate) * up, down, offsets)
     unsorted = torch.empty_like(y).index_copy_(0, order, y).reshape(tokens, k, -1)
     return (unsorted * topk_weights.to(x.dtype).unsqueeze(-1)).sum(1).to(dtype)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The experts modules of ``model``, by name: those holding ``gate_up_proj`` and ``down_proj`` (transformers'
+    experts; :func:`experts_unfit_reason` says which :class:`MXFP8Experts` takes), :class:`MXFP8Experts` excluded."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and not isinstance(module, MXFP8Experts)
+    ]
+
+
+def per_expert_names(name: str, experts: int) -> dict[str, list[str]]:
+    """The tensors checkpoints store an experts module ``name`` of ``experts`` experts as, by projection:
+    ``<name>.<e>.{gate,up,down}_proj.weight`` (each with ``weight_scale`` beside it where quantized)."""
+    prefix = f"{name}." if name else ""
+    return {p: [f"{prefix}{e}.{p}.weight" for e in range(experts)] for p in PROJECTIONS}
+
+
+def per_expert_shapes(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """Each expert's projection shapes ``[N, K]`` for a 3-D experts module (``down_proj`` [E, H, I])."""
+    _, hidden, width = module.down_proj.shape
+    return {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
+
+
+def experts_stay_in_bf16(device: torch.device, backend: str | None, recipe: str | None) -> str:
+    """Why experts on ``device`` are kept in bf16 under ``backend`` (None: ``auto``), or "": ``auto`` on a GPU where
+    no backend but the emulation runs grouped weights, whose experts would run many times slower than bf16's."""
+    if (backend or "auto") != "auto" or device.type != "cuda":
+        return ""
+    if explain_auto(device, recipe=recipe, grouped=True).backend.name != "emulation":
+        return ""
+    return "no backend runs grouped weights fast on this GPU yet (name backend='emulation' to emulate)"
 
 
 def experts_unfit_reason(module: nn.Module) -> str:

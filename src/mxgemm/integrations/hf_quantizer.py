@@ -29,8 +29,8 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..checkpoints import CheckpointError
-from ..format import BLOCK_SIZE, e8m0_bytes, nonfinite_reason
+from ..checkpoints import check_values
+from ..format import BLOCK_SIZE, e8m0_bytes
 from ..fusion import fuse
 from ..linear import MXFP8Linear
 from ..models import quantizable_linears, quantize_model
@@ -84,9 +84,7 @@ class _MXWeights(nn.Module):
         """The loaded (weight, scale), or :class:`mxgemm.CheckpointError` naming the layer where they do not
         dequantize to finite values (the values check of :func:`mxgemm.load_checkpoint`)."""
         weight, scale = self.weight.detach(), e8m0_bytes(self.weight_scale.detach())
-        reason = nonfinite_reason(weight, scale)
-        if reason:
-            raise CheckpointError(f"{name}.weight / weight_scale {reason}: every output it touches would not be finite")
+        check_values(name, weight, scale)
         return weight, scale
 
 
