@@ -2,9 +2,11 @@
 to each expert's dense call (its emulated twin) whatever the routing; the op's fake, compile, the resolver's reasons
 and one-line errors for bad input."""
 
+import os
+
 import pytest
 import torch
-from helpers import random_act, random_mx_weight, sqnr_db
+from helpers import assert_within_ulp, exact_product, hybrid_operands, random_act, random_mx_weight, sqnr_db
 
 import mxgemm
 from mxgemm.backends import PreparedGroupedWeight
@@ -14,6 +16,9 @@ E, N, K = 4, 130, 96
 RECIPES = ["w8a16", "w8a8-mx", "w8a8-block"]
 # each expert's rows, as counts: uneven, empty experts, all on one expert, one token, no tokens
 ROUTINGS = {"uneven": [3, 0, 5, 1], "one expert": [0, 9, 0, 0], "one token": [0, 0, 0, 1], "none": [0, 0, 0, 0]}
+
+
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1")
 
 
 def _experts(e=E, n=N, k=K):
@@ -64,13 +69,76 @@ def test_the_prepared_copy_is_one_byte_a_parameter_and_exports_what_it_computes(
         assert torch.equal(mxgemm.grouped_linear(x, again, offsets), mxgemm.grouped_linear(x, w, offsets))
 
 
-def test_auto_takes_a_backend_that_runs_grouped_weights_and_a_named_one_that_does_not_says_so():
+@interpreter
+def test_auto_takes_a_backend_that_runs_grouped_weights_and_a_named_one_that_does_not_says_so(monkeypatch):
     q, s = _experts()
-    assert mxgemm.prepare_grouped_weight(q, s).backend == "emulation"  # on CPU
-    with pytest.raises(mxgemm.BackendUnavailableError, match=r"triton.*runs dense weights only"):
-        mxgemm.prepare_grouped_weight(q, s, backend="triton")
+    assert mxgemm.prepare_grouped_weight(q, s).backend == "triton"  # the Triton interpreter (tests set it)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert mxgemm.prepare_grouped_weight(q, s).backend == "emulation"  # a plain CPU
+    with pytest.raises(mxgemm.BackendUnavailableError, match=r"cublas_mx.*runs dense weights only"):
+        mxgemm.prepare_grouped_weight(q, s, backend="cublas_mx")
     with pytest.raises(mxgemm.BackendUnavailableError, match="computes grouped weights in w8a16/w8a8-mx/w8a8-block"):
         mxgemm.prepare_grouped_weight(q, s, backend="emulation", recipe="hybrid-block128")
+    with pytest.raises(mxgemm.BackendUnavailableError, match=r"computes grouped weights in w8a8-block, not .* w8a16"):
+        mxgemm.prepare_grouped_weight(q, s, backend="triton", recipe="w8a16")
+
+
+def _check_against_twin(y, x, q, s, counts, what=""):
+    """Each expert's rows within the FP8 GEMM's rounding of the twin's exact product (activations 1x128-quantized,
+    the weight re-encoded to 128x128 blocks), the rows past the last expert's end zero."""
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = x[start : start + count]
+            product = exact_product(*hybrid_operands(rows, q[e], s[e], quantized=True))
+            assert_within_ulp(y[start : start + count], product, what=f"{what} expert {e}")
+        start += count
+    assert torch.equal(y[start:], torch.zeros_like(y[start:])), what
+
+
+@interpreter
+@pytest.mark.parametrize("routing", [*ROUTINGS, "tokens past the tile"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_triton_kernel_is_its_twin_for_every_routing_and_config(routing, dtype):
+    """The grouped FP8 kernel under the interpreter, on N and K that are not multiples of its tiles (K = 160: a
+    128-deep step and a 32-deep one), every config shape: each row within the fp32 sums' rounding of the twin."""
+    from mxgemm.kernels.grouped_fp8 import GroupedConfig, grouped_block_linear
+
+    n, k = 130, 160
+    q, s = _experts(n=n, k=k)
+    w = mxgemm.prepare_grouped_weight(q, s, backend="triton")
+    assert w.recipe == "w8a8-block" and w.experts == E
+    counts = ROUTINGS.get(routing, [17, 0, 1, 20])
+    x = random_act(sum(counts) + 2, k, dtype=dtype, seed=len(routing))
+    offsets = _offsets(counts)
+    _check_against_twin(mxgemm.grouped_linear(x, w, offsets), x, q, s, counts, "default")
+    qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
+    for config in (GroupedConfig(16, 16), GroupedConfig(256, 32, 8), GroupedConfig(32, 16, quantized=True)):
+        _check_against_twin(grouped_block_linear(x, qd, bs, offsets, n, config), x, q, s, counts, str(config))
+
+
+@interpreter
+def test_the_triton_backend_refuses_grouped_weights_it_would_change_or_cannot_run(monkeypatch):
+    q, s = _experts()
+    with pytest.raises(mxgemm.BackendUnavailableError, match="re-encodes E4M3 weights only"):
+        mxgemm.prepare_grouped_weight(q.to(torch.float8_e5m2), s, backend="triton")
+    s_far = s.clone()
+    s_far[1, :, 0] += 6  # one 32-block above the others of its 128x128 block: their smallest elements would round
+    monkeypatch.setenv("MXGEMM_REENCODE_MAX_ERROR", "0")
+    with pytest.raises(mxgemm.BackendUnavailableError, match="MXGEMM_REENCODE_MAX_ERROR"):
+        mxgemm.prepare_grouped_weight(q, s_far, backend="triton")
+    assert mxgemm.prepare_grouped_weight(q, s_far).backend == "emulation"  # auto moves on, in w8a16
+    from mxgemm.backends import get_backend
+    from mxgemm.device import DeviceInfo
+    from mxgemm.resolve import explain_auto
+
+    ampere = DeviceInfo("cuda", "A100", (8, 0), 0)
+    answer = explain_auto(ampere, grouped=True)
+    assert answer.backend.name == "emulation"
+    assert ("triton", f"grouped weights need FP8 tensor cores (compute capability >= 8.9); {ampere} is below that") in (
+        answer.skipped
+    )
+    assert get_backend("triton").check_grouped(DeviceInfo("cuda", "H200", (9, 0), 0))
 
 
 def test_the_op_has_exact_fake_shapes_and_crosses_the_boundary():

@@ -228,12 +228,19 @@ def test_mxgemm_quantize_of_a_moe_model_loads_as_quantize_model_computes(tmp_pat
         assert torch.equal(loaded(ids).logits, reference(ids).logits)
 
 
-def test_a_named_dense_backend_leaves_the_experts_with_its_reason():
+def test_a_named_backend_runs_the_experts_or_leaves_them_with_its_reason():
+    """``triton`` runs grouped weights in w8a8-block (under the interpreter here): asked for w8a16, which it computes
+    for dense weights only, it leaves the experts in bf16 and says why; asked for nothing, it takes them."""
     from helpers import skip_unless_backend_runs
 
     skip_unless_backend_runs("triton")
     model = _tiny("qwen3_moe").to(torch.bfloat16)
-    report = mxgemm.quantize_model(model, backend="triton")
+    report = mxgemm.quantize_model(model, backend="triton", recipe="w8a16")
     assert isinstance(model.model.layers[0].self_attn.q_proj, mxgemm.MXFP8Linear)
     assert not any(isinstance(m, MXFP8Experts) for m in model.modules())
-    assert "skipped model.layers.0.mlp.experts: triton: runs dense weights only" in str(report)
+    reason = "triton: computes grouped weights in w8a8-block, not the requested recipe w8a16"
+    assert f"skipped model.layers.0.mlp.experts: {reason}" in str(report)
+    model = _tiny("qwen3_moe").to(torch.bfloat16)
+    mxgemm.quantize_model(model, backend="triton")
+    experts = [m for m in model.modules() if isinstance(m, MXFP8Experts)]
+    assert len(experts) == 2 and {(m.backend, m.recipe) for m in experts} == {("triton", "w8a8-block")}

@@ -28,8 +28,10 @@ __all__ = [
     "block128_to_mx",
     "dequantize_1x128",
     "dequantize_block128",
+    "grouped_block128_to_mx",
     "padded_1x128_shape",
     "prepare_block128",
+    "prepare_grouped_block128",
     "quantize_1x128",
     "reencode_block128",
 ]
@@ -160,6 +162,24 @@ def prepare_block128(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[dict[str
     nb = -(-np_ // GROUP)
     s = F.pad(block.scale, (0, kp // GROUP - block.scale.shape[1], 0, nb - block.scale.shape[0]), value=1.0)
     return {"qdata": q, "block_scale": s.contiguous()}, {"reencode": block.report}
+
+
+def prepare_grouped_block128(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:
+    """The stored form of the 128x128-block weights of E experts, ``[E, N, K]``: fp8 ``qdata`` ``[E, N, K]`` and fp32
+    ``block_scale`` ``[E, ceil(N/128), ceil(K/128)]``, each expert re-encoded straight into its slice (no padding:
+    the grouped kernels mask edges); the info holds the report of the expert the re-encoding changes most."""
+    e = qdata.shape[0]
+    out = torch.empty(qdata.shape, dtype=torch.float8_e4m3fn, device=qdata.device)
+    blocks = [reencode_block128(qdata[i], scale[i], out=out[i]) for i in range(e)]
+    report = max((b.report for b in blocks), key=lambda r: r.rel_error)
+    return {"qdata": out, "block_scale": torch.stack([b.scale for b in blocks])}, {"reencode": report}
+
+
+def grouped_block128_to_mx(qdata: torch.Tensor, block_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block128_to_mx` of each expert of :func:`prepare_grouped_block128`'s tensors, stacked."""
+    _, n, k = qdata.shape
+    pairs = [block128_to_mx(q, s, n, k) for q, s in zip(qdata, block_scale, strict=True)]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
 _CHUNK_ELEMENTS = 1 << 23  # 8Mi elements a chunk: about 200 MiB of fp32 temporaries

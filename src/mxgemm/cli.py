@@ -31,6 +31,7 @@ from .bench import (
     table_rows,
     write_json,
 )
+from .bench_moe import MOE_MODELS
 from .device import describe_device
 from .errors import MXGemmError
 from .resolve import available_backends, default_request, explain_auto
@@ -87,7 +88,34 @@ def _info(console: Console) -> int:
     return 0
 
 
+def _bench_moe(args: argparse.Namespace, console: Console) -> int:
+    from .bench_moe import COLUMNS, MOE_MODELS, as_json, markdown_table, run_moe_bench, table_cells
+
+    if describe_device().type != "cuda":
+        console.print(
+            "[yellow]no CUDA GPU: timing tiny experts on CPU against bf16 torch._grouped_mm; a smoke run, not a "
+            "measure of GPU speed (the models and --m are ignored)[/yellow]"
+        )
+    env, rows = run_moe_bench(args.moe or list(MOE_MODELS), args.m, progress=lambda s: console.print(f"[dim]{s}[/dim]"))
+    table = Table(title=f"mxgemm bench --moe on {env['name']}")
+    for h in COLUMNS:
+        table.add_column(h, justify="right")
+    for cells in table_cells(rows):
+        table.add_row(*cells)
+    console.print(table)
+    command = "mxgemm " + " ".join(shlex.quote(a) for a in args.argv)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(as_json(env, rows, command), f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"Command: `{command}`\n\nDevice: {env}\n\n{markdown_table(rows)}")
+    return 0
+
+
 def _bench(args: argparse.Namespace, console: Console) -> int:
+    if args.moe is not None:
+        return _bench_moe(args, console)
     device = describe_device()
     if device.type != "cuda":
         console.print(
@@ -370,6 +398,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["llama3-8b"], help="shape sets")
     bench.add_argument("--m", type=int, nargs="+", help=f"token counts (default {' '.join(map(str, DEFAULT_M))})")
     bench.add_argument("--shapes", help="explicit shapes MxNxK,MxNxK (overrides --model/--m)")
+    bench.add_argument(
+        "--moe",
+        nargs="*",
+        choices=sorted(MOE_MODELS),
+        metavar="MODEL",
+        help=f"time the grouped GEMMs of these models' experts instead ({', '.join(MOE_MODELS)}; none named: all), "
+        "--m their token counts",
+    )
     bench.add_argument("--backends", nargs="+", help="backends to time (default: every available one)")
     bench.add_argument("--json", help="write the rows as JSON here")
     bench.add_argument("--markdown", help="write a Markdown table here")

@@ -80,6 +80,8 @@ def _check(
         what = "grouped weights in " if grouped else ""
         return Availability(False, f"computes {what}{'/'.join(recipes)}, not the requested recipe {recipe}")
     answer = backend.check_device(device)
+    if answer and grouped:
+        answer = backend.check_grouped(device)
     if answer and shape is not None:
         answer = backend.check_problem(*shape)
     return answer

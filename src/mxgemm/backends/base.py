@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .. import settings
 from ..availability import Availability
 from ..device import DeviceInfo
 from ..recipes import RECIPES, Recipe
@@ -30,6 +31,7 @@ __all__ = [
     "Recipe",
     "Tactic",
     "UnsupportedWeightError",
+    "check_reencoding",
     "tactic_json",
 ]
 
@@ -58,6 +60,22 @@ def tactic_json(tactic: Any) -> Any:
 class UnsupportedWeightError(Exception):
     """Raised by ``Backend.prepare`` when this particular weight's values rule the backend out (the message says
     why). An explicit request then fails with that reason; ``auto`` moves on to the next backend."""
+
+
+def check_reencoding(qdata: torch.Tensor, prepare: Callable[[], tuple[dict, dict]]) -> tuple[dict, dict]:
+    """``prepare()``'s (tensors, info) of a re-encoding to 128x128 blocks of the weight ``qdata``; refused
+    (:class:`UnsupportedWeightError`) where ``qdata`` is not E4M3 or the re-encoding (its ``info["reencode"]``
+    report) would change it by more than ``MXGEMM_REENCODE_MAX_ERROR``."""
+    if qdata.dtype != torch.float8_e4m3fn:
+        raise UnsupportedWeightError(f"re-encodes E4M3 weights only; got {qdata.dtype}")
+    tensors, info = prepare()
+    report, limit = info["reencode"], settings.reencode_max_error()
+    if report.rel_error > limit:
+        raise UnsupportedWeightError(
+            f"re-encoding to 128x128 blocks would change this weight by {report.rel_error:.3g} (relative), above "
+            f"MXGEMM_REENCODE_MAX_ERROR={limit:g} ({report})"
+        )
+    return tensors, info
 
 
 _FP8 = {str(d): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}

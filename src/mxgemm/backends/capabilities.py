@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..availability import Availability
+from ..device import DeviceInfo
 from ..recipes import Recipe
 from .base import PreparedGroupedWeight, PreparedWeight, run_time_info
 
@@ -93,6 +95,11 @@ class GroupedWeights(ABC):
     of each expert (sorted by expert, ``offsets`` their cumulative ends) in one call, with no host synchronisation."""
 
     grouped_recipes: ClassVar[tuple[Recipe, ...]]  # the recipes it computes grouped weights in; the first its default
+
+    def check_grouped(self, device: DeviceInfo) -> Availability:
+        """Can it run grouped weights on ``device``, where :meth:`Backend.check_device` already passed? Never raises;
+        the reason says what is missing. This default: wherever the backend runs."""
+        return Availability(True, "wherever the backend runs")
 
     @abstractmethod
     def prepare_grouped(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedGroupedWeight:

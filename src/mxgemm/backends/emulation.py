@@ -12,6 +12,8 @@ from ..block128 import (
     block128_to_mx,
     dequantize_1x128,
     dequantize_block128,
+    grouped_block128_to_mx,
+    prepare_grouped_block128,
     quantize_1x128,
     reencode_block128,
 )
@@ -139,12 +141,7 @@ class EmulationBackend(Backend, JoinsRows, SharesQuantizedInput, GatedInput, Gro
         report of the expert it changes most kept), stacked."""
         e, n, k = qdata.shape
         if Recipe(recipe).block128:
-            blocks = [reencode_block128(qdata[i], scale[i]) for i in range(e)]
-            tensors = {
-                "qdata": torch.stack([b.qdata for b in blocks]),
-                "block_scale": torch.stack([b.scale for b in blocks]),
-            }
-            info = {"reencode": max((b.report for b in blocks), key=lambda r: r.rel_error)}
+            tensors, info = prepare_grouped_block128(qdata, scale)
         else:
             tensors, info = {"qdata": qdata, "scale": scale}, {}
         return PreparedGroupedWeight(self.name, recipe, n, k, tensors, info, experts=e)
@@ -166,8 +163,4 @@ class EmulationBackend(Backend, JoinsRows, SharesQuantizedInput, GatedInput, Gro
         t = weight.tensors
         if "block_scale" not in t:
             return t["qdata"], t["scale"]
-        pairs = [
-            block128_to_mx(q, s, weight.out_features, weight.in_features)
-            for q, s in zip(t["qdata"], t["block_scale"], strict=True)
-        ]
-        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+        return grouped_block128_to_mx(t["qdata"], t["block_scale"])

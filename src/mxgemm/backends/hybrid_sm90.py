@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from .. import settings
 from ..block128 import BLOCK128_ROWS, block128_to_mx, prepare_block128
 from ..device import DeviceInfo
 from ..kernels import cublaslt, fp8_gemm
@@ -32,7 +31,7 @@ from ..kernels.fp8_gemm import STAGES, TOKEN_TILES, Fp8Config, SwapAB, TokensAsM
 from ..kernels.small_m import MAX_M, SmallMConfig, small_m_status
 from ..kernels.small_m import linear_plan as small_m_plan
 from ..recipes import Recipe, StrEnum, hybrid_crossover
-from .base import Availability, Backend, PreparedWeight, Tactic, UnsupportedWeightError, any_rows, run_time_info
+from .base import Availability, Backend, PreparedWeight, Tactic, any_rows, check_reencoding, run_time_info
 from .capabilities import GatedInput, JoinsRows, SharesQuantizedInput
 
 logger = logging.getLogger("mxgemm")
@@ -43,7 +42,6 @@ __all__ = [
     "fp8_beats_cublas",
     "fp8_configs",
     "fp8_default",
-    "reencode_max_error",
     "small_m_configs",
     "small_m_default",
 ]
@@ -148,9 +146,6 @@ _TRITON_VARIANTS_MAX_M = 512
 _FP8_TACTICS_MAX_M = 256
 
 
-reencode_max_error = settings.reencode_max_error
-
-
 class HybridSM90Backend(Backend, JoinsRows, SharesQuantizedInput, GatedInput):
     name = "hybrid_sm90"
     recipes = (Recipe.HYBRID_BLOCK128,)
@@ -176,15 +171,7 @@ class HybridSM90Backend(Backend, JoinsRows, SharesQuantizedInput, GatedInput):
         )
 
     def prepare(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedWeight:
-        if qdata.dtype != torch.float8_e4m3fn:
-            raise UnsupportedWeightError(f"re-encodes E4M3 weights only; got {qdata.dtype}")
-        tensors, info = prepare_block128(qdata, scale)
-        report, limit = info["reencode"], reencode_max_error()
-        if report.rel_error > limit:
-            raise UnsupportedWeightError(
-                f"re-encoding to 128x128 blocks would change this weight by {report.rel_error:.3g} (relative), above "
-                f"MXGEMM_REENCODE_MAX_ERROR={limit:g} ({report})"
-            )
+        tensors, info = check_reencoding(qdata, lambda: prepare_block128(qdata, scale))
         capability = torch.cuda.get_device_capability(qdata.device) if qdata.is_cuda else None
         info["small_m"] = bool(small_m_status(capability))
         if fp8_gemm.fp8_gemm_status(capability):

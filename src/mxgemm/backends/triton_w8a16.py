@@ -1,6 +1,10 @@
 """``triton``: exact ``w8a16`` Triton kernel reading MX weights (fp8 bytes + E8M0 scales) directly; at large M (bf16
 activations) the weight is dequantized chunk by chunk into a transient bf16 buffer for cuBLAS instead (same numerics:
-``kernels/dequant.py``)."""
+``kernels/dequant.py``).
+
+Grouped weights of a mixture of experts (FP8 tensor cores, compute capability 8.9 and up): ``w8a8-block``, each
+expert re-encoded to 128x128 blocks once, its rows quantized per 1x128 inside the grouped GEMM
+(``kernels/grouped_fp8.py``)."""
 
 from __future__ import annotations
 
@@ -10,14 +14,17 @@ import os
 
 import torch
 
+from ..block128 import grouped_block128_to_mx, prepare_grouped_block128
 from ..device import DeviceInfo
 from ..format import BLOCK_SIZE, E8M0_NAN
 from ..recipes import Recipe, StrEnum
-from .base import Availability, Backend, PreparedWeight, Tactic
+from .base import Availability, Backend, PreparedGroupedWeight, PreparedWeight, Tactic, check_reencoding
+from .capabilities import GroupedWeights
 
 __all__ = ["TritonBackend", "kernel_scales"]
 
 _MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor-core dots
+_FP8_CAPABILITY = (8, 9)  # FP8 tensor-core dots: the grouped kernel
 # From this M (bf16 activations) the default is dequantize + cuBLAS: at M=256 on the llama3-8b projections one
 # dequantizing pass plus the bf16 GEMM costs 0.55-0.72x the kernel's time (on the H200; at M=128 it wins
 # on qkv and o only); a tactic from M=64.
@@ -50,13 +57,14 @@ def _default(m: int, weight: PreparedWeight):
     return default_config(m, weight.out_features, weight.in_features, packed_decode=weight.info["packed_decode"])
 
 
-class TritonBackend(Backend):
+class TritonBackend(Backend, GroupedWeights):
     name = "triton"
     recipes = (Recipe.W8A16,)
+    grouped_recipes = (Recipe.W8A8_BLOCK,)
     tunable = True
     summary = (
         "exact w8a16: a Triton kernel reading MX weights directly; from M = 256 the weight dequantized in chunks for "
-        "cuBLAS bf16; any CUDA GPU of SM80+"
+        "cuBLAS bf16; any CUDA GPU of SM80+; grouped experts in w8a8-block on SM89+"
     )
 
     def check_device(self, device: DeviceInfo) -> Availability:
@@ -119,3 +127,31 @@ class TritonBackend(Backend):
             plain_scales=weight.info["plain_scales"],
             config=config,
         )
+
+    def check_grouped(self, device: DeviceInfo) -> Availability:
+        if device.type == "cpu":  # the interpreter (check_device passed)
+            return Availability(True, "Triton interpreter on CPU (TRITON_INTERPRET=1): for tests only, very slow")
+        if device.capability is None or device.capability < _FP8_CAPABILITY:
+            return Availability(
+                False, f"grouped weights need FP8 tensor cores (compute capability >= 8.9); {device} is below that"
+            )
+        return Availability(True, f"grouped FP8 Triton kernel on {device}")
+
+    def prepare_grouped(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedGroupedWeight:
+        """Each expert re-encoded to 128x128 blocks, unpadded; refused as a dense weight is by ``hybrid_sm90``
+        (:func:`check_reencoding`)."""
+        e, n, k = qdata.shape
+        tensors, info = check_reencoding(qdata, lambda: prepare_grouped_block128(qdata, scale))
+        return PreparedGroupedWeight(self.name, recipe, n, k, tensors, info, experts=e)
+
+    def run_grouped(self, x, weight, offsets, tactic=None) -> torch.Tensor:
+        from ..kernels.grouped_fp8 import grouped_block_linear
+
+        t = weight.tensors
+        config = tactic.config if tactic is not None else None
+        return grouped_block_linear(
+            x, t["qdata"].view(torch.uint8), t["block_scale"], offsets, weight.out_features, config
+        )
+
+    def export_grouped_mx(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        return grouped_block128_to_mx(weight.tensors["qdata"], weight.tensors["block_scale"])

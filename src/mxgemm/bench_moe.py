@@ -1,0 +1,174 @@
+"""``mxgemm bench --moe``: the grouped GEMMs of mixture-of-experts projections against what users would run instead.
+
+On a GPU, each time a CUDA-graph replay of ``ROUTINGS`` routings of the same token count (uniform top-k, a new draw
+each), so that the active experts change from call to call and their weights do not stay in L2:
+
+* ``mxgemm``: ``grouped_linear`` on the experts prepared by ``auto``, activation quantization included;
+* ``bf16``: ``torch._grouped_mm`` on the dequantized experts (what engines run for bf16 experts);
+* ``fp8_rowwise``: ``torch._scaled_grouped_mm`` with row/column scales, GEMM only (activations quantized beforehand);
+* the floor: the active experts' FP8 and scale bytes over the copy bandwidth, measured first (a 1 GiB
+  device-to-device copy, bytes read plus written).
+
+On a CPU-only machine ``auto``'s grouped backend runs tiny experts against bf16 ``torch._grouped_mm``: a smoke run,
+labelled as such, not a measure of GPU speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+
+import torch
+
+from .device import describe_device
+from .format import dequantize, quantize
+from .grouped import grouped_linear, prepare_grouped_weight
+from .timing import time_cpu, time_cuda
+
+__all__ = ["MOE_MODELS", "MOE_TOKENS", "MoeRow", "markdown_table", "run_moe_bench"]
+
+# (experts, hidden, expert width, top-k)
+MOE_MODELS: dict[str, tuple[int, int, int, int]] = {
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "deepseek-v3": (256, 7168, 2048, 8),
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+}
+MOE_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+CPU_MODEL = ("cpu-tiny", (8, 256, 128, 2))
+CPU_TOKENS = (1, 4, 16)
+ROUTINGS = 8
+
+
+@dataclass
+class MoeRow:
+    model: str
+    proj: str
+    E: int
+    N: int
+    K: int
+    tokens: int
+    active: float  # experts with rows, averaged over the routings
+    backend: str
+    floor_us: float | None
+    us: dict[str, float | None] = field(default_factory=dict)
+    rel_err_vs_bf16: float = 0.0
+
+
+def _experts(e: int, n: int, k: int, seed: int, device: torch.device):
+    """Random MX experts ``[E, N, K]`` and their bf16 values, made one expert at a time."""
+    q = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty((e, n, k // 32), dtype=torch.uint8, device=device)
+    w = torch.empty((e, n, k), dtype=torch.bfloat16, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for i in range(e):
+        t = quantize(torch.randn(n, k, generator=g, device=device) * 0.02)
+        q[i], s[i], w[i] = t.qdata, t.scale, dequantize(t).to(torch.bfloat16)
+    return q, s, w
+
+
+def _routing(tokens: int, e: int, topk: int, seed: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """int32 cumulative row ends of a uniform top-k routing, and how many experts it makes active."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(tokens, e, generator=g).topk(topk, dim=1).indices.reshape(-1)
+    counts = torch.bincount(ids, minlength=e)
+    return counts.cumsum(0).to(torch.int32).to(device), int((counts > 0).sum())
+
+
+def _rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = x.float().abs().amax(dim=1).clamp_min(1e-12)
+    return (x.float() * (448.0 / amax)[:, None]).to(torch.float8_e4m3fn), amax / 448.0
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy, read plus written."""
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (time_cuda([partial(dst.copy_, src)]) * 1e-6)
+
+
+def run_moe_bench(
+    models: Sequence[str] | None = None,
+    tokens: Sequence[int] | None = None,
+    *,
+    progress: Callable[[str], None] = lambda s: None,
+) -> tuple[dict, list[MoeRow]]:
+    """Time both projections of each model's experts at each token count; (environment, rows)."""
+    from .bench import environment
+
+    device = describe_device()
+    gpu = device.type == "cuda"
+    if gpu:
+        chosen = [(m, MOE_MODELS[m]) for m in (models or MOE_MODELS)]
+        counts = tokens or MOE_TOKENS
+        bandwidth = copy_bandwidth()
+    else:
+        chosen, counts, bandwidth = [CPU_MODEL], CPU_TOKENS, None
+    env = {**environment(device), "copy_bytes_per_s": bandwidth, "routings_per_graph": ROUTINGS}
+    dev = torch.device("cuda" if gpu else "cpu")
+    rows = []
+    for model, (e, hidden, width, topk) in chosen:
+        for proj, (n, k) in (("gate_up", (2 * width, hidden)), ("down", (hidden, width))):
+            q, s, w16 = _experts(e, n, k, seed=n + k, device=dev)
+            prepared = prepare_grouped_weight(q, s)
+            del q, s
+            w16_t = w16.transpose(1, 2)  # [E, K, N], as _grouped_mm takes it
+            w8 = w16.to(torch.float8_e4m3fn).transpose(1, 2) if gpu else None
+            for t in counts:
+                routings = [_routing(t, e, topk, seed=r, device=dev) for r in range(ROUTINGS if gpu else 1)]
+                offs = [o for o, _ in routings]
+                xs = [torch.randn(t * topk, k, device=dev).bfloat16() for _ in offs]
+                ours = [partial(grouped_linear, x, prepared, o) for x, o in zip(xs, offs, strict=True)]
+                bf16 = [partial(torch._grouped_mm, x, w16_t, offs=o) for x, o in zip(xs, offs, strict=True)]
+                y, ref = ours[0](), bf16[0]().float()
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                active = sum(a for _, a in routings) / len(routings)
+                floor = active * n * k * (1 + 4 / 128**2) / bandwidth * 1e6 if bandwidth else None
+                row = MoeRow(model, proj, e, n, k, t, active, prepared.backend, floor, rel_err_vs_bf16=err)
+                if gpu:
+                    row.us = {"mxgemm": time_cuda(ours, warmup_ms=50), "bf16": time_cuda(bf16)}
+                    quantized = [_rowwise(x) for x in xs]
+                    scale_b = torch.ones(e, n, device=dev)
+                    fp8 = [
+                        partial(torch._scaled_grouped_mm, xq, w8, xs_, scale_b, offs=o, out_dtype=torch.bfloat16)
+                        for (xq, xs_), o in zip(quantized, offs, strict=True)
+                    ]
+                    row.us["fp8_rowwise"] = time_cuda(fp8)
+                else:
+                    row.us = {"mxgemm": time_cpu(ours[0]), "bf16": time_cpu(bf16[0])}
+                progress(f"{model} {proj} tokens={t}: {row.us}")
+                rows.append(row)
+            del prepared, w16, w16_t, w8
+            if gpu:
+                torch.cuda.empty_cache()
+    return env, rows
+
+
+COLUMNS = ["model", "proj", "tokens", "active experts", "backend", "floor µs", "mxgemm µs", "bf16 µs"]
+COLUMNS += ["FP8 rowwise µs", "/ floor", "bf16 / mxgemm"]
+
+
+def table_cells(rows: Sequence[MoeRow]) -> list[list[str]]:
+    """One row of strings per bench row, in ``COLUMNS`` order."""
+
+    def us(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    out = []
+    for r in rows:
+        ours, bf16 = r.us["mxgemm"], r.us["bf16"]
+        over_floor = f"{ours / r.floor_us:.2f}" if ours and r.floor_us else "-"
+        speedup = f"{bf16 / ours:.2f}" if ours and bf16 else "-"
+        cells = [r.model, r.proj, str(r.tokens), f"{r.active:.1f}", r.backend, us(r.floor_us), us(ours), us(bf16)]
+        out.append([*cells, us(r.us.get("fp8_rowwise")), over_floor, speedup])
+    return out
+
+
+def markdown_table(rows: Sequence[MoeRow]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def as_json(env: dict, rows: Sequence[MoeRow], command: str) -> dict:
+    return {"command": command, "environment": env, "rows": [asdict(r) for r in rows]}

@@ -1,0 +1,208 @@
+"""Triton kernel: the grouped ``w8a8-block`` GEMM of a mixture of experts, rows sorted by expert.
+
+``y[i] = q(x[i]) @ W_e^T`` for the expert ``e`` whose rows hold ``i`` (``offsets`` int32 ``[E]``, cumulative row
+ends), with ``W_e`` FP8 E4M3 ``[N, K]`` and one fp32 power-of-two scale per 128x128 block, and ``q`` the 1x128
+quantization of :func:`mxgemm.block128.quantize_1x128`, made in the kernel on the tile it multiplies (bit-exact:
+``amax`` floored at 2^-64, IEEE divisions, one round-to-nearest-even to E4M3), so activations take no pass of their
+own. Rows at or past ``offsets[-1]`` are written as zeros.
+
+Work: one program per (token tile of one expert, ``BN`` weight rows). The grid is sized from the row count and E
+alone (``cdiv(S, BM) + min(E + 1, S)`` token-tile slots bound the tiles of any routing), and each program finds its
+expert and tile from ``offsets`` on the device, so nothing is read on the host and a CUDA graph replays any routing
+of the same row count; slots past the routing's tiles return at once. Swap-AB: ``acc[BN, BM] = W_tile @ q(x)^T``,
+so the weight is the MMA's wide side and a few tokens fill its narrow one. Each 128-deep step is multiplied in its
+own FP8 MMA and added to an fp32 accumulator times its two scales.
+
+``quantized`` configs read rows quantized apart instead (the 1x128 quantizer of :mod:`mxgemm.kernels.act_quant`;
+the same bits): with many rows per expert, quantizing in the kernel would repeat the work for every weight-row tile.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["GroupedConfig", "default_config", "grouped_block_linear", "token_tile_slots"]
+
+_AMAX_FLOOR = tl.constexpr(2.0**-64)
+_FP8_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _to_e4m3_bits(v):
+    """fp32 -> E4M3 bytes with one round-to-nearest-even."""
+    return tl.inline_asm_elementwise(
+        asm="cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;",
+        constraints="=h,r,r",
+        args=[v],
+        dtype=tl.uint8,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _nearest_e4m3(v):
+    """fp32 in [-448, 448] -> the nearest E4M3 value (ties to even), as fp32: adding and taking away 1.5 * 2^23
+    times E4M3's spacing at ``|v|`` rounds ``v`` to a multiple of that spacing. The interpreter's path: its own fp8
+    cast rounds twice."""
+    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    spacing = tl.maximum(exponent, -6) - 3  # E4M3 keeps 3 mantissa bits; below 2^-6 it is subnormal
+    magic = (((spacing + 127 + 23) << 23).to(tl.float32, bitcast=True)) * 1.5
+    return (v + magic) - magic
+
+
+@triton.jit
+def _grouped_kernel(
+    x_ptr, xs_ptr, w_ptr, s_ptr, off_ptr, y_ptr,
+    S, N, K, E,
+    stride_xs, stride_xsk, stride_we, stride_wn, stride_se, stride_sn, stride_ys,
+    GROUPS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, QUANTIZED: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # groups 0..E-1 are the experts, group E the rows past the last expert's end; bounds clamped to [0, S]
+    g = tl.arange(0, GROUPS)
+    end = tl.where(g < E, tl.load(off_ptr + g, mask=g < E, other=0), S)
+    prev = tl.load(off_ptr + g - 1, mask=(g >= 1) & (g <= E), other=0)
+    start = tl.where(g == 0, 0, tl.where(g <= E, prev, S))
+    end = tl.minimum(tl.maximum(end, 0), S)
+    start = tl.minimum(tl.maximum(start, 0), S)
+    tiles = (tl.maximum(end - start, 0) + BM - 1) // BM
+    last = tl.cumsum(tiles, axis=0)  # the slot after each group's last tile
+    grp = tl.sum((last <= slot).to(tl.int32), axis=0)
+    if grp <= E:
+        mine = g == grp
+        first_row = tl.sum(tl.where(mine, start, 0), axis=0)
+        end_row = tl.sum(tl.where(mine, end, 0), axis=0)
+        first_slot = tl.sum(tl.where(mine, last - tiles, 0), axis=0)
+        rm = first_row + (slot - first_slot) * BM + tl.arange(0, BM)
+        m_ok = rm < end_row
+        rm64 = rm.to(tl.int64)
+        rn = pid_n * BN + tl.arange(0, BN)
+        n_ok = rn < N
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        if grp < E:
+            rk = tl.arange(0, 128)
+            w_base = w_ptr + grp.to(tl.int64) * stride_we + rn[:, None] * stride_wn
+            s_base = s_ptr + grp.to(tl.int64) * stride_se + (rn // 128) * stride_sn
+            for k0 in range(0, K, 128):
+                k_ok = (k0 + rk) < K
+                x_ptrs = x_ptr + rm64[:, None] * stride_xs + (k0 + rk)[None, :]
+                if QUANTIZED:  # FP8 rows and their 1x128 scales, quantized apart
+                    xq = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+                    x_scale = tl.load(xs_ptr + (k0 // 128) * stride_xsk + rm64, mask=m_ok, other=0.0)
+                    if INTERPRET:
+                        xq = xq.to(tl.float32)
+                else:
+                    x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+                    full = tl.full(amax.shape, _FP8_MAX, tl.float32)
+                    v = tl.clamp(x * tl.math.div_rn(full, amax)[:, None], -_FP8_MAX, _FP8_MAX)
+                    x_scale = tl.math.div_rn(amax, full)
+                    if INTERPRET:
+                        xq = _nearest_e4m3(v)
+                    else:
+                        xq = _to_e4m3_bits(v).to(tl.float8e4nv, bitcast=True)
+                w = tl.load(w_base + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+                if INTERPRET:
+                    wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                    part = tl.dot(wf, tl.trans(xq), input_precision="ieee")
+                else:
+                    part = tl.dot(w.to(tl.float8e4nv, bitcast=True), tl.trans(xq))
+                w_scale = tl.load(s_base + k0 // 128, mask=n_ok, other=0.0)
+                acc += part * w_scale[:, None] * x_scale[None, :]
+        y_ptrs = y_ptr + rm64[None, :] * stride_ys + rn[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    """A launch of the kernel: ``bn`` weight rows x ``bm`` tokens of one expert per program, ``warps`` and ``stages``
+    (Triton's ``num_warps``, ``num_stages``), and whether the rows are ``quantized`` apart first."""
+
+    bn: int = 64
+    bm: int = 16
+    warps: int = 4
+    stages: int = 3
+    quantized: bool = False
+
+    def valid(self) -> bool:
+        """``bn`` and ``bm`` powers of two of 16-256, 4 or 8 warps, 1-5 stages."""
+        tiles = (16, 32, 64, 128, 256)
+        return self.bn in tiles and self.bm in tiles and self.warps in (4, 8) and self.stages in range(1, 6)
+
+
+def default_config(rows: int, experts: int) -> GroupedConfig:
+    """By the rows per expert of an even routing of ``rows`` over ``experts``: the smallest token tile that holds
+    them, 64 weight rows per program up to 32 tokens; from 64 tokens per expert, rows quantized apart and 128 x 128
+    tiles of 8 warps."""
+    per = -(-rows // max(experts, 1))
+    bm = next(t for t in (16, 32, 64, 128) if t >= min(per, 128))
+    return GroupedConfig(64, bm, 4, 3) if bm <= 32 else GroupedConfig(128, bm, 8, 3, quantized=bm >= 64)
+
+
+def token_tile_slots(rows: int, experts: int, bm: int) -> int:
+    """Token-tile slots that hold the tiles of any routing of ``rows`` rows over ``experts`` experts and the rows
+    past them: each of at most ``min(E + 1, rows)`` non-empty groups adds at most one partial tile."""
+    return triton.cdiv(rows, bm) + min(experts + 1, rows)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def grouped_block_linear(
+    x: torch.Tensor,
+    w_bytes: torch.Tensor,
+    block_scale: torch.Tensor,
+    offsets: torch.Tensor,
+    n: int,
+    config: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """``x`` [S, K] bf16/fp16 (unit stride along K), rows sorted by expert; ``w_bytes`` uint8 (E4M3 bits)
+    ``[E, >= n, K]``; ``block_scale`` fp32 ``[E, >= ceil(n/128), >= ceil(K/128)]``; ``offsets`` int32 ``[E]`` on
+    ``x``'s device -> [S, n] in ``x.dtype``."""
+    s, k = x.shape
+    e = w_bytes.shape[0]
+    c = config or default_config(s, e)
+    if not c.valid():
+        raise ValueError(f"the grouped kernel cannot run {c}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if w_bytes.stride(2) != 1 or block_scale.dtype != torch.float32 or offsets.dtype != torch.int32:
+        raise ValueError("the grouped kernel reads uint8 weights of unit stride along K, fp32 scales, int32 offsets")
+    y = torch.empty((s, n), dtype=x.dtype, device=x.device)
+    if s == 0 or n == 0:
+        return y
+    xs, stride_xsk = block_scale, 0  # not read unless quantized
+    if c.quantized:
+        x, xs = _quantized_rows(x)
+        stride_xsk = xs.stride(1)
+    grid = (token_tile_slots(s, e, c.bm), triton.cdiv(n, c.bn))
+    cfg = {"num_warps": c.warps} if _interpreting() else {"num_warps": c.warps, "num_stages": c.stages}
+    _grouped_kernel[grid](
+        x, xs, w_bytes, block_scale, offsets, y, s, n, k, e,
+        x.stride(0), stride_xsk, w_bytes.stride(0), w_bytes.stride(1), block_scale.stride(0), block_scale.stride(1),
+        y.stride(0), GROUPS=triton.next_power_of_2(e + 1), BN=c.bn, BM=c.bm, QUANTIZED=c.quantized,
+        INTERPRET=_interpreting(), **cfg,
+    )  # fmt: skip
+    return y
+
+
+def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` quantized per 1x128: E4M3 bytes (rows padded) and fp32 scales of stride 1 along rows. The interpreter
+    takes the torch reference (its own fp8 cast rounds twice)."""
+    if _interpreting():
+        from ..block128 import quantize_1x128
+
+        q, scale = quantize_1x128(x)
+        return q.view(torch.uint8), scale.t().contiguous().t()
+    from .act_quant import quantize_1x128_padded
+
+    q, scale = quantize_1x128_padded(x)
+    return q.view(torch.uint8), scale

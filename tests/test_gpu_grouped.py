@@ -1,0 +1,165 @@
+"""The grouped FP8 kernel of a mixture of experts on the GPU: every config and routing within the FP8 tensor cores'
+rounding of the twin, outputs poisoned beforehand fully written, one CUDA graph replaying any routing of its token
+count, compile fullgraph, and the prepared copy's bytes per parameter."""
+
+import pytest
+import torch
+from helpers import (
+    FP8_TENSOR_CORE_SUMS,
+    assert_within_ulp,
+    exact_product,
+    hybrid_operands,
+    poison_cuda_allocator,
+    random_act,
+    random_mx_weight,
+)
+
+import mxgemm
+from mxgemm.backends import get_backend
+from mxgemm.kernels.grouped_fp8 import GroupedConfig, grouped_block_linear
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fp8_gpu():
+    answer = get_backend("triton").check_device(mxgemm.describe_device())
+    if answer:
+        answer = get_backend("triton").check_grouped(mxgemm.describe_device())
+    if not answer:
+        pytest.skip(answer.reason)
+
+
+def _experts(e, n, k, seed=0):
+    pairs = [random_mx_weight(n, k, seed=seed + i, device="cuda") for i in range(e)]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def _offsets(counts):
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+
+
+def _check(y, x, q, s, counts, what):
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = x[start : start + count]
+            product = exact_product(*hybrid_operands(rows, q[e], s[e], quantized=True))
+            assert_within_ulp(y[start : start + count], product, sums=FP8_TENSOR_CORE_SUMS, what=f"{what} expert {e}")
+        start += count
+    assert torch.equal(y[start:], torch.zeros_like(y[start:])), f"{what}: rows past the last expert"
+
+
+ROUTINGS = {
+    "uneven": [3, 0, 70, 1, 0, 200, 5, 9],
+    "one expert": [0, 0, 0, 300, 0, 0, 0, 0],
+    "one token": [0, 0, 0, 0, 0, 0, 1, 0],
+    "none": [0] * 8,
+}
+CONFIGS = [
+    GroupedConfig(bn, bm, w, st, quantized)
+    for bn, bm in ((64, 16), (128, 64), (128, 128), (256, 128))
+    for w, st in ((4, 3), (8, 4))
+    for quantized in (False, True)
+]
+
+
+@pytest.mark.parametrize("n,k", [(130, 160), (1536, 2048), (2048, 768)])
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_every_config_and_routing_matches_the_twin(n, k, routing):
+    q, s = _experts(8, n, k)
+    w = mxgemm.prepare_grouped_weight(q, s, backend="triton")
+    counts = ROUTINGS[routing]
+    x = random_act(sum(counts) + 3, k, device="cuda", seed=n + k)
+    offsets = _offsets(counts)
+    qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
+    for config in [None, *CONFIGS]:
+        poison_cuda_allocator()
+        y = grouped_block_linear(x, qd, bs, offsets, n, config)
+        _check(y, x, q, s, counts, str(config))
+
+
+def test_fp16_and_the_op():
+    q, s = _experts(8, 256, 512)
+    w = mxgemm.prepare_grouped_weight(q, s)
+    assert w.backend == "triton" and w.recipe == "w8a8-block"
+    counts = ROUTINGS["uneven"]
+    x = random_act(sum(counts), 512, device="cuda", dtype=torch.float16)
+    _check(mxgemm.grouped_linear(x, w, _offsets(counts)), x, q, s, counts, "fp16")
+
+
+def test_one_graph_replays_any_routing_of_its_token_count():
+    q, s = _experts(16, 512, 1024)
+    w = mxgemm.prepare_grouped_weight(q, s)
+    rows = 64
+    static_x = random_act(rows, 1024, device="cuda")
+    static_off = _offsets([rows] + [0] * 15)
+    eager = mxgemm.grouped_linear(static_x, w, static_off)  # compiled outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = mxgemm.grouped_linear(static_x, w, static_off)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(4):
+        cuts = torch.sort(torch.randint(0, rows + 1, (15,), generator=g)).values.tolist()
+        counts = [b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True)]
+        static_x.copy_(random_act(rows, 1024, device="cuda", seed=trial))
+        static_off.copy_(_offsets(counts))
+        graph.replay()
+        eager = mxgemm.grouped_linear(static_x, w, static_off)
+        assert torch.equal(static_y, eager), counts
+        _check(static_y, static_x, q, s, counts, f"replay {counts}")
+
+
+def test_compile_fullgraph_matches_eager():
+    q, s = _experts(8, 256, 512)
+    w = mxgemm.prepare_grouped_weight(q, s)
+
+    def experts(x, offsets):
+        return mxgemm.grouped_linear(x, w, offsets) * 2
+
+    compiled = torch.compile(experts, fullgraph=True)
+    x = random_act(40, 512, device="cuda")
+    for counts in ([5, 0, 30, 5, 0, 0, 0, 0], [0] * 7 + [40]):
+        assert torch.equal(compiled(x, _offsets(counts)), experts(x, _offsets(counts)))
+
+
+def test_bytes_per_parameter():
+    q, s = _experts(16, 1536, 2048)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    w = mxgemm.prepare_grouped_weight(q, s)
+    torch.cuda.synchronize()
+    assert 1.0 <= (torch.cuda.memory_allocated() - before) / q.numel() <= 1.07
+    assert 1.0 <= w.nbytes / q.numel() <= 1.07
+
+
+def test_a_tiny_moe_model_runs_its_experts_on_the_grouped_kernel():
+    """quantize_model on the GPU with ``auto``: the experts on the grouped kernel, the model's logits within FP8
+    quantization noise of bf16's, generate runs, and one CUDA graph of the forward replays other tokens (other
+    routings) as eager computes them."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from helpers import sqnr_db, tiny_qwen3_moe
+
+    from mxgemm.moe import MXFP8Experts
+
+    model = tiny_qwen3_moe(hidden=256, width=128, experts=8).cuda()
+    reference = copy.deepcopy(model)
+    report = mxgemm.quantize_model(model)
+    experts = [m for m in model.modules() if isinstance(m, MXFP8Experts)]
+    assert len(experts) == 2 and {(m.backend, m.recipe) for m in experts} == {("triton", "w8a8-block")}, str(report)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (2, 12), generator=g).cuda()
+    with torch.no_grad():
+        logits, expected = model(ids).logits, reference(ids).logits
+        assert torch.isfinite(logits).all() and sqnr_db(logits.float(), expected.float()) >= 20
+        assert model.generate(ids, max_new_tokens=8, do_sample=False).shape == (2, 20)
+        static_ids = ids.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_logits = model(static_ids, use_cache=False).logits
+        for _ in range(3):
+            static_ids.copy_(torch.randint(0, 128, (2, 12), generator=g))
+            graph.replay()
+            assert torch.equal(static_logits, model(static_ids, use_cache=False).logits)
