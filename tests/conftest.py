@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if importlib.util.find_spec("triton") is not None:
-        for _module in ("act_quant", "dequant", "dot_scaled_ref", "grouped_fp8", "mx_quant", "w8a16"):
+        for _module in ("act_quant", "dequant", "dot_scaled_ref", "grouped.fp8", "mx_quant", "w8a16"):
             importlib.import_module(f"mxgemm.kernels.{_module}")
 
 

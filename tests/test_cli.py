@@ -193,3 +193,31 @@ def test_bench_on_cpu_says_it_ignores_the_gpu_shape_sets(capsys):
     assert main(["bench", "--model", "llama3-70b", "--baselines"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "--model and --m choose GPU shape sets: ignored here" in out and "no CUDA GPU" in out
+
+
+def test_bench_moe_cpu_smoke(tmp_path, capsys, monkeypatch):
+    """``bench --moe`` on a CPU: tiny experts through auto's grouped backend (the emulation, without the
+    interpreter) against bf16 torch._grouped_mm, both projections and the whole block (against transformers' experts
+    module), each row's output checked against bf16's."""
+    import pytest
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU --moe times the models' experts")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    path, md = tmp_path / "moe.json", tmp_path / "moe.md"
+    assert main(["bench", "--moe", "deepseek-v3", "--json", str(path), "--markdown", str(md)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no CUDA GPU: timing tiny experts on CPU" in out and "the models and --m are ignored" in out
+    data = json.loads(path.read_text())
+    assert data["command"] == f"mxgemm bench --moe deepseek-v3 --json {path} --markdown {md}"
+    rows = data["rows"]
+    assert [(r["proj"], r["tokens"]) for r in rows] == [
+        (p, t) for p in ("gate_up", "down", "block") for t in (1, 4, 16)
+    ]
+    for r in rows:
+        assert r["backend"] == "emulation" and r["us"]["mxgemm"] > 0 and r["us"]["bf16"] > 0
+        assert r["rel_err_vs_bf16"] < 1e-2  # w8a16: the dequantized experts, as bf16 multiplies them
+    assert "| model | proj | tokens |" in md.read_text()
+    with pytest.raises(SystemExit):
+        main(["bench", "--moe", "llama3-8b"])  # not a mixture of experts: argparse names the choices
+    assert "invalid choice: 'llama3-8b'" in capsys.readouterr().err

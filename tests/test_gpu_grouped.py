@@ -16,7 +16,7 @@ from helpers import (
 
 import mxgemm
 from mxgemm.backends import get_backend
-from mxgemm.kernels.grouped_fp8 import GroupedConfig, grouped_block_linear
+from mxgemm.kernels.grouped.fp8 import GroupedConfig, grouped_block_linear
 
 pytestmark = pytest.mark.gpu
 

@@ -102,7 +102,7 @@ def _check_against_twin(y, x, q, s, counts, what=""):
 def test_the_triton_kernel_is_its_twin_for_every_routing_and_config(routing, dtype):
     """The grouped FP8 kernel under the interpreter, on N and K that are not multiples of its tiles (K = 160: a
     128-deep step and a 32-deep one), every config shape: each row within the fp32 sums' rounding of the twin."""
-    from mxgemm.kernels.grouped_fp8 import GroupedConfig, grouped_block_linear
+    from mxgemm.kernels.grouped.fp8 import GroupedConfig, grouped_block_linear
 
     n, k = 130, 160
     q, s = _experts(n=n, k=k)

@@ -1,5 +1,5 @@
-"""Configs of the grouped FP8 kernel (kernels/grouped_fp8.py) against each other, CUDA-graph replay of 8 routings
-(as bench/moe.py times), with the 1x128 quantizer alone for scale; each config's output checked against the
+"""Configs of the grouped FP8 kernel (kernels/grouped/fp8.py) against each other, CUDA-graph replay of 8 routings
+(as mxgemm bench --moe times), with the 1x128 quantizer alone for scale; each config's output checked against the
 default's.
 
 Run on the device: PYTHONPATH=src python3 bench/explore/grouped_configs.py --json $OUT/grouped-configs.json
@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe import MODELS, _experts, _routing
-
 import mxgemm
+from mxgemm.bench_moe import MOE_MODELS, _experts, _routing
 from mxgemm.kernels.act_quant import quantize_1x128_padded
-from mxgemm.kernels.grouped_fp8 import GroupedConfig, default_config, grouped_block_linear
+from mxgemm.kernels.grouped.fp8 import GroupedConfig, default_config, grouped_block_linear
 from mxgemm.timing import time_cuda
 
 C = GroupedConfig
@@ -44,15 +40,15 @@ def main() -> None:
     args = parser.parse_args()
     out = []
     for model, proj, token_counts in PROBLEMS:
-        e, hidden, width, topk = MODELS[model]
+        e, hidden, width, topk = MOE_MODELS[model]
         n, k = (2 * width, hidden) if proj == "gate_up" else (hidden, width)
-        q, s, _ = _experts(e, n, k, seed=1)
+        q, s, _ = _experts(e, n, k, seed=1, device=torch.device("cuda"))
         w = mxgemm.prepare_grouped_weight(q, s)
         del q, s
         qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
         for tokens in token_counts:
             rows = tokens * topk
-            routings = [_routing(tokens, e, topk, seed=r)[0] for r in range(8)]
+            routings = [_routing(tokens, e, topk, seed=r, device=torch.device("cuda"))[0] for r in range(8)]
             xs = [torch.randn(rows, k, device="cuda").bfloat16() for _ in routings]
             base = default_config(rows, e)
             ref = grouped_block_linear(xs[0], qd, bs, routings[0], n, base)

@@ -9,6 +9,9 @@ each), so that the active experts change from call to call and their weights do 
 * the floor: the active experts' FP8 and scale bytes over the copy bandwidth, measured first (a 1 GiB
   device-to-device copy, bytes read plus written).
 
+and the whole routed block (``proj`` "block": ``moe_experts``, gather, gate/up, SiLU and product, down, weighted
+combine) against transformers' bf16 Qwen3-MoE experts module with its ``grouped_mm`` implementation.
+
 On a CPU-only machine ``auto``'s grouped backend runs tiny experts against bf16 ``torch._grouped_mm``: a smoke run,
 labelled as such, not a measure of GPU speed.
 """
@@ -87,14 +90,41 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / (time_cuda([partial(dst.copy_, src)]) * 1e-6)
 
 
+def _hf_experts(e: int, hidden: int, width: int, topk: int, gate_up: torch.Tensor, down: torch.Tensor):
+    """transformers' bf16 Qwen3-MoE experts module on these weights, with its ``grouped_mm`` implementation; None
+    without transformers."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=hidden, moe_intermediate_size=width, num_experts=e, num_experts_per_tok=topk
+    )
+    config._experts_implementation = "grouped_mm"
+    with torch.device("meta"):
+        module = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config)
+    module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+    module.down_proj = torch.nn.Parameter(down, requires_grad=False)
+    return module
+
+
+def _top_k(tokens: int, e: int, topk: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uniform top-k routing: expert ids [T, k] and softmaxed weights [T, k]."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(tokens, e, generator=g).topk(topk, dim=1).indices
+    return ids.to(device), torch.rand(tokens, topk, generator=g).softmax(-1).bfloat16().to(device)
+
+
 def run_moe_bench(
     models: Sequence[str] | None = None,
     tokens: Sequence[int] | None = None,
     *,
     progress: Callable[[str], None] = lambda s: None,
 ) -> tuple[dict, list[MoeRow]]:
-    """Time both projections of each model's experts at each token count; (environment, rows)."""
+    """Time both projections of each model's experts and the whole routed block at each token count;
+    (environment, rows)."""
     from .bench import environment
+    from .moe import moe_experts
 
     device = describe_device()
     gpu = device.type == "cuda"
@@ -107,10 +137,18 @@ def run_moe_bench(
     env = {**environment(device), "copy_bytes_per_s": bandwidth, "routings_per_graph": ROUTINGS}
     dev = torch.device("cuda" if gpu else "cpu")
     rows = []
+
+    def timed(row: MoeRow, calls: dict[str, list[Callable]]) -> None:
+        for name, fns in calls.items():
+            row.us[name] = time_cuda(fns, warmup_ms=50) if gpu else time_cpu(fns[0])
+        progress(f"{row.model} {row.proj} tokens={row.tokens}: {row.us}")
+        rows.append(row)
+
     for model, (e, hidden, width, topk) in chosen:
+        prepared, bf16_weights = {}, {}
         for proj, (n, k) in (("gate_up", (2 * width, hidden)), ("down", (hidden, width))):
             q, s, w16 = _experts(e, n, k, seed=n + k, device=dev)
-            prepared = prepare_grouped_weight(q, s)
+            prepared[proj], bf16_weights[proj] = prepare_grouped_weight(q, s), w16
             del q, s
             w16_t = w16.transpose(1, 2)  # [E, K, N], as _grouped_mm takes it
             w8 = w16.to(torch.float8_e4m3fn).transpose(1, 2) if gpu else None
@@ -118,29 +156,43 @@ def run_moe_bench(
                 routings = [_routing(t, e, topk, seed=r, device=dev) for r in range(ROUTINGS if gpu else 1)]
                 offs = [o for o, _ in routings]
                 xs = [torch.randn(t * topk, k, device=dev).bfloat16() for _ in offs]
-                ours = [partial(grouped_linear, x, prepared, o) for x, o in zip(xs, offs, strict=True)]
+                ours = [partial(grouped_linear, x, prepared[proj], o) for x, o in zip(xs, offs, strict=True)]
                 bf16 = [partial(torch._grouped_mm, x, w16_t, offs=o) for x, o in zip(xs, offs, strict=True)]
                 y, ref = ours[0](), bf16[0]().float()
                 err = ((y.float() - ref).norm() / ref.norm()).item()
                 active = sum(a for _, a in routings) / len(routings)
                 floor = active * n * k * (1 + 4 / 128**2) / bandwidth * 1e6 if bandwidth else None
-                row = MoeRow(model, proj, e, n, k, t, active, prepared.backend, floor, rel_err_vs_bf16=err)
+                row = MoeRow(model, proj, e, n, k, t, active, prepared[proj].backend, floor, rel_err_vs_bf16=err)
+                calls = {"mxgemm": ours, "bf16": bf16}
                 if gpu:
-                    row.us = {"mxgemm": time_cuda(ours, warmup_ms=50), "bf16": time_cuda(bf16)}
                     quantized = [_rowwise(x) for x in xs]
                     scale_b = torch.ones(e, n, device=dev)
-                    fp8 = [
+                    calls["fp8_rowwise"] = [
                         partial(torch._scaled_grouped_mm, xq, w8, xs_, scale_b, offs=o, out_dtype=torch.bfloat16)
                         for (xq, xs_), o in zip(quantized, offs, strict=True)
                     ]
-                    row.us["fp8_rowwise"] = time_cuda(fp8)
-                else:
-                    row.us = {"mxgemm": time_cpu(ours[0]), "bf16": time_cpu(bf16[0])}
-                progress(f"{model} {proj} tokens={t}: {row.us}")
-                rows.append(row)
-            del prepared, w16, w16_t, w8
-            if gpu:
-                torch.cuda.empty_cache()
+                timed(row, calls)
+            del w16_t, w8
+        hf = _hf_experts(e, hidden, width, topk, bf16_weights["gate_up"], bf16_weights["down"])
+        for t in counts:
+            picks = [_top_k(t, e, topk, seed=r, device=dev) for r in range(ROUTINGS if gpu else 1)]
+            xs = [torch.randn(t, hidden, device=dev).bfloat16() for _ in picks]
+            gate_up, down = prepared["gate_up"], prepared["down"]
+            ours = [partial(moe_experts, x, i, w, gate_up, down) for x, (i, w) in zip(xs, picks, strict=True)]
+            calls = {"mxgemm": ours}
+            err = 0.0
+            if hf is not None:
+                calls["bf16"] = [partial(hf, x, i, w) for x, (i, w) in zip(xs, picks, strict=True)]
+                y, ref = ours[0]().float(), calls["bf16"][0]().float()
+                err = ((y - ref).norm() / ref.norm()).item()
+            active = sum(int(torch.unique(i).numel()) for i, _ in picks) / len(picks)
+            weight_bytes = (3 * hidden * width) * (1 + 4 / 128**2)
+            floor = active * weight_bytes / bandwidth * 1e6 if bandwidth else None
+            row = MoeRow(model, "block", e, hidden, width, t, active, gate_up.backend, floor, rel_err_vs_bf16=err)
+            timed(row, calls)
+        del prepared, bf16_weights, hf
+        if gpu:
+            torch.cuda.empty_cache()
     return env, rows
 
 

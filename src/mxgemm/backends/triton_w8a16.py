@@ -4,7 +4,7 @@ activations) the weight is dequantized chunk by chunk into a transient bf16 buff
 
 Grouped weights of a mixture of experts (FP8 tensor cores, compute capability 8.9 and up): ``w8a8-block``, each
 expert re-encoded to 128x128 blocks once, its rows quantized per 1x128 inside the grouped GEMM
-(``kernels/grouped_fp8.py``)."""
+(``kernels/grouped/fp8.py``)."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ class TritonBackend(Backend, GroupedWeights):
         return PreparedGroupedWeight(self.name, recipe, n, k, tensors, info, experts=e)
 
     def run_grouped(self, x, weight, offsets, tactic=None) -> torch.Tensor:
-        from ..kernels.grouped_fp8 import grouped_block_linear
+        from ..kernels.grouped.fp8 import grouped_block_linear
 
         t = weight.tensors
         config = tactic.config if tactic is not None else None

@@ -198,11 +198,11 @@ def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` quantized per 1x128: E4M3 bytes (rows padded) and fp32 scales of stride 1 along rows. The interpreter
     takes the torch reference (its own fp8 cast rounds twice)."""
     if _interpreting():
-        from ..block128 import quantize_1x128
+        from ...block128 import quantize_1x128
 
         q, scale = quantize_1x128(x)
         return q.view(torch.uint8), scale.t().contiguous().t()
-    from .act_quant import quantize_1x128_padded
+    from ..act_quant import quantize_1x128_padded
 
     q, scale = quantize_1x128_padded(x)
     return q.view(torch.uint8), scale
