@@ -115,7 +115,7 @@ def test_leading_dimensions_run_as_rows():
             assert torch.equal(mxgemm.linear(x.view(m, 1, 4096), w, b), flat.view(m, 1, 4096))
             gapped = torch.stack([x, x], dim=1)[:, :1]  # [m, 1, K], rows 2K apart
             assert not gapped.is_contiguous() and torch.equal(mxgemm.linear(gapped, w, b), flat.view(m, 1, 4096))
-    assert sorted({key[0] for key in w.plans}) == [4, 24, 40, 300]
+    assert sorted({key[0] for key in w.plans if isinstance(key[0], int)}) == [4, 24, 40, 300]  # launch plans
 
 
 @pytest.mark.parametrize("m", [4, 24])  # the small-M kernel's graph; the quantizer and the FP8 GEMM launched directly

@@ -138,12 +138,14 @@ class GroupedConfig:
 
 
 def default_config(rows: int, experts: int) -> GroupedConfig:
-    """By the rows per expert of an even routing of ``rows`` over ``experts``: the smallest token tile that holds
-    them, 64 weight rows per program up to 32 tokens; from 64 tokens per expert, rows quantized apart and 128 x 128
-    tiles of 8 warps."""
+    """By the rows per expert of an even routing of ``rows`` over ``experts``: below 64, 128 weight rows x 16 tokens
+    per program, quantized in the kernel; from 64, rows quantized apart and 64-token tiles, 128 weight rows of 4 warps
+    (256 of 8 warps from 256 rows per expert). The best or within 6% of the best of the configs timed on the H100
+    (bench/explore/grouped_configs.py) for Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 experts at 1-4096 tokens."""
     per = -(-rows // max(experts, 1))
-    bm = next(t for t in (16, 32, 64, 128) if t >= min(per, 128))
-    return GroupedConfig(64, bm, 4, 3) if bm <= 32 else GroupedConfig(128, bm, 8, 3, quantized=bm >= 64)
+    if per < 64:
+        return GroupedConfig(128, 16, 4, 3)
+    return GroupedConfig(256, 64, 8, 3, quantized=True) if per >= 256 else GroupedConfig(128, 64, 4, 3, quantized=True)
 
 
 def token_tile_slots(rows: int, experts: int, bm: int) -> int:
