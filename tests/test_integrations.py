@@ -166,10 +166,23 @@ def test_a_saved_quantized_model_loads_back_into_mxgemm_layers(bf16_llama, tmp_p
         assert logits.dtype == dtype and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("damage", ["nan_scale", "nan_element", "infinite"])
+DAMAGES = {
+    "nan_scale": r"weight / weight_scale .*NaN code 255",
+    "nan_element": r"weight / weight_scale .*NaN element",
+    "infinite": r"weight / weight_scale .*dequantizes to infinity",
+    "missing_scale": r"weight is present but .*\.weight_scale is missing",
+    "missing_weight": r"weight_scale is present but .*\.weight is missing",
+    "bf16_weight": r"weight has dtype torch.bfloat16; MXFP8 weights are float8_e4m3fn",
+    "e8m0_scale": r"weight_scale has dtype torch.float8_e8m0fnu; the config records scales as torch.uint8",
+    "short_scale": r"weight_scale has shape \(128, 1\), expected \[128, 2\]",
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
 def test_a_saved_model_is_checked_as_load_checkpoint_checks_it(bf16_llama, tmp_path, damage):
-    """The transformers route keeps load_checkpoint's promise on values: a NaN scale or element, or a block that
-    dequantizes to infinity, is refused naming the layer, never loaded as NaN logits; no layer has changed then."""
+    """The transformers route keeps load_checkpoint's promises: a NaN scale or element, a block that dequantizes to
+    infinity, a missing weight or scale (which transformers would leave uninitialised), a weight or scale of another
+    dtype (which it would cast by value) or shape is refused naming the layer, never loaded; no layer has changed."""
     from safetensors.torch import load_file, save_file
 
     from mxgemm.integrations import MXFP8Config
@@ -178,16 +191,24 @@ def test_a_saved_model_is_checked_as_load_checkpoint_checks_it(bf16_llama, tmp_p
     auto.from_pretrained(bf16_llama, quantization_config=MXFP8Config()).save_pretrained(tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     name = "model.layers.1.mlp.up_proj"
+    weight, scale = f"{name}.weight", f"{name}.weight_scale"
     if damage == "nan_scale":
-        tensors[f"{name}.weight_scale"][0, 1] = 255
+        tensors[scale][0, 1] = 255
     elif damage == "nan_element":
-        tensors[f"{name}.weight"].view(torch.uint8)[3, 5] = 0x7F
+        tensors[weight].view(torch.uint8)[3, 5] = 0x7F
+    elif damage == "infinite":
+        tensors[scale][0, 1] = 254
+        tensors[weight].view(torch.uint8)[0, 32:64] = 0x7E  # 448 x 2^127
+    elif damage.startswith("missing"):
+        del tensors[scale if damage == "missing_scale" else weight]
+    elif damage == "bf16_weight":
+        tensors[weight] = mxgemm.dequantize(mxgemm.MXTensor(tensors[weight], tensors[scale])).bfloat16()
+    elif damage == "e8m0_scale":
+        tensors[scale] = tensors[scale].view(torch.float8_e8m0fnu)
     else:
-        tensors[f"{name}.weight_scale"][0, 1] = 254
-        tensors[f"{name}.weight"].view(torch.uint8)[0, 32:64] = 0x7E  # 448 x 2^127
+        tensors[scale] = tensors[scale][:, :1].contiguous()
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    reason = {"nan_scale": "NaN code 255", "nan_element": "NaN element", "infinite": "dequantizes to infinity"}[damage]
-    with pytest.raises(mxgemm.CheckpointError, match=rf"{name}\.weight / weight_scale .*{reason}"):
+    with pytest.raises(mxgemm.CheckpointError, match=rf"{name}\.{DAMAGES[damage]}"):
         auto.from_pretrained(tmp_path)
 
 

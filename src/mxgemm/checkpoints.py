@@ -39,6 +39,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFormat",
     "TensorSource",
+    "check_pair",
     "check_values",
     "load_checkpoint",
     "read_format",
@@ -233,10 +234,14 @@ class TensorSource:
             raise CheckpointError(f"{self.where[name]}: cannot read {name} ({str(exc).splitlines()[0]})") from None
 
 
-def _check_pair(name: str, source: TensorSource, module: nn.Linear) -> None:
+def check_pair(name: str, source: TensorSource, module: nn.Linear) -> None:
+    """Refuse, naming the tensor, a quantized layer ``name`` of the model's ``module`` whose ``weight`` /
+    ``weight_scale`` pair in ``source`` is missing, or of a dtype or shape other than MXFP8's for that layer."""
     weight, scale = f"{name}.weight", f"{name}.weight_scale"
     if weight not in source:
         raise CheckpointError(f"{scale} is present but {weight} is missing")
+    if scale not in source:
+        raise CheckpointError(f"{weight} is present but {scale} is missing: the layer cannot be dequantized")
     if source.dtypes[weight] != torch.float8_e4m3fn:
         raise CheckpointError(f"{weight} has dtype {source.dtypes[weight]}; MXFP8 weights are float8_e4m3fn")
     if source.dtypes[scale] not in SCALE_DTYPES:
@@ -324,7 +329,7 @@ def load_checkpoint(
             if type(module) is nn.Linear and source.dtypes.get(f"{name}.weight") == torch.float8_e4m3fn:
                 raise CheckpointError(f"{name}.weight is float8 but {name}.weight_scale is missing")
             continue
-        _check_pair(name, source, module)
+        check_pair(name, source, module)
         bias = f"{name}.bias" if f"{name}.bias" in source else None
         if bias is not None and (module.bias is None or source.shapes[bias] != tuple(module.bias.shape)):
             raise CheckpointError(
@@ -413,7 +418,7 @@ def _experts_in(model: nn.Module, source: TensorSource):
                 out_features, in_features = shapes[p]
                 layer = _Shape(out_features, in_features)
                 if quantized:
-                    _check_pair(n.removesuffix(".weight"), source, layer)
+                    check_pair(n.removesuffix(".weight"), source, layer)
                 elif source.shapes[n] != shapes[p]:
                     raise CheckpointError(
                         f"{n} has shape {source.shapes[n]}; the model's experts are {list(shapes[p])}"

@@ -29,7 +29,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..checkpoints import check_values
+from ..checkpoints import CheckpointError, TensorSource, check_pair, check_values
 from ..format import BLOCK_SIZE, e8m0_bytes
 from ..fusion import fuse
 from ..linear import MXFP8Linear
@@ -88,6 +88,23 @@ class _MXWeights(nn.Module):
         return weight, scale
 
 
+def _check_saved(files: list[str] | None, layers: list[tuple[str, nn.Linear]], scale_dtype: torch.dtype) -> None:
+    """Before transformers loads a saved mxgemm model: each quantized layer's pair in the safetensors files is there,
+    of MXFP8's dtypes and the layer's shapes, and its scales of the dtype the config records (transformers would
+    leave a missing tensor uninitialised and cast one of another dtype by value); :class:`mxgemm.CheckpointError`
+    naming the tensor, as :func:`mxgemm.load_checkpoint` refuses it."""
+    if not files:
+        raise CheckpointError("a saved mxgemm model loads from its safetensors files (from_pretrained gave none)")
+    source = TensorSource(Path(files[0]).parent)
+    for name, module in layers:
+        check_pair(name, source, module)
+        stored = source.dtypes[f"{name}.weight_scale"]
+        if stored != scale_dtype:
+            raise CheckpointError(
+                f"{name}.weight_scale has dtype {stored}; the config records scales as {scale_dtype} (scale_dtype)"
+            )
+
+
 class MXFP8HfQuantizer(HfQuantizer):
     """The transformers quantizer of :class:`MXFP8Config` (see the module docstring)."""
 
@@ -111,6 +128,7 @@ class MXFP8HfQuantizer(HfQuantizer):
                 if wrong:
                     raise ValueError(f"the checkpoint quantizes {wrong[0]}, which is not an nn.Linear of this model")
                 layers = [(name, linears[name]) for name in config.modules]
+            _check_saved(kwargs.get("checkpoint_files"), layers, _SCALE_DTYPES[config.scale_dtype])
             for name, module in layers:
                 model.set_submodule(name, _MXWeights(module, _SCALE_DTYPES[config.scale_dtype]))
         return model
@@ -149,7 +167,7 @@ def checkpoint_config(
     MXFP8 checkpoint."""
     from transformers import AutoConfig
 
-    from ..checkpoints import CheckpointError, TensorSource, read_format
+    from ..checkpoints import read_format
 
     read_format(path)
     source = TensorSource(path)
