@@ -147,8 +147,11 @@ def test_a_saved_quantized_model_loads_back_into_mxgemm_layers(bf16_llama, tmp_p
     assert saved["quant_method"] == "mxgemm" and saved["skip"] == ["lm_head", "*.o_proj"]
     from safetensors import safe_open
 
+    down = model.model.layers[0].mlp.down_proj
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
-        assert f.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == torch.float8_e4m3fn
+        packed = f.get_tensor("model.layers.0.mlp.down_proj.weight")  # float8 [N, K] bytes as int32 [N, K/4]
+        assert packed.dtype == torch.int32 and packed.shape == (down.out_features, down.in_features // 4)
+        assert torch.equal(packed.view(torch.uint8), down.weight.view(torch.uint8))
         assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale").dtype == torch.uint8
         assert f.get_tensor("model.layers.0.self_attn.o_proj.weight").dtype == torch.bfloat16
     loaded = auto.from_pretrained(tmp_path)
@@ -202,7 +205,8 @@ def test_a_saved_model_is_checked_as_load_checkpoint_checks_it(bf16_llama, tmp_p
     elif damage.startswith("missing"):
         del tensors[scale if damage == "missing_scale" else weight]
     elif damage == "bf16_weight":
-        tensors[weight] = mxgemm.dequantize(mxgemm.MXTensor(tensors[weight], tensors[scale])).bfloat16()
+        fp8 = tensors[weight].view(torch.float8_e4m3fn)
+        tensors[weight] = mxgemm.dequantize(mxgemm.MXTensor(fp8, tensors[scale])).bfloat16()
     elif damage == "e8m0_scale":
         tensors[scale] = tensors[scale].view(torch.float8_e8m0fnu)
     else:
@@ -210,6 +214,39 @@ def test_a_saved_model_is_checked_as_load_checkpoint_checks_it(bf16_llama, tmp_p
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(mxgemm.CheckpointError, match=rf"{name}\.{DAMAGES[damage]}"):
         auto.from_pretrained(tmp_path)
+
+
+def test_a_saved_model_without_mxgemm_imported_is_refused_and_earlier_saves_still_load(bf16_llama, tmp_path):
+    """transformers alone (mxgemm.integrations not imported) does not know the method: it refuses the packed weights'
+    shape instead of reading float8 bytes as bf16 values. A save of the earlier layout (float8 [N, K] weights) loads
+    into the same layers and logits."""
+    from safetensors.torch import load_file, save_file
+
+    from mxgemm.integrations import MXFP8Config
+
+    auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(bf16_llama, quantization_config=MXFP8Config())
+    model.save_pretrained(tmp_path / "new")
+    plain = (
+        "import transformers\n"
+        f"transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'new')!r})\n"
+        "print('loaded')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True)
+    assert run.returncode != 0 and "loaded" not in run.stdout and "size mismatch" in run.stderr + run.stdout
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text((tmp_path / "new" / "config.json").read_text())
+    tensors = load_file(str(tmp_path / "new" / "model.safetensors"))
+    for key, t in tensors.items():
+        if t.dtype == torch.int32:
+            tensors[key] = t.view(torch.float8_e4m3fn)
+    save_file(tensors, str(old / "model.safetensors"), metadata={"format": "pt"})
+    loaded = auto.from_pretrained(old)
+    assert _linear_kinds(loaded) == _linear_kinds(model)
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
 def test_registration_is_idempotent_and_the_config_checks_its_method():

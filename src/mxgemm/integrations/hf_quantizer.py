@@ -5,10 +5,12 @@
   then replaces each ``nn.Linear`` (but the skipped ones) by an ``MXFP8Linear`` quantized from them, layer by layer
   (:func:`mxgemm.quantize_model`). fp32, bf16 and fp16 models work: the layers run in bf16/fp16 and answer in the
   activations' dtype.
-- Saved and loaded back: ``save_pretrained`` writes each quantized layer's ``weight`` (float8 [N, K]) and
-  ``weight_scale`` (uint8 [N, K/32]) with ``quantization_config`` {"quant_method": "mxgemm", ...}; ``from_pretrained``
-  of that folder (this module imported) builds placeholders holding exactly those tensors, loads them, and turns each
-  into an ``MXFP8Linear`` prepared once on its device. Both ways, layers that read the same input then run as one
+- Saved and loaded back: ``save_pretrained`` writes each quantized layer's ``weight`` (its float8 [N, K] bytes as
+  int32 [N, K/4]: transformers without this module imported refuses that shape, where it would read float8 [N, K]
+  as bf16 values) and ``weight_scale`` (uint8 [N, K/32]) with ``quantization_config`` {"quant_method": "mxgemm",
+  ...}; ``from_pretrained`` of that folder (this module imported) checks those tensors in its files, builds
+  placeholders holding exactly them (float8 [N, K] weights of earlier saves too), loads them, and turns each into an
+  ``MXFP8Linear`` prepared once on its device. Both ways, layers that read the same input then run as one
   and gated MLPs hand ``down_proj`` their product quantized in one kernel (:func:`mxgemm.fusion.fuse`).
 
 - MXFP8 checkpoints of other producers (compressed-tensors, as ``mxgemm quantize`` writes them, and NVIDIA ModelOpt):
@@ -69,13 +71,15 @@ _SCALE_DTYPES = {"uint8": torch.uint8, "float8_e8m0fnu": torch.float8_e8m0fnu}
 
 class _MXWeights(nn.Module):
     """A quantized layer while transformers loads a saved mxgemm model: the checkpoint's tensors as parameters of the
-    names, dtypes and shapes it holds, turned into an ``MXFP8Linear`` once they are loaded."""
+    names, dtypes and shapes it holds (``packed``: the weight's float8 bytes as int32 [N, K/4]), turned into an
+    ``MXFP8Linear`` once they are loaded."""
 
-    def __init__(self, linear: nn.Linear, scale_dtype: torch.dtype):
+    def __init__(self, linear: nn.Linear, scale_dtype: torch.dtype, packed: bool):
         super().__init__()
         n, k = linear.out_features, linear.in_features
         device = linear.weight.device
-        self.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device), requires_grad=False)
+        shape, dtype = ((n, k // 4), torch.int32) if packed else ((n, k), torch.float8_e4m3fn)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
         scale = torch.empty(n, k // BLOCK_SIZE, dtype=scale_dtype, device=device)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.bias = linear.bias
@@ -83,26 +87,36 @@ class _MXWeights(nn.Module):
     def checked(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The loaded (weight, scale), or :class:`mxgemm.CheckpointError` naming the layer where they do not
         dequantize to finite values (the values check of :func:`mxgemm.load_checkpoint`)."""
-        weight, scale = self.weight.detach(), e8m0_bytes(self.weight_scale.detach())
+        weight, scale = self.weight.detach().view(torch.float8_e4m3fn), e8m0_bytes(self.weight_scale.detach())
         check_values(name, weight, scale)
         return weight, scale
 
 
-def _check_saved(files: list[str] | None, layers: list[tuple[str, nn.Linear]], scale_dtype: torch.dtype) -> None:
+def _check_saved(
+    files: list[str] | None, layers: list[tuple[str, nn.Linear]], scale_dtype: torch.dtype
+) -> dict[str, bool]:
     """Before transformers loads a saved mxgemm model: each quantized layer's pair in the safetensors files is there,
     of MXFP8's dtypes and the layer's shapes, and its scales of the dtype the config records (transformers would
     leave a missing tensor uninitialised and cast one of another dtype by value); :class:`mxgemm.CheckpointError`
-    naming the tensor, as :func:`mxgemm.load_checkpoint` refuses it."""
+    naming the tensor, as :func:`mxgemm.load_checkpoint` refuses it. Answers which layers' weights are packed as
+    int32 [N, K/4] (saves since they are; float8 [N, K] before)."""
     if not files:
         raise CheckpointError("a saved mxgemm model loads from its safetensors files (from_pretrained gave none)")
     source = TensorSource(Path(files[0]).parent)
+    packed = {}
     for name, module in layers:
+        weight = f"{name}.weight"
+        n, k = module.out_features, module.in_features
+        packed[name] = source.dtypes.get(weight) == torch.int32 and source.shapes[weight] == (n, k // 4)
+        if packed[name]:  # read as the float8 [N, K] it holds
+            source.dtypes[weight], source.shapes[weight] = torch.float8_e4m3fn, (n, k)
         check_pair(name, source, module)
         stored = source.dtypes[f"{name}.weight_scale"]
         if stored != scale_dtype:
             raise CheckpointError(
                 f"{name}.weight_scale has dtype {stored}; the config records scales as {scale_dtype} (scale_dtype)"
             )
+    return packed
 
 
 class MXFP8HfQuantizer(HfQuantizer):
@@ -128,9 +142,10 @@ class MXFP8HfQuantizer(HfQuantizer):
                 if wrong:
                     raise ValueError(f"the checkpoint quantizes {wrong[0]}, which is not an nn.Linear of this model")
                 layers = [(name, linears[name]) for name in config.modules]
-            _check_saved(kwargs.get("checkpoint_files"), layers, _SCALE_DTYPES[config.scale_dtype])
+            scale_dtype = _SCALE_DTYPES[config.scale_dtype]
+            packed = _check_saved(kwargs.get("checkpoint_files"), layers, scale_dtype)
             for name, module in layers:
-                model.set_submodule(name, _MXWeights(module, _SCALE_DTYPES[config.scale_dtype]))
+                model.set_submodule(name, _MXWeights(module, scale_dtype, packed[name]))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -148,6 +163,16 @@ class MXFP8HfQuantizer(HfQuantizer):
             model.set_submodule(name, layer)
         fuse(model)
         return model
+
+    def get_state_dict_and_metadata(self, model):
+        """What ``save_pretrained`` writes: the model's state dict with each quantized layer's float8 [N, K] weight
+        as its bytes in int32 [N, K/4] (the module docstring says why)."""
+        state = model.state_dict()
+        for name, module in model.named_modules():
+            if isinstance(module, MXFP8Linear):
+                key = f"{name}.weight" if name else "weight"
+                state[key] = state[key].contiguous().view(torch.int32)
+        return state, {}
 
     def is_serializable(self, **kwargs) -> bool:
         return True
