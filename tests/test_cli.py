@@ -221,3 +221,24 @@ def test_bench_moe_cpu_smoke(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["bench", "--moe", "llama3-8b"])  # not a mixture of experts: argparse names the choices
     assert "invalid choice: 'llama3-8b'" in capsys.readouterr().err
+
+
+def test_cpu_bench_rows_show_no_empty_or_rate_columns_and_time_the_least_run():
+    """A CPU run's table: no floor, rates or contenders without a value on any row (the 80-column terminal of a new
+    user); its times are the least of repeated runs, which other processes' time does not inflate."""
+    import time
+
+    from mxgemm.bench import BenchRow, table_rows
+    from mxgemm.timing import time_cpu
+
+    rows = [BenchRow(2, 64, 128, "custom", "emulation", None, us={"mxgemm": 100.0, "bf16": 10.0, "dot_scaled": None})]
+    header, cells = table_rows(rows, smoke=True)
+    assert header == ["M", "N", "K", "shape", "auto", "tactic", "mxgemm µs", "bf16 µs", "x bf16"]
+    assert cells == [["2", "64", "128", "custom", "emulation", "default", "100.0", "10.0", "0.10"]]
+    assert "TFLOP/s" in table_rows(rows)[0]  # a GPU run keeps its rates
+    delays = iter([0.03, 0.03, 0.03, 0.03])  # the warm-up and three runs slowed by a busy machine, then 1 ms each
+
+    def call():
+        time.sleep(next(delays, 0.001))
+
+    assert time_cpu(call, repeats=5) < 10_000

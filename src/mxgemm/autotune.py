@@ -198,7 +198,7 @@ def _default_timer(fn: Callable[[], object]) -> float:
 
     if torch.cuda.is_available():
         return time_cuda([fn], replays=10, replay_ms=1.0)
-    return time_cpu(fn, repeats=3)
+    return time_cpu(fn, repeats=3, budget_ms=0)
 
 
 _TUNERS: dict[Any, Autotuner] = {}

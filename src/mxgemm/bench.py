@@ -258,6 +258,8 @@ def run_bench(
             row.us["mxgemm"] = _time([lambda w=w, x=x: linear(x, w) for w in auto], device)
             del auto
             for b in wanted:
+                if not on_gpu and b == row.backend:
+                    continue  # the "mxgemm" column already is this backend's time
                 if b == "emulation" and p.flops > emulation_max_flops:
                     row.us[b] = None
                     row.notes.append(f"emulation skipped above {emulation_max_flops:.0e} flops")
@@ -288,8 +290,9 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def table_rows(rows: Sequence[BenchRow]) -> tuple[list[str], list[list[str]]]:
-    """Header and cells: µs of each contender, then mxgemm's TFLOP/s, GB/s, speedup over bf16, % of floor."""
+def table_rows(rows: Sequence[BenchRow], *, smoke: bool = False) -> tuple[list[str], list[list[str]]]:
+    """Header and cells: µs of each contender, then mxgemm's TFLOP/s, GB/s, speedup over bf16, % of floor; columns
+    empty on every row left out. ``smoke`` (a CPU run): no rates, which say nothing there."""
     contenders = list(dict.fromkeys(c for r in rows for c in r.us))
     header = ["M", "N", "K", "shape", "auto", "tactic", "floor µs", *[f"{c} µs" for c in contenders]]
     header += ["TFLOP/s", "GB/s", "x bf16", "x dot_scaled", "% floor"]
@@ -302,8 +305,8 @@ def table_rows(rows: Sequence[BenchRow]) -> tuple[list[str], list[list[str]]]:
         if t:
             bf16, ds = r.us.get("bf16"), r.us.get("dot_scaled")
             cells += [
-                _fmt(p.flops / t / 1e6),
-                _fmt(p.mx_bytes / t / 1e3, ".0f"),
+                "-" if smoke else _fmt(p.flops / t / 1e6),
+                "-" if smoke else _fmt(p.mx_bytes / t / 1e3, ".0f"),
                 _fmt(bf16 / t if bf16 else None, ".2f"),
                 _fmt(ds / t if ds else None, ".2f"),
                 _fmt(100 * r.floor_us / t if r.floor_us else None, ".0f"),
@@ -311,11 +314,12 @@ def table_rows(rows: Sequence[BenchRow]) -> tuple[list[str], list[list[str]]]:
         else:
             cells += ["-"] * 5
         out.append(cells)
-    return header, out
+    keep = [i for i in range(len(header)) if any(c[i] != "-" for c in out)] if out else range(len(header))
+    return [header[i] for i in keep], [[c[i] for i in keep] for c in out]
 
 
-def markdown_table(rows: Sequence[BenchRow]) -> str:
-    header, cells = table_rows(rows)
+def markdown_table(rows: Sequence[BenchRow], *, smoke: bool = False) -> str:
+    header, cells = table_rows(rows, smoke=smoke)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
     notes = [f"- M={r.M} N={r.N} K={r.K}: {n}" for r in rows for n in r.notes]

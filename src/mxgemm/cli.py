@@ -139,7 +139,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         baselines=args.baselines,
         progress=lambda s: console.print(f"[dim]{s}[/dim]"),
     )
-    header, cells = table_rows(rows)
+    smoke = device.type != "cuda"
+    header, cells = table_rows(rows, smoke=smoke)
     table = Table(title=f"mxgemm bench on {env['name']}")
     for h in header:
         table.add_column(h, justify="right")
@@ -151,7 +152,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         write_json(args.json, env, rows, command)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(f"Command: `{command}`\n\nDevice: {env}\n\n{markdown_table(rows)}")
+            f.write(f"Command: `{command}`\n\nDevice: {env}\n\n{markdown_table(rows, smoke=smoke)}")
     if args.plot:
         from .bench import plot
 
