@@ -26,23 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ...block128 import quantize_1x128
+from ..act_quant import _to_e4m3_bits, quantize_1x128_padded  # the 1x128 quantizer and its rounding
+
 __all__ = ["GroupedConfig", "default_config", "grouped_block_linear", "token_tile_slots"]
 
 _AMAX_FLOOR = tl.constexpr(2.0**-64)
 _FP8_MAX = tl.constexpr(448.0)
-
-
-@triton.jit
-def _to_e4m3_bits(v):
-    """fp32 -> E4M3 bytes with one round-to-nearest-even."""
-    return tl.inline_asm_elementwise(
-        asm="cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;",
-        constraints="=h,r,r",
-        args=[v],
-        dtype=tl.uint8,
-        is_pure=True,
-        pack=2,
-    )
 
 
 @triton.jit
@@ -200,11 +190,7 @@ def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` quantized per 1x128: E4M3 bytes (rows padded) and fp32 scales of stride 1 along rows. The interpreter
     takes the torch reference (its own fp8 cast rounds twice)."""
     if _interpreting():
-        from ...block128 import quantize_1x128
-
         q, scale = quantize_1x128(x)
         return q.view(torch.uint8), scale.t().contiguous().t()
-    from ..act_quant import quantize_1x128_padded
-
     q, scale = quantize_1x128_padded(x)
     return q.view(torch.uint8), scale
