@@ -319,11 +319,13 @@ def test_checkpoint_config_refuses_a_folder_that_is_not_mxfp8_and_layers_the_mod
 
 
 def test_a_moe_model_saved_from_the_online_route_loads_back_the_same(tmp_path):
-    """The transformers route does not save quantized experts yet: it leaves them in bf16, so that a model it saved
-    loads back computing what it computed (float8 experts would load into bf16 slots, their scales dropped)."""
+    """By default the transformers route leaves experts in bf16, so that a model it saved loads back computing what
+    it computed. With ``experts=True`` it quantizes them as quantize_model does (the same logits), and save_pretrained
+    refuses that model in one line instead of writing experts it cannot load back."""
     from helpers import tiny_qwen3_moe
 
     from mxgemm.integrations import MXFP8Config
+    from mxgemm.moe import MXFP8Experts
 
     tiny_qwen3_moe(1).save_pretrained(tmp_path / "bf16")
     auto = transformers.AutoModelForCausalLM
@@ -335,3 +337,13 @@ def test_a_moe_model_saved_from_the_online_route_loads_back_the_same(tmp_path):
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+    with_experts = auto.from_pretrained(tmp_path / "bf16", quantization_config=MXFP8Config(experts=True))
+    assert isinstance(with_experts.model.layers[0].mlp.experts, MXFP8Experts)
+    reference = auto.from_pretrained(tmp_path / "bf16")
+    mxgemm.quantize_model(reference)
+    with torch.no_grad():
+        assert torch.equal(with_experts(ids).logits, reference(ids).logits)
+    refused = r"model.layers.0.mlp.experts holds quantized experts.*save_checkpoint"
+    with pytest.raises(mxgemm.MXGemmError, match=refused):
+        with_experts.save_pretrained(tmp_path / "refused")
+    assert not (tmp_path / "refused" / "model.safetensors").exists()

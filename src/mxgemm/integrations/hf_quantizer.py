@@ -4,7 +4,9 @@
 - Online: ``from_pretrained(bf16_or_fp32_model, quantization_config=MXFP8Config(...))`` loads the weights as they are,
   then replaces each ``nn.Linear`` (but the skipped ones) by an ``MXFP8Linear`` quantized from them, layer by layer
   (:func:`mxgemm.quantize_model`). fp32, bf16 and fp16 models work: the layers run in bf16/fp16 and answer in the
-  activations' dtype.
+  activations' dtype. ``MXFP8Config(experts=True)`` also replaces the 3-D experts of mixture-of-experts layers by
+  ``MXFP8Experts`` (as :func:`mxgemm.quantize_model` does); ``save_pretrained`` refuses such a model (saving quantized
+  experts through transformers is not built yet: :func:`mxgemm.save_checkpoint` writes them per expert).
 - Saved and loaded back: ``save_pretrained`` writes each quantized layer's ``weight`` (its float8 [N, K] bytes as
   int32 [N, K/4]: transformers without this module imported refuses that shape, where it would read float8 [N, K]
   as bf16 values) and ``weight_scale`` (uint8 [N, K/32]) with ``quantization_config`` {"quant_method": "mxgemm",
@@ -32,10 +34,12 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..checkpoints import CheckpointError, TensorSource, check_pair, check_values
+from ..errors import MXGemmError
 from ..format import BLOCK_SIZE, e8m0_bytes
 from ..fusion import fuse
 from ..linear import MXFP8Linear
 from ..models import quantizable_linears, quantize_model
+from ..moe import MXFP8Experts
 
 __all__ = ["METHOD", "MXFP8Config", "MXFP8HfQuantizer", "checkpoint_config", "enable_transformers"]
 
@@ -46,7 +50,9 @@ METHOD = "mxgemm"
 class MXFP8Config(QuantizationConfigMixin):
     """``backend`` / ``recipe`` as for :class:`mxgemm.MXFP8Linear` (None: resolved for the device), ``scale_mode``
     the MX scale rule of online quantization ("floor", "rceil", "compressed-tensors"), ``skip`` the layer names or
-    glob patterns left in full precision (as for :func:`mxgemm.quantize_model`). For a saved checkpoint, ``modules``
+    glob patterns left in full precision (as for :func:`mxgemm.quantize_model`), ``experts`` whether online
+    quantization takes the experts of mixture-of-experts layers too (a model so quantized cannot be saved through
+    transformers yet). For a saved checkpoint, ``modules``
     names its quantized layers (None: every linear layer but ``skip``) and ``scale_dtype`` the dtype its scales are
     stored in ("uint8" or "float8_e8m0fnu")."""
 
@@ -54,6 +60,7 @@ class MXFP8Config(QuantizationConfigMixin):
     recipe: str | None = None
     scale_mode: str = "floor"
     skip: list[str] = field(default_factory=lambda: ["lm_head"])
+    experts: bool = False
     modules: list[str] | None = None
     scale_dtype: str = "uint8"
     quant_method: str = METHOD
@@ -151,9 +158,8 @@ class MXFP8HfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         config = self.quantization_config
         if not self.pre_quantized:
-            # experts stay as they are: this route does not save and load MXFP8Experts yet
             options = {"backend": config.backend, "scale_mode": config.scale_mode, "recipe": config.recipe}
-            quantize_model(model, skip=config.skip, experts=False, **options)
+            quantize_model(model, skip=config.skip, experts=config.experts, **options)
             return model
         loaded = {name: module for name, module in model.named_modules() if isinstance(module, _MXWeights)}
         checked = {name: module.checked(name) for name, module in loaded.items()}  # all, before the model changes
@@ -167,6 +173,13 @@ class MXFP8HfQuantizer(HfQuantizer):
     def get_state_dict_and_metadata(self, model):
         """What ``save_pretrained`` writes: the model's state dict with each quantized layer's float8 [N, K] weight
         as its bytes in int32 [N, K/4] (the module docstring says why)."""
+        experts = [name for name, module in model.named_modules() if isinstance(module, MXFP8Experts)]
+        if experts:
+            raise MXGemmError(
+                f"{experts[0]} holds quantized experts, which save_pretrained does not write yet: "
+                "mxgemm.save_checkpoint(model, folder) writes them per expert (compressed-tensors), or quantize with "
+                "MXFP8Config(experts=False)"
+            )
         state = model.state_dict()
         for name, module in model.named_modules():
             if isinstance(module, MXFP8Linear):
