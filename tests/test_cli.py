@@ -242,3 +242,34 @@ def test_cpu_bench_rows_show_no_empty_or_rate_columns_and_time_the_least_run():
         time.sleep(next(delays, 0.001))
 
     assert time_cpu(call, repeats=5) < 10_000
+
+
+def test_a_run_stopped_by_sigterm_leaves_nothing_and_the_next_removes_what_a_killed_one_left(tmp_path, capsys):
+    """SIGTERM during quantize cleans the staging folder as Ctrl-C does. A staging folder whose process no longer
+    exists (a run killed outright) is removed by the next run, which says so; one of a running process is left."""
+    import os
+
+    src = _model_dir(tmp_path)
+    out = tmp_path / "out"
+    script = (
+        "import os, signal, time\n"
+        "import mxgemm.convert\n"
+        "def stopped(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "mxgemm.convert.quantize_folder = stopped\n"
+        "from mxgemm.cli import main\n"
+        f"raise SystemExit(main(['quantize', {str(src)!r}, {str(out)!r}]))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and not out.exists() and not list(tmp_path.glob(".out.*")), run.stderr
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = int(gone.stdout), os.getppid()
+    (tmp_path / f".out.{dead}.abc.tmp").mkdir()
+    (tmp_path / f".out.{dead}.abc.tmp" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / f".out.{alive}.def.tmp").mkdir()
+    assert main(["quantize", str(src), str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"removed .out.{dead}.abc.tmp, left beside the output by an interrupted run" in said
+    assert not (tmp_path / f".out.{dead}.abc.tmp").exists() and (tmp_path / f".out.{alive}.def.tmp").is_dir()
+    assert (out / "model.safetensors").is_file()

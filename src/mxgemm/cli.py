@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-import os
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -195,13 +196,13 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     moved into place only once complete. The source's other files and subfolders (tokenizer, a sentence-transformers
     ``1_Pooling/``, ...) are copied; its weight files and config are not (the checkpoint has its own)."""
     import shutil
-    import tempfile
     from pathlib import Path
 
     from rich.progress import Progress
 
     from .convert import quantize_folder
     from .model_folder import copy_side_files
+    from .output_folder import move_into_place, remove_stale_staging, staging_folder
 
     src, out = Path(args.model_dir).resolve(), Path(args.out_dir).resolve()
     _check_quantize_paths(src, out, args.force)
@@ -209,34 +210,52 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
     _check_device(args.device)
     if not _have_transformers(console, "quantize"):
         return 2
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    for stale in remove_stale_staging(out):
+        console.print(escape(f"removed {stale.name}, left beside the output by an interrupted run"))
+    staging = staging_folder(out)
     try:
-        # side files first: the checkpoint's own files win over any of the same name
-        copy_side_files(src, staging, lambda f: f.name == "config.json" or any(map(f.match, _WEIGHT_FILES)))
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("quantizing", total=None)
-            report = quantize_folder(
-                src,
-                staging,
-                scheme=args.scheme,
-                scale_mode=args.scale_mode,
-                skip=tuple(getattr(args, "skip", ("lm_head",))),
-                skip_must_match=hasattr(args, "skip"),
-                device=args.device,
-                max_shard_bytes=max_shard_bytes,
-                progress=lambda nbytes, total: bar.update(task, total=total, advance=nbytes),
-            )
-        _move_into_place(staging, out)
-        umask = os.umask(0)
-        os.umask(umask)
-        out.chmod(0o777 & ~umask)  # the staging folder was made private; the output follows the umask
+        with _terminate_as_interrupt():
+            # side files first: the checkpoint's own files win over any of the same name
+            copy_side_files(src, staging, lambda f: f.name == "config.json" or any(map(f.match, _WEIGHT_FILES)))
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task("quantizing", total=None)
+                report = quantize_folder(
+                    src,
+                    staging,
+                    scheme=args.scheme,
+                    scale_mode=args.scale_mode,
+                    skip=tuple(getattr(args, "skip", ("lm_head",))),
+                    skip_must_match=hasattr(args, "skip"),
+                    device=args.device,
+                    max_shard_bytes=max_shard_bytes,
+                    progress=lambda nbytes, total: bar.update(task, total=total, advance=nbytes),
+                )
+            move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     console.print(escape(str(report)))
     console.print(escape(f"wrote {args.scheme} compressed-tensors checkpoint to {out}"))
     return 0
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (a job's stop, ``kill``) raises KeyboardInterrupt while the body runs, so that its cleanup runs as on
+    Ctrl-C; the handler before is restored after. Outside the main thread signals cannot be handled: nothing."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_device(name: str) -> None:
@@ -285,25 +304,6 @@ def _check_quantize_paths(src, out, force: bool) -> None:
         raise ValueError(f"{out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ValueError(f"{out} is not empty; choose a new folder, or pass --force to replace its contents")
-
-
-def _move_into_place(staging, out) -> None:
-    """Put the finished folder at ``out``: a rename, the old folder (if any) moved aside first and removed after."""
-    import os
-    import shutil
-
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    try:
-        os.replace(staging, out)
-    except OSError:
-        if old is not None:
-            os.replace(old, out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _tune(args: argparse.Namespace, console: Console) -> int:
