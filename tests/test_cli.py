@@ -225,7 +225,8 @@ def test_bench_moe_cpu_smoke(tmp_path, capsys, monkeypatch):
 
 def test_cpu_bench_rows_show_no_empty_or_rate_columns_and_time_the_least_run():
     """A CPU run's table: no floor, rates or contenders without a value on any row (the 80-column terminal of a new
-    user); its times are the least of repeated runs, which other processes' time does not inflate."""
+    user); a GPU run's screen table the narrow columns unless --wide; times the least of repeated runs, which other
+    processes' time does not inflate."""
     import time
 
     from mxgemm.bench import BenchRow, table_rows
@@ -236,6 +237,10 @@ def test_cpu_bench_rows_show_no_empty_or_rate_columns_and_time_the_least_run():
     assert header == ["M", "N", "K", "shape", "auto", "tactic", "mxgemm µs", "bf16 µs", "x bf16"]
     assert cells == [["2", "64", "128", "custom", "emulation", "default", "100.0", "10.0", "0.10"]]
     assert "TFLOP/s" in table_rows(rows)[0]  # a GPU run keeps its rates
+    gpu = [BenchRow(64, 4096, 4096, "o", "hybrid_sm90", 6.7, us={"mxgemm": 10.0, "bf16": 15.0, "triton": 20.0})]
+    narrow = ["M", "N", "K", "shape", "auto", "mxgemm µs", "bf16 µs", "x bf16", "% floor"]
+    assert table_rows(gpu, wide=False)[0] == narrow
+    assert {"tactic", "triton µs", "TFLOP/s", "GB/s"} <= set(table_rows(gpu)[0])  # --wide and the files
     delays = iter([0.03, 0.03, 0.03, 0.03])  # the warm-up and three runs slowed by a busy machine, then 1 ms each
 
     def call():

@@ -290,9 +290,15 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def table_rows(rows: Sequence[BenchRow], *, smoke: bool = False) -> tuple[list[str], list[list[str]]]:
+NARROW = ("M", "N", "K", "shape", "auto", "mxgemm µs", "bf16 µs", "x bf16", "% floor")  # a terminal's 80 columns
+
+
+def table_rows(
+    rows: Sequence[BenchRow], *, smoke: bool = False, wide: bool = True
+) -> tuple[list[str], list[list[str]]]:
     """Header and cells: µs of each contender, then mxgemm's TFLOP/s, GB/s, speedup over bf16, % of floor; columns
-    empty on every row left out. ``smoke`` (a CPU run): no rates, which say nothing there."""
+    empty on every row left out. ``smoke`` (a CPU run): no rates, which say nothing there. ``wide``: every column,
+    else only ``NARROW``'s."""
     contenders = list(dict.fromkeys(c for r in rows for c in r.us))
     header = ["M", "N", "K", "shape", "auto", "tactic", "floor µs", *[f"{c} µs" for c in contenders]]
     header += ["TFLOP/s", "GB/s", "x bf16", "x dot_scaled", "% floor"]
@@ -315,6 +321,7 @@ def table_rows(rows: Sequence[BenchRow], *, smoke: bool = False) -> tuple[list[s
             cells += ["-"] * 5
         out.append(cells)
     keep = [i for i in range(len(header)) if any(c[i] != "-" for c in out)] if out else range(len(header))
+    keep = [i for i in keep if wide or header[i] in NARROW]
     return [header[i] for i in keep], [[c[i] for i in keep] for c in out]
 
 

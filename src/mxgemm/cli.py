@@ -141,7 +141,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         progress=lambda s: console.print(f"[dim]{s}[/dim]"),
     )
     smoke = device.type != "cuda"
-    header, cells = table_rows(rows, smoke=smoke)
+    header, cells = table_rows(rows, smoke=smoke, wide=args.wide)
     table = Table(title=f"mxgemm bench on {env['name']}")
     for h in header:
         table.add_column(h, justify="right")
@@ -408,6 +408,7 @@ def _parser() -> argparse.ArgumentParser:
         "--m their token counts",
     )
     bench.add_argument("--backends", nargs="+", help="backends to time (default: every available one)")
+    bench.add_argument("--wide", action="store_true", help="every column on screen (the files always have them)")
     bench.add_argument("--json", help="write the rows as JSON here")
     bench.add_argument("--markdown", help="write a Markdown table here")
     bench.add_argument("--plot", help="write a PNG plot of speedups over bf16 here (needs matplotlib)")
