@@ -70,6 +70,7 @@ def single_worker(vllm_python, tmp_path_factory) -> tuple[Path, dict, str]:
 def test_vllm_generates_hugging_face_tokens_on_mxgemm_kernels(single_worker):
     _, result, log = single_worker
     assert "Using MxgemmMxfp8LinearKernel for MXFP8 GEMM" in log
+    assert log.count("mxgemm: vLLM's MXFP8 linear layers run on emulation (w8a16)") == 1  # through vLLM's logging
     # 2 layers x (qkv, o, gate_up, down); lm_head stays bf16 (`mxgemm quantize` skips it by default)
     assert len(result["layers"]) == 8
     assert all(row.startswith("MxgemmMxfp8LinearKernel:emulation:") for row in result["layers"]), result["layers"]

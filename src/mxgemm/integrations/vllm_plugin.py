@@ -28,6 +28,18 @@ from ..weights import linear, prepare_weight
 __all__ = ["register"]  # and MxgemmMxfp8LinearKernel, built on first access (it subclasses vLLM's interface)
 
 logger = logging.getLogger("mxgemm")
+# a child of vLLM's root logger, which vLLM gives its handler: lines here show where vLLM's own do (mxgemm's logger
+# has no handler in a vLLM process)
+engine_logger = logging.getLogger("vllm.mxgemm")
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """``message`` at INFO through vLLM's logging, once per process."""
+    if message not in _said:
+        _said.add(message)
+        engine_logger.info(message)
+
 
 _PLATFORMS = ("CPU", "CUDA")
 
@@ -54,7 +66,9 @@ def _kernel_class():
                 return False, "mxgemm runs 2-D MXFP8 linear layers, not batched matmuls"
             k = c.weight_shape[1]
             if k % BLOCK_SIZE:
-                return False, f"mxgemm needs K (this shard's in_features) a multiple of {BLOCK_SIZE}, got {k}"
+                reason = f"mxgemm needs K (this shard's in_features) a multiple of {BLOCK_SIZE}"
+                _say_once(f"{reason}: such MXFP8 layers are left to vLLM's own kernels")
+                return False, f"{reason}, got {k}"
             return True, None
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -65,7 +79,8 @@ def _kernel_class():
             kept = {t.untyped_storage().data_ptr() for t in prepared.tensors.values()}
             if weight.untyped_storage().data_ptr() not in kept:  # the backend made its own copy: drop the checkpoint's
                 del layer.weight, layer.weight_scale
-            logger.info("mxgemm: vLLM MXFP8 layer [%d, %d] on %s (%s)", n, k, prepared.backend, prepared.recipe)
+            logger.debug("vLLM MXFP8 layer [%d, %d] on %s (%s)", n, k, prepared.backend, prepared.recipe)
+            _say_once(f"mxgemm: vLLM's MXFP8 linear layers run on {prepared.backend} ({prepared.recipe})")
 
         def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
             return linear(x, layer.mxgemm_weight, bias)
