@@ -174,7 +174,7 @@ def _hostile(path: Path, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["fifo", "not utf-8", "deeply nested", "link"])
 def test_a_hostile_tuning_file_is_ignored_with_a_warning(tmp_path, kind, caplog):
-    """The README's promise: a broken tuning file is ignored with a warning, and every call still runs."""
+    """The guarantee (docs/guide.md): a broken tuning file is ignored with a warning, and every call still runs."""
     path = tuning.default_cache_path(describe_device())
     path.parent.mkdir(parents=True, exist_ok=True)
     _hostile(path, kind)
