@@ -29,7 +29,7 @@ from .format import dequantize, quantize
 from .grouped import grouped_linear, prepare_grouped_weight
 from .timing import time_cpu, time_cuda
 
-__all__ = ["MOE_MODELS", "MOE_TOKENS", "MoeRow", "markdown_table", "run_moe_bench"]
+__all__ = ["MOE_MODELS", "MOE_TOKENS", "MoeRow", "markdown_table", "run_moe_bench", "table_rows"]
 
 # (experts, hidden, expert width, top-k)
 MOE_MODELS: dict[str, tuple[int, int, int, int]] = {
@@ -200,8 +200,9 @@ COLUMNS = ["model", "proj", "tokens", "active experts", "backend", "floor µs", 
 COLUMNS += ["FP8 rowwise µs", "/ floor", "bf16 / mxgemm"]
 
 
-def table_cells(rows: Sequence[MoeRow]) -> list[list[str]]:
-    """One row of strings per bench row, in ``COLUMNS`` order."""
+def table_rows(rows: Sequence[MoeRow]) -> tuple[list[str], list[list[str]]]:
+    """Header and cells, one row of strings per bench row; columns empty on every row (a CPU run's floor and FP8
+    rowwise) left out."""
 
     def us(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f}"
@@ -213,12 +214,14 @@ def table_cells(rows: Sequence[MoeRow]) -> list[list[str]]:
         speedup = f"{bf16 / ours:.2f}" if ours and bf16 else "-"
         cells = [r.model, r.proj, str(r.tokens), f"{r.active:.1f}", r.backend, us(r.floor_us), us(ours), us(bf16)]
         out.append([*cells, us(r.us.get("fp8_rowwise")), over_floor, speedup])
-    return out
+    keep = [i for i in range(len(COLUMNS)) if any(c[i] != "-" for c in out)] if out else range(len(COLUMNS))
+    return [COLUMNS[i] for i in keep], [[c[i] for i in keep] for c in out]
 
 
 def markdown_table(rows: Sequence[MoeRow]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(rows)]
+    header, cells = table_rows(rows)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(c) + " |" for c in cells]
     return "\n".join(lines) + "\n"
 
 

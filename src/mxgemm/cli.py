@@ -90,7 +90,7 @@ def _info(console: Console) -> int:
 
 
 def _bench_moe(args: argparse.Namespace, console: Console) -> int:
-    from .bench_moe import COLUMNS, MOE_MODELS, as_json, markdown_table, run_moe_bench, table_cells
+    from .bench_moe import MOE_MODELS, as_json, markdown_table, run_moe_bench, table_rows
 
     if describe_device().type != "cuda":
         console.print(
@@ -99,10 +99,11 @@ def _bench_moe(args: argparse.Namespace, console: Console) -> int:
         )
     env, rows = run_moe_bench(args.moe or list(MOE_MODELS), args.m, progress=lambda s: console.print(f"[dim]{s}[/dim]"))
     table = Table(title=f"mxgemm bench --moe on {env['name']}")
-    for h in COLUMNS:
+    header, cells = table_rows(rows)
+    for h in header:
         table.add_column(h, justify="right")
-    for cells in table_cells(rows):
-        table.add_row(*cells)
+    for row in cells:
+        table.add_row(*row)
     console.print(table)
     command = "mxgemm " + " ".join(shlex.quote(a) for a in args.argv)
     if args.json:
