@@ -318,6 +318,21 @@ def test_checkpoint_config_refuses_a_folder_that_is_not_mxfp8_and_layers_the_mod
         transformers.AutoModelForCausalLM.from_pretrained(path, config=config)
 
 
+def test_checkpoint_config_of_a_moe_checkpoint_names_the_route_that_loads_it(tmp_path):
+    """An MXFP8 mixture-of-experts checkpoint (per-expert tensors, as `mxgemm quantize` writes them): one line naming
+    the first quantized expert and load_checkpoint, which loads it; not transformers' "not an nn.Linear"."""
+    from helpers import tiny_qwen3_moe
+
+    from mxgemm.cli import main
+    from mxgemm.integrations import checkpoint_config
+
+    tiny_qwen3_moe(1).save_pretrained(tmp_path / "bf16")
+    assert main(["quantize", str(tmp_path / "bf16"), str(tmp_path / "mx")]) == 0
+    first = r"\(model\.layers\.0\.mlp\.experts\.0\.down_proj, \.\.\.\).*mxgemm\.load_checkpoint"
+    with pytest.raises(mxgemm.CheckpointError, match=first):
+        checkpoint_config(tmp_path / "mx")
+
+
 def test_a_moe_model_saved_from_the_online_route_loads_back_the_same(tmp_path):
     """By default the transformers route leaves experts in bf16, so that a model it saved loads back computing what
     it computed. With ``experts=True`` it quantizes them as quantize_model does (the same logits), and save_pretrained

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,6 +211,12 @@ def checkpoint_config(
     read_format(path)
     source = TensorSource(path)
     modules = sorted(key.removesuffix(".weight_scale") for key in source.where if key.endswith(".weight_scale"))
+    experts = [m for m in modules if re.search(r"\.experts\.\d+\.", m)]
+    if experts:
+        raise CheckpointError(
+            f"{path} quantizes the experts of a mixture of experts ({experts[0]}, ...), which this route does not "
+            "load yet: build the model and call mxgemm.load_checkpoint(model, path)"
+        )
     dtypes = {str(source.dtypes[f"{m}.weight_scale"]).removeprefix("torch.") for m in modules}
     if len(dtypes) > 1 or not dtypes <= set(_SCALE_DTYPES):
         raise CheckpointError(f"{path}: weight scales stored as {sorted(dtypes)}; one of {sorted(_SCALE_DTYPES)}")
