@@ -48,11 +48,29 @@ def _nearest_e4m3(v):
 
 @triton.jit
 def _grouped_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, off_ptr, y_ptr,
-    S, N, K, E,
-    stride_xs, stride_xsk, stride_we, stride_wn, stride_se, stride_sn, stride_ys,
-    GROUPS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, QUANTIZED: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    s_ptr,
+    off_ptr,
+    y_ptr,
+    S,
+    N,
+    K,
+    E,
+    stride_xs,
+    stride_xsk,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ys,
+    GROUPS: tl.constexpr,
+    BN: tl.constexpr,
+    BM: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     # groups 0..E-1 are the experts, group E the rows past the last expert's end; bounds clamped to [0, S]
@@ -180,11 +198,30 @@ def grouped_block_linear(
     grid = (token_tile_slots(s, e, c.bm), triton.cdiv(n, c.bn))
     cfg = {"num_warps": c.warps} if _interpreting() else {"num_warps": c.warps, "num_stages": c.stages}
     _grouped_kernel[grid](
-        x, xs, w_bytes, block_scale, offsets, y, s, n, k, e,
-        x.stride(0), stride_xsk, w_bytes.stride(0), w_bytes.stride(1), block_scale.stride(0), block_scale.stride(1),
-        y.stride(0), GROUPS=triton.next_power_of_2(e + 1), BN=c.bn, BM=c.bm, QUANTIZED=c.quantized,
-        INTERPRET=_interpreting(), **cfg,
-    )  # fmt: skip
+        x,
+        xs,
+        w_bytes,
+        block_scale,
+        offsets,
+        y,
+        s,
+        n,
+        k,
+        e,
+        x.stride(0),
+        stride_xsk,
+        w_bytes.stride(0),
+        w_bytes.stride(1),
+        block_scale.stride(0),
+        block_scale.stride(1),
+        y.stride(0),
+        GROUPS=triton.next_power_of_2(e + 1),
+        BN=c.bn,
+        BM=c.bm,
+        QUANTIZED=c.quantized,
+        INTERPRET=_interpreting(),
+        **cfg,
+    )
     return y
 
 
