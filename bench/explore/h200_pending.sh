@@ -70,7 +70,7 @@ for stage in "$@"; do
       python3 -m mxgemm info > "$out/info.txt" 2>&1
       timeout "${TESTS_S:-330}" python3 -m pytest tests -q -p no:warnings -m gpu --tb=short --durations=5 2>&1 \
         | tail -40 > "$out/pytest_gpu.txt"
-      timeout 60 python3 -m pytest tests/test_mx_quant_kernel.py -q -p no:warnings 2>&1 | tail -3 >> "$out/pytest_gpu.txt"
+      timeout 60 python3 -m pytest tests/unit/test_mx_quant_kernel.py -q -p no:warnings 2>&1 | tail -3 >> "$out/pytest_gpu.txt"
       tail -12 "$out/pytest_gpu.txt" ;;
     load)
       timeout 500 python3 bench/load_gpu.py --json "$out/load-gpu-h200.json" 2>&1 | tail -14 ;;

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("targets", Path(__file__).parents[1] / "bench" / "targets.py")
+_spec = importlib.util.spec_from_file_location("targets", Path(__file__).parents[2] / "bench" / "targets.py")
 targets = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(targets)
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter tests run without a GPU (TRITON_INTERPRET=1)"
 )
 # Triton 3.6's interpreter truncates fp32 -> bf16 instead of rounding to nearest (up to 1 ulp, 2^-7 relative), so
-# outputs are held to 40 dB here; on a GPU the same comparisons hold at 45+ dB (tests/test_gpu_triton.py).
+# outputs are held to 40 dB here; on a GPU the same comparisons hold at 45+ dB (tests/gpu/test_gpu_triton.py).
 MIN_SQNR = 40
 
 

@@ -5,7 +5,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("model_e2e", Path(__file__).parents[1] / "bench" / "model_e2e.py")
+_spec = importlib.util.spec_from_file_location("model_e2e", Path(__file__).parents[2] / "bench" / "model_e2e.py")
 model_e2e = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(model_e2e)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("MXGEMM_VLLM_VENV", Path.home() / ".cache" / "mxgemm-tests" / "vllm-venv"))
 
 
@@ -57,7 +57,7 @@ def _result(done: subprocess.CompletedProcess) -> dict:
     return json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith('{"')))
 
 
-SCRIPT = REPO / "tests" / "vllm" / "greedy_tokens.py"
+SCRIPT = REPO / "tests" / "models" / "vllm" / "greedy_tokens.py"
 
 
 @pytest.fixture(scope="module")

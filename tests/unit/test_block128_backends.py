@@ -82,7 +82,7 @@ def test_act_quant_kernel_layout_and_scales():
     assert torch.equal(s[:5, :4], rs)  # bit-exact scales
     assert int(q[5:].view(torch.uint8).sum()) == 0 and int(q[:, 416:].view(torch.uint8).sum()) == 0
     # Triton 3.6's interpreter rounds fp32 -> fp8 wrongly across binades (125.9 -> 64), so only signs and
-    # magnitudes to within 2x are checked here; tests/test_gpu_block128.py checks the bits on the GPU
+    # magnitudes to within 2x are checked here; tests/gpu/test_gpu_block128.py checks the bits on the GPU
     a, b = q[:5, :416].float(), rq.float()
     assert torch.equal(torch.sign(a), torch.sign(b)) and ((a - b).abs() <= b.abs() / 2 + 2.0**-9).all()
 

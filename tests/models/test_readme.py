@@ -2,7 +2,7 @@
 folder holding a tiny Llama saved as ``my-model``, on a CPU (no GPU visible, no Triton interpreter), where every
 layer runs on the emulation reference. A ```text block after an example holds lines its output must contain. The
 ```console block (``vllm serve``) is not run here: vLLM runs in an environment of its own
-(``tests/test_vllm_plugin.py``)."""
+(``tests/models/test_vllm_plugin.py``)."""
 
 import os
 import re
@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.S)
 
 

@@ -70,7 +70,7 @@ def test_sharded_source_to_sharded_output_and_back(tmp_path, tie):
 
 
 _spec = importlib.util.spec_from_file_location(
-    "checkpoint_io", Path(__file__).parents[1] / "bench" / "checkpoint_io.py"
+    "checkpoint_io", Path(__file__).parents[2] / "bench" / "checkpoint_io.py"
 )
 checkpoint_io = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(checkpoint_io)
