@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 from collections.abc import Sequence
@@ -125,7 +126,8 @@ def quantize_model(
         if reason:
             reports.append(LayerReport(name, False, None, None, reason))
             continue
-        layer = MXFP8Linear.from_linear(module, backend=backend, scale_mode=scale_mode, recipe=recipe)
+        with _stops_partway(name, reports):
+            layer = MXFP8Linear.from_linear(module, backend=backend, scale_mode=scale_mode, recipe=recipe)
         del module
         model.set_submodule(name, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
@@ -137,6 +139,26 @@ def quantize_model(
             "times slower than bf16; no faster backend runs here (`mxgemm info` says why)"
         )
     return QuantizeReport(tuple(reports), tuple(fuse_model(model)) if fuse else ())
+
+
+@contextlib.contextmanager
+def _stops_partway(name: str, reports: list[LayerReport]):
+    """A failure converting ``name`` after the request was checked (out of memory, a kernel's error): the layers
+    already replaced stay replaced (their full-precision weights are freed as each is), so the error says where it
+    stopped and that the model is partly converted, on the error itself (Python 3.11+) and on the ``mxgemm`` logger."""
+    try:
+        yield
+    except Exception as exc:
+        done = sum(r.replaced for r in reports)
+        if done:
+            message = (
+                f"quantize_model stopped at {name}: the {done} layers before it are already quantized and the model is "
+                "partly converted; load it again before retrying"
+            )
+            logger.error("mxgemm: %s (%s)", message, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            if hasattr(exc, "add_note"):
+                exc.add_note(message)
+        raise
 
 
 def _check_every_layer_resolves(model: nn.Module, backend, scale_mode, recipe, skip, routers) -> None:
@@ -178,7 +200,8 @@ def _quantize_experts(model: nn.Module, plan: dict[str, str], backend, scale_mod
             reports.append(LayerReport(name, False, None, None, reason, kind="experts"))
             continue
         module = model.get_submodule(name)
-        experts = MXFP8Experts.from_experts(module, backend=backend, scale_mode=scale_mode, recipe=recipe)
+        with _stops_partway(name, reports):
+            experts = MXFP8Experts.from_experts(module, backend=backend, scale_mode=scale_mode, recipe=recipe)
         del module
         model.set_submodule(name, experts)
         reports.append(LayerReport(name, True, experts.backend, experts.recipe, "", kind="experts"))

@@ -95,3 +95,28 @@ def test_a_request_that_cannot_run_fails_before_the_model_changes():
         with pytest.raises(error):
             mxgemm.quantize_model(model, skip=(), **kwargs)
         assert all(type(m) is nn.Linear for m in model), kwargs
+
+
+def test_a_failure_partway_says_where_it_stopped_and_that_the_model_is_partly_converted(monkeypatch, caplog):
+    """A failure after the request was checked (the GPU out of memory, a kernel's error) cannot be undone: the layers
+    before it freed their full-precision weights. The error keeps its type and says where it stopped and how many
+    layers are already quantized (a note on it, and a line on the mxgemm logger)."""
+    import logging
+
+    real, calls = mxgemm.MXFP8Linear.from_linear, []
+
+    def from_linear(module, **kwargs):
+        calls.append(module)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(module, **kwargs)
+
+    monkeypatch.setattr(mxgemm.MXFP8Linear, "from_linear", from_linear)
+    model = _Net()
+    with caplog.at_level(logging.ERROR, logger="mxgemm"), pytest.raises(torch.OutOfMemoryError) as raised:
+        mxgemm.quantize_model(model, backend="emulation")
+    said = "quantize_model stopped at layers.1.q: the 2 layers before it are already quantized"
+    assert said in caplog.text and "CUDA out of memory" in caplog.text
+    assert any(said in note for note in getattr(raised.value, "__notes__", [said]))
+    kinds = [type(m).__name__ for m in (model.layers[0]["q"], model.layers[0]["o"], model.layers[1]["q"])]
+    assert kinds == ["MXFP8Linear", "MXFP8Linear", "Linear"]
