@@ -23,6 +23,7 @@ __all__ = [
     "experts_modules",
     "experts_stay_in_bf16",
     "experts_unfit_reason",
+    "is_experts_module",
     "moe_experts",
     "per_expert_names",
     "per_expert_shapes",
@@ -72,11 +73,13 @@ def moe_experts(
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The experts modules of ``model``, by name: those holding ``gate_up_proj`` and ``down_proj`` (transformers'
     experts; :func:`experts_unfit_reason` says which :class:`MXFP8Experts` takes), :class:`MXFP8Experts` excluded."""
-    return [
-        (name, module)
-        for name, module in model.named_modules()
-        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and not isinstance(module, MXFP8Experts)
-    ]
+    return [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Whether ``module`` holds experts as transformers' 3-D experts modules do (``gate_up_proj`` and ``down_proj``),
+    not yet an :class:`MXFP8Experts`."""
+    return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and not isinstance(module, MXFP8Experts)
 
 
 def per_expert_names(name: str, experts: int) -> dict[str, list[str]]:

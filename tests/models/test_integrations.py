@@ -46,14 +46,36 @@ def test_torchao_quantize_swaps_linears_like_quantize_model():
     assert torch.equal(model[0].weight_scale, reference[0].weight_scale)
 
 
+def test_torchao_quantize_takes_the_experts_with_the_moe_filter_and_keeps_the_routers():
+    """``filter_fn=moe_filter(model)``: the experts become MXFP8Experts and the routers stay, as with quantize_model
+    (the same logits); torchao's default filter would take the routers and never reach the experts."""
+    pytest.importorskip("torchao")
+    from helpers import tiny_qwen3_moe
+    from torchao.quantization import quantize_
+
+    from mxgemm.integrations import MXFP8LinearConfig, moe_filter
+    from mxgemm.moe import MXFP8Experts
+
+    model = tiny_qwen3_moe()
+    reference = copy.deepcopy(model)
+    quantize_(model, MXFP8LinearConfig(backend="emulation"), filter_fn=moe_filter(model))
+    mxgemm.quantize_model(reference, backend="emulation", skip=(), fuse=False)
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp.experts, MXFP8Experts) and type(mlp.gate).__name__ != "MXFP8Linear"
+    assert isinstance(model.model.layers[0].self_attn.q_proj, mxgemm.MXFP8Linear)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
 def test_torchao_config_refuses_what_is_not_a_linear():
     pytest.importorskip("torchao")
     from torchao.quantization import quantize_
 
     from mxgemm.integrations import MXFP8LinearConfig
 
-    with pytest.raises(TypeError, match=r"nn\.Linear"):
-        quantize_(nn.Sequential(nn.Conv1d(32, 32, 1)), MXFP8LinearConfig(), filter_fn=lambda m, name: True)
+    with pytest.raises(TypeError, match=r"nn\.Linear layers and experts modules, got Conv1d"):
+        quantize_(nn.Sequential(nn.Conv1d(32, 32, 1)), MXFP8LinearConfig(), filter_fn=lambda m, _: type(m) is nn.Conv1d)
 
 
 @pytest.mark.parametrize("scale_mode", ["floor", "rceil"])

@@ -8,14 +8,22 @@ first used (``import mxgemm`` imports none of them):
   ``from_pretrained(path, config=checkpoint_config(path))`` loads an MXFP8 checkpoint of another producer
   (compressed-tensors, ModelOpt) into them.
 - ``MXFP8LinearConfig`` (torchao): ``torchao.quantization.quantize_(model, MXFP8LinearConfig())`` swaps
-  ``nn.Linear`` layers for ``MXFP8Linear`` through ``register_quantize_module_handler``.
+  ``nn.Linear`` layers for ``MXFP8Linear`` through ``register_quantize_module_handler``; with
+  ``filter_fn=moe_filter(model)`` also the experts of mixtures of experts for ``MXFP8Experts``, routers kept.
 """
 
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["MXFP8Config", "MXFP8HfQuantizer", "MXFP8LinearConfig", "checkpoint_config", "enable_transformers"]
+__all__ = [
+    "MXFP8Config",
+    "MXFP8HfQuantizer",
+    "MXFP8LinearConfig",
+    "checkpoint_config",
+    "enable_transformers",
+    "moe_filter",
+]
 
 _HOMES = {
     "MXFP8Config": "hf_quantizer",
@@ -23,6 +31,7 @@ _HOMES = {
     "enable_transformers": "hf_quantizer",
     "checkpoint_config": "hf_quantizer",
     "MXFP8LinearConfig": "torchao_config",
+    "moe_filter": "torchao_config",
 }
 
 
