@@ -17,7 +17,6 @@ such, not a measure of GPU speed.
 
 from __future__ import annotations
 
-import json
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,7 +34,7 @@ from .resolve import available_backends
 from .timing import SETTLE_MS, copies_for_cold_l2, time_cpu, time_cuda
 from .weights import linear, prepare_weight
 
-__all__ = ["DEFAULT_M", "MODELS", "BenchRow", "Problem", "environment", "parse_shapes", "run_bench"]
+__all__ = ["DEFAULT_M", "MODELS", "BenchRow", "Problem", "bench_record", "environment", "parse_shapes", "run_bench"]
 
 # (N, K, name) of the dense projections
 MODELS: dict[str, list[tuple[int, int, str]]] = {
@@ -281,9 +280,9 @@ def run_bench(
     return environment(device), rows
 
 
-def write_json(path: str, env: dict[str, object], rows: Sequence[BenchRow], command: str) -> None:
-    with open(path, "w") as f:
-        json.dump({"command": command, "device": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
+def bench_record(env: dict[str, object], rows: Sequence[BenchRow], command: str) -> dict:
+    """What ``--json`` writes: the command, the device's environment and every row."""
+    return {"command": command, "device": env, "rows": [asdict(r) for r in rows]}
 
 
 def _fmt(v: float | None, spec: str = ".1f") -> str:

@@ -29,7 +29,7 @@ from .format import dequantize, quantize
 from .grouped import grouped_linear, prepare_grouped_weight
 from .timing import time_cpu, time_cuda
 
-__all__ = ["MOE_MODELS", "MOE_TOKENS", "MoeRow", "markdown_table", "run_moe_bench", "table_rows"]
+__all__ = ["MOE_MODELS", "MOE_TOKENS", "MoeRow", "bench_record", "markdown_table", "run_moe_bench", "table_rows"]
 
 # (experts, hidden, expert width, top-k)
 MOE_MODELS: dict[str, tuple[int, int, int, int]] = {
@@ -225,5 +225,5 @@ def markdown_table(rows: Sequence[MoeRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def as_json(env: dict, rows: Sequence[MoeRow], command: str) -> dict:
+def bench_record(env: dict, rows: Sequence[MoeRow], command: str) -> dict:
     return {"command": command, "environment": env, "rows": [asdict(r) for r in rows]}

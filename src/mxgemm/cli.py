@@ -26,11 +26,11 @@ from .bench import (
     CPU_SHAPES,
     DEFAULT_M,
     MODELS,
+    bench_record,
     markdown_table,
     parse_shapes,
     run_bench,
     table_rows,
-    write_json,
 )
 from .bench_moe import MOE_MODELS
 from .device import describe_device
@@ -90,7 +90,7 @@ def _info(console: Console) -> int:
 
 
 def _bench_moe(args: argparse.Namespace, console: Console) -> int:
-    from .bench_moe import MOE_MODELS, as_json, markdown_table, run_moe_bench, table_rows
+    from .bench_moe import MOE_MODELS, bench_record, markdown_table, run_moe_bench, table_rows
 
     if describe_device().type != "cuda":
         console.print(
@@ -98,21 +98,34 @@ def _bench_moe(args: argparse.Namespace, console: Console) -> int:
             "measure of GPU speed (the models and --m are ignored)[/yellow]"
         )
     env, rows = run_moe_bench(args.moe or list(MOE_MODELS), args.m, progress=lambda s: console.print(f"[dim]{s}[/dim]"))
-    table = Table(title=f"mxgemm bench --moe on {env['name']}")
-    header, cells = table_rows(rows)
+    command = _command(args)
+    _show_table(console, f"mxgemm bench --moe on {env['name']}", *table_rows(rows))
+    _save(args, bench_record(env, rows, command), f"Command: `{command}`\n\nDevice: {env}\n\n{markdown_table(rows)}")
+    return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    return "mxgemm " + " ".join(shlex.quote(a) for a in args.argv)
+
+
+def _show_table(console: Console, title: str, header: list[str], cells) -> None:
+    """The bench table on screen."""
+    table = Table(title=title)
     for h in header:
         table.add_column(h, justify="right")
     for row in cells:
         table.add_row(*row)
     console.print(table)
-    command = "mxgemm " + " ".join(shlex.quote(a) for a in args.argv)
+
+
+def _save(args: argparse.Namespace, record: dict, markdown: str) -> None:
+    """``--json`` and ``--markdown``: the run's record and its table, where asked."""
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(as_json(env, rows, command), f, indent=1)
+            json.dump(record, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(f"Command: `{command}`\n\nDevice: {env}\n\n{markdown_table(rows)}")
-    return 0
+            f.write(markdown)
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
@@ -142,19 +155,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         progress=lambda s: console.print(f"[dim]{s}[/dim]"),
     )
     smoke = device.type != "cuda"
-    header, cells = table_rows(rows, smoke=smoke, wide=args.wide)
-    table = Table(title=f"mxgemm bench on {env['name']}")
-    for h in header:
-        table.add_column(h, justify="right")
-    for c in cells:
-        table.add_row(*c)
-    console.print(table)
-    command = "mxgemm " + " ".join(shlex.quote(a) for a in args.argv)
-    if args.json:
-        write_json(args.json, env, rows, command)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(f"Command: `{command}`\n\nDevice: {env}\n\n{markdown_table(rows, smoke=smoke)}")
+    _show_table(console, f"mxgemm bench on {env['name']}", *table_rows(rows, smoke=smoke, wide=args.wide))
+    command = _command(args)
+    markdown = f"Command: `{command}`\n\nDevice: {env}\n\n{markdown_table(rows, smoke=smoke)}"
+    _save(args, bench_record(env, rows, command), markdown)
     if args.plot:
         from .bench import plot
 
