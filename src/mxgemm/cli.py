@@ -471,6 +471,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         console.print(f"[red]error:[/red] {escape(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}")
         return 2
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during quantize: what was being written is already cleaned up
+        if args.debug:
+            raise
+        console.print("[yellow]interrupted[/yellow]")
+        return 130
 
 
 if __name__ == "__main__":

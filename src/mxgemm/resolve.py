@@ -21,11 +21,13 @@ from .backends import (
 from .backends.capabilities import GroupedWeights
 from .device import DeviceInfo, describe_device
 from .errors import BackendUnavailableError, UnknownBackendError
+from .format import SCALE_MODES
 
 __all__ = [
     "BackendStatus",
     "Resolution",
     "available_backends",
+    "check_request",
     "default_request",
     "explain_auto",
     "resolve_and_prepare",
@@ -90,6 +92,16 @@ def _check(
 def _validate_recipe(recipe: str | None) -> None:
     if recipe is not None and recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; valid recipes: {', '.join(RECIPES)}")
+
+
+def check_request(backend: str | None, recipe: str | None, scale_mode: str | None = None) -> None:
+    """Raise, naming what is wrong, for a backend, recipe or MX scale mode mxgemm does not know (None: not given):
+    what a config object checks when it is made, not at its first use."""
+    if backend is not None and backend != "auto":
+        get_backend(backend)  # UnknownBackendError, listing the valid names
+    _validate_recipe(recipe)
+    if scale_mode is not None and scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {', '.join(SCALE_MODES)}, got {scale_mode!r}")
 
 
 def available_backends(

@@ -384,3 +384,29 @@ def test_a_moe_model_saved_from_the_online_route_loads_back_the_same(tmp_path):
     with pytest.raises(mxgemm.MXGemmError, match=refused):
         with_experts.save_pretrained(tmp_path / "refused")
     assert not (tmp_path / "refused" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"backend": "fooo"}, mxgemm.UnknownBackendError, "unknown backend 'fooo'"),
+        ({"recipe": "w4a4"}, ValueError, "unknown recipe 'w4a4'"),
+        ({"scale_mode": "bogus"}, ValueError, "scale_mode must be one of floor, rceil, compressed-tensors"),
+    ],
+)
+def test_both_configs_refuse_a_bad_request_when_made_not_at_first_use(kwargs, error, message):
+    pytest.importorskip("torchao")
+    from mxgemm.integrations import MXFP8Config, MXFP8LinearConfig
+
+    for config in (MXFP8Config, MXFP8LinearConfig):
+        with pytest.raises(error, match=message):
+            config(**kwargs)
+
+
+def test_mxfp8config_reads_a_skip_string_as_one_pattern_and_refuses_other_types():
+    from mxgemm.integrations import MXFP8Config
+
+    assert MXFP8Config(skip="lm_head").skip == ["lm_head"]  # not seven letters
+    for kwargs in ({"skip": [3]}, {"modules": ["a", None]}, {"experts": "yes"}):
+        with pytest.raises(TypeError, match="skip and modules are lists of layer names"):
+            MXFP8Config(**kwargs)

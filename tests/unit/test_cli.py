@@ -267,7 +267,8 @@ def test_a_run_stopped_by_sigterm_leaves_nothing_and_the_next_removes_what_a_kil
         f"raise SystemExit(main(['quantize', {str(src)!r}, {str(out)!r}]))\n"
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0 and not out.exists() and not list(tmp_path.glob(".out.*")), run.stderr
+    assert run.returncode == 130 and not out.exists() and not list(tmp_path.glob(".out.*")), run.stderr
+    assert run.stdout.strip().endswith("interrupted") and "Traceback" not in run.stdout + run.stderr
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, alive = int(gone.stdout), os.getppid()
     (tmp_path / f".out.{dead}.abc.tmp").mkdir()

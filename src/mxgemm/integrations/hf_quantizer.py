@@ -41,6 +41,7 @@ from ..fusion import fuse
 from ..linear import MXFP8Linear
 from ..models import quantizable_linears, quantize_model
 from ..moe import MXFP8Experts
+from ..resolve import check_request
 
 __all__ = ["METHOD", "MXFP8Config", "MXFP8HfQuantizer", "checkpoint_config", "enable_transformers"]
 
@@ -71,7 +72,11 @@ class MXFP8Config(QuantizationConfigMixin):
             raise ValueError(f"MXFP8Config is quant_method {METHOD!r}, got {self.quant_method!r}")
         if self.scale_dtype not in _SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {sorted(_SCALE_DTYPES)}, got {self.scale_dtype!r}")
-        self.skip = list(self.skip)
+        check_request(self.backend, self.recipe, self.scale_mode)
+        self.skip = [self.skip] if isinstance(self.skip, str) else list(self.skip)  # "lm_head" is one pattern
+        names = self.skip + list(self.modules or [])
+        if not all(isinstance(n, str) for n in names) or not isinstance(self.experts, bool):
+            raise TypeError("MXFP8Config: skip and modules are lists of layer names or patterns, experts True/False")
 
 
 _SCALE_DTYPES = {"uint8": torch.uint8, "float8_e8m0fnu": torch.float8_e8m0fnu}

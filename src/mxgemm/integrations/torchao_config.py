@@ -19,6 +19,7 @@ from torchao.quantization.transform_module import register_quantize_module_handl
 from ..linear import MXFP8Linear
 from ..models import router_names, skip_reason
 from ..moe import MXFP8Experts, experts_modules, experts_unfit_reason, is_experts_module
+from ..resolve import check_request
 
 __all__ = ["MXFP8LinearConfig", "moe_filter"]
 
@@ -33,6 +34,9 @@ class MXFP8LinearConfig(AOBaseConfig):
     backend: str | None = None
     recipe: str | None = None
     scale_mode: str = "floor"
+
+    def __post_init__(self):
+        check_request(self.backend, self.recipe, self.scale_mode)
 
 
 def moe_filter(model: nn.Module):
