@@ -153,6 +153,12 @@ def quantize_folder(
     unmatched = [p for p in skip if not any(matches_skip(r.name, (p,)) for r in reports)] if skip_must_match else []
     if unmatched:
         raise CheckpointError(f"skip pattern {unmatched[0]!r} matches no linear layer or experts module of {src}")
+    for name in targets:  # before anything is written
+        if name in source and source.dtypes[name] not in (torch.float32, torch.bfloat16, torch.float16):
+            raise CheckpointError(
+                f"{name} is stored as {source.dtypes[name]}; mxgemm quantizes float32, bfloat16 or float16 weights "
+                "(save the model in one of them first)"
+            )
     writer, quantized = ShardWriter(out, max_shard_bytes), set()
     total = sum(math.prod(source.shapes[n]) * (source.dtypes[n] or torch.float32).itemsize for n in source.where)
     for name in source.where:
@@ -161,6 +167,7 @@ def quantize_folder(
         if name in targets:
             if tuple(tensor.shape) != targets[name]:
                 raise CheckpointError(f"{name} has shape {tuple(tensor.shape)}; the config's is {list(targets[name])}")
+
             t = quantize(tensor.to(device), scale_mode=scale_mode)
             writer.add(name, t.qdata.cpu())
             writer.add(f"{name}_scale", t.scale.cpu())

@@ -147,7 +147,7 @@ def _model_dir(tmp_path):
 
 def test_quantize_mistakes_are_one_line_before_anything_is_written(tmp_path, capsys):
     """A size without a unit (5 would be 5 bytes: hundreds of shards), an infinite size, a --skip pattern that
-    matches nothing, a CUDA device this torch has not: one line each, and no output folder."""
+    matches nothing, a CUDA device this torch has not, float64 weights: one line each, and no output folder."""
     src = _model_dir(tmp_path)
     cases = {
         ("--max-shard-size", "5"): "give a size with its unit",
@@ -157,6 +157,13 @@ def test_quantize_mistakes_are_one_line_before_anything_is_written(tmp_path, cap
     }
     if not torch.cuda.is_available():
         cases["--device", "cuda"] = "sees no CUDA GPU; use --device cpu"
+    from helpers import tiny_llama_folder
+
+    f64 = tiny_llama_folder(tmp_path / "f64", dtype=torch.float64)
+    assert main(["quantize", str(f64), str(tmp_path / "out")]) == 2
+    said = capsys.readouterr().out
+    assert "is stored as torch.float64; mxgemm quantizes float32, bfloat16 or float16 weights" in said, said
+    assert "Traceback" not in said and not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
     for args, message in cases.items():
         assert main(["quantize", str(src), str(tmp_path / "out"), *args]) == 2
         out = capsys.readouterr().out
