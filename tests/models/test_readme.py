@@ -1,8 +1,7 @@
 """The README's examples run as written and print what it shows: each ```python and ```bash block in order, in one
 folder holding a tiny Llama saved as ``my-model``, on a CPU (no GPU visible, no Triton interpreter), where every
 layer runs on the emulation reference. A ```text block after an example holds lines its output must contain. The
-```console block (``vllm serve``) is not run here: vLLM runs in an environment of its own
-(``tests/models/test_vllm_plugin.py``)."""
+vLLM example runs in vLLM's environment of its own (``tests/models/test_vllm_plugin.py``, with :func:`examples`)."""
 
 import os
 import re
@@ -20,13 +19,14 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.S)
 
 
-def examples() -> list[tuple[str, str, list[str]]]:
-    """(language, code, expected lines) of each runnable block of the Ways in section, in order."""
+def examples(vllm: bool = False) -> list[tuple[str, str, list[str]]]:
+    """(language, code, expected lines) of each runnable block of the Ways in section, in order: those that import
+    vLLM (``vllm``), or the others."""
     section = README.read_text().split("## Ways in", 1)[1].split("\n## ", 1)[0]
     blocks = [(m.group(1), m.group(2)) for m in BLOCK.finditer(section)]
     out = []
     for i, (lang, code) in enumerate(blocks):
-        if lang in ("python", "bash"):
+        if lang in ("python", "bash") and ("from vllm" in code) == vllm:
             after = blocks[i + 1] if i + 1 < len(blocks) else ("", "")
             expected = [line for line in after[1].splitlines() if line.strip()] if after[0] == "text" else []
             out.append((lang, code, expected))
@@ -35,7 +35,8 @@ def examples() -> list[tuple[str, str, list[str]]]:
 
 def test_the_ways_in_are_runnable_examples_and_the_readme_is_a_front_door():
     assert [lang for lang, _, _ in examples()] == ["python", "bash", "python", "python", "python"]
-    assert all(expected for _, _, expected in examples())
+    assert [lang for lang, _, _ in examples(vllm=True)] == ["python"]
+    assert all(expected for _, _, expected in examples() + examples(vllm=True))
     assert len(README.read_text().splitlines()) <= 150
 
 

@@ -94,3 +94,17 @@ def test_a_modelopt_checkpoint_runs_on_mxgemm_too(vllm_python, single_worker):
     done = _run([vllm_python, SCRIPT, work, "--modelopt"], env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=1200)
     assert "Using MxgemmMxfp8LinearKernel for MXFP8 GEMM" in done.stdout + done.stderr
     assert _result(done)["vllm"] == result["hf"]
+
+
+def test_the_readme_vllm_example_runs_and_prints_what_it_shows(vllm_python, single_worker):
+    """The README's vLLM example, as written, on the checkpoint `mxgemm quantize` wrote (a tokenizer added)."""
+    from test_readme import examples
+
+    work, _, _ = single_worker
+    [(_, code, expected)] = examples(vllm=True)
+    (work / "readme_vllm.py").write_text(code)
+    command = [vllm_python, SCRIPT, work, "--readme", work / "readme_vllm.py"]
+    done = _run(command, env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=1200)
+    lines = (done.stdout + done.stderr).splitlines()
+    for line in expected:
+        assert any(line in got for got in lines), f"expected {line!r} in:\n{done.stdout[-3000:]}"

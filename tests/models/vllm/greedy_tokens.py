@@ -5,7 +5,9 @@ then print as JSON the greedy tokens of vLLM (with mxgemm's plugin) and of Huggi
 layer's kernel and backend. `python greedy_tokens.py WORK_FOLDER --tp 2`: vLLM's greedy tokens on that checkpoint
 with tensor parallelism over 2 CPU workers (column-parallel layers split N, row-parallel ones K).
 `python greedy_tokens.py WORK_FOLDER --modelopt`: the same tensors as a ModelOpt MXFP8 checkpoint (vLLM's
-`modelopt_mxfp8` method, the quantization config in config.json), vLLM's greedy tokens."""
+`modelopt_mxfp8` method, the quantization config in config.json), vLLM's greedy tokens.
+`python greedy_tokens.py WORK_FOLDER --readme EXAMPLE.py`: run the README's vLLM example in a folder where
+`my-model-mxfp8` is that checkpoint with a word-level tokenizer (the tiny model has none)."""
 
 import json
 import subprocess
@@ -84,8 +86,28 @@ def as_modelopt(folder: Path, out: Path) -> Path:
     return out
 
 
+def readme_example(work: Path, example: Path) -> None:
+    import os
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = work / "readme" / "my-model-mxfp8"
+    shutil.copytree(work / "mx", folder, dirs_exist_ok=True)
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, **{f"t{i}": i for i in range(3, 512)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+    os.chdir(folder.parent)
+    exec(compile(example.read_text(), "README.md", "exec"), {"__name__": "__main__"})
+
+
 def main() -> None:
     work = Path(sys.argv[1])
+    if sys.argv[2:3] == ["--readme"]:
+        readme_example(work, Path(sys.argv[3]))
+        return
     if sys.argv[2:4] == ["--tp", "2"]:
         print(json.dumps({"vllm": vllm_tokens(work / "mx", tp=2)[0]}))
         return
