@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         def forward(self, x):
             if (type(x) is torch.Tensor and x.dtype is torch.bfloat16 and x.shape[-1] == k and x.device == device
                     and not torch.is_grad_enabled()):  # fmt: skip
-                plan = weight.plans.get((x.numel() // k, x.dtype, generation[0]))
+                plan = weight.plans.launch.get((x.numel() // k, x.dtype, generation[0]))
                 if plan is not None:
                     return plan(x, None)
             return mx(x)

@@ -71,7 +71,7 @@ def main() -> None:
             for m in (128, 256, 512, 2048):
                 x = torch.randn(1, m, k, device="cuda", dtype=torch.bfloat16)
                 layer(x)
-                plan = next(p for key, p in layer._prepared.plans.items() if key[0] == m)
+                plan = next(p for key, p in layer._prepared.plans.launch.items() if key[0] == m)
                 x2 = x.view(m, k)
                 calls = {
                     "bf16 F.linear": lambda x=x, w=linear.weight: F.linear(x, w),
@@ -87,7 +87,7 @@ def main() -> None:
             if name == "k":
                 x2 = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
                 layer(x2)
-                plan = next(p for key, p in layer._prepared.plans.items() if key[0] == 2048)
+                plan = next(p for key, p in layer._prepared.plans.launch.items() if key[0] == 2048)
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(20):

@@ -49,7 +49,7 @@ def path_rows(m: int) -> dict:
     w = layer._prepared
     x = torch.randn(m, k, device="cuda").bfloat16()
     layer(x)  # the plan for M
-    (plan,) = w.plans.values()
+    (plan,) = w.plans.launch.values()
     qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
     backend = mxgemm.backends.get_backend("hybrid_sm90")
     tactic = backend.choose(m, w)

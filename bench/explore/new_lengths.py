@@ -64,7 +64,7 @@ def main() -> None:
                 fresh = (300, 777, 1500, 3001)
                 row["plan_us"] = {name: {m: plan_us(w, m) for m in fresh} for name, w in weights.items()}
                 row["plans_per_layer"] = sum(
-                    len(m.prepared.plans) for m in model.model.layers[0].modules() if hasattr(m, "prepared")
+                    len(m.prepared.plans.launch) for m in model.model.layers[0].modules() if hasattr(m, "prepared")
                 )
             rows.append(row)
             print(json.dumps(row), flush=True)

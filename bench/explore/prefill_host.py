@@ -114,7 +114,7 @@ def main() -> None:
         q, k = attn.q_proj.shared[0].members[:2]
         x = hidden.view(args.tokens, 4096)
         _, shared_rows = backend.run_sharing(x, q, None)
-        planned = k.plans[("shared rows", args.tokens, x.dtype)]
+        planned = k.plans.shared[(args.tokens, x.dtype)]
         quantized = hybrid_sm90.fp8_gemm.quantize_1x128(x)
         t = k.tensors
         bf16_q = models["bf16"].model.layers[0].self_attn.q_proj.weight

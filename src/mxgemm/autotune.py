@@ -24,7 +24,7 @@ import torch
 
 from . import settings, tuning
 from .backends import Backend, PreparedWeight
-from .backends.base import tactic_json
+from .backends.base import PlanCache, tactic_json
 from .device import DeviceInfo, describe_device
 from .tuning import TuneKey, TuningCache, bucket, default_cache_path, environment_metadata, shipped_cache_path
 
@@ -188,7 +188,7 @@ def _cold_copies(weight: PreparedWeight) -> list[PreparedWeight]:
 
     def clone() -> PreparedWeight:  # op tensors and meta recomputed from the cloned tensors
         tensors = {n: t.clone() for n, t in weight.tensors.items()}
-        return replace(weight, tensors=tensors, op_tensors=None, op_meta=None, plans={})
+        return replace(weight, tensors=tensors, op_tensors=None, op_meta=None, plans=PlanCache())
 
     return [weight] + [clone() for _ in range(count - 1)]
 

@@ -62,9 +62,9 @@ def run_planned(x: Tensor, weight: PreparedWeight, bias: Tensor | None) -> Tenso
         bias = bias.contiguous()
     m = x.shape[0] if x.dim() == 2 else x.numel() // weight.in_features
     key = (m, x.dtype, tuning.generation())
-    plan = weight.plans.get(key)
+    plan = weight.plans.launch.get(key)
     if plan is None:
-        plan = weight.cached(key, lambda: _plan(x, weight, m))
+        plan = weight.cached("launch", key, lambda: _plan(x, weight, m))
         fastcall.register(weight, m, x.dtype, plan)
     return plan(x, bias)
 
@@ -82,8 +82,8 @@ def call_tactic(weight: PreparedWeight, x: Tensor) -> Any:
     backend = get_backend(weight.backend)
     if not backend.tunable:
         return None
-    key = ("tactic", x.shape[0], x.dtype, tuning.generation())
-    return weight.cached(key, lambda: (autotune.tactic_for_call(backend, weight, x),))[0]
+    key = (x.shape[0], x.dtype, tuning.generation())
+    return weight.cached("tactics", key, lambda: (autotune.tactic_for_call(backend, weight, x),))[0]
 
 
 def run_gated(gate: Tensor, up: Tensor, weight: PreparedWeight, bias: Tensor | None) -> Tensor | None:
@@ -94,14 +94,14 @@ def run_gated(gate: Tensor, up: Tensor, weight: PreparedWeight, bias: Tensor | N
     if gate.stride(1) != 1 or up.stride(1) != 1:
         return None
     m = gate.shape[0]
-    key = ("gated", m, gate.dtype, tuning.generation())
-    route = weight.plans.get(key)
+    key = (m, gate.dtype, tuning.generation())
+    route = weight.plans.gated.get(key)
     if route is None:
         backend = get_backend(weight.backend)
         if not isinstance(backend, GatedInput):
             return None
         route = weight.cached(
-            key, lambda: backend.gated_plan(weight, m, gate.dtype, call_tactic(weight, gate)) or False
+            "gated", key, lambda: backend.gated_plan(weight, m, gate.dtype, call_tactic(weight, gate)) or False
         )
         fastcall.register(weight, m, gate.dtype, route)
     return route(gate, up, bias) if route else None

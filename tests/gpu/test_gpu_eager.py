@@ -115,7 +115,7 @@ def test_leading_dimensions_run_as_rows():
             assert torch.equal(mxgemm.linear(x.view(m, 1, 4096), w, b), flat.view(m, 1, 4096))
             gapped = torch.stack([x, x], dim=1)[:, :1]  # [m, 1, K], rows 2K apart
             assert not gapped.is_contiguous() and torch.equal(mxgemm.linear(gapped, w, b), flat.view(m, 1, 4096))
-    assert sorted({key[0] for key in w.plans if isinstance(key[0], int)}) == [4, 24, 40, 300]  # launch plans
+    assert sorted({key[0] for key in w.plans.launch}) == [4, 24, 40, 300]
 
 
 @pytest.mark.parametrize("m", [4, 24])  # the small-M kernel's graph; the quantizer and the FP8 GEMM launched directly
@@ -259,7 +259,7 @@ def test_the_prepared_crossover_splits_the_kernels_and_every_output_is_written(s
 
 def _fast_case(w, x, bias):
     """(the C++ table's answer, the Python launcher's) for a call of ``x`` whose plan the Python path made."""
-    plan = w.plans[(x.numel() // x.shape[-1], x.dtype, tuning.generation())]
+    plan = w.plans.launch[(x.numel() // x.shape[-1], x.dtype, tuning.generation())]
     return (None if w.fast is None else w.fast(x, bias)), plan(x, bias), plan
 
 
@@ -302,7 +302,7 @@ def test_fast_gated_calls_give_the_python_routes_bits(m):
     gate, up = random_act(m, k, seed=1, device="cuda"), random_act(m, k, seed=2, device="cuda")
     first = layer.on_gated(gate, up)
     w = layer.prepared
-    route = w.plans.get(("gated", m, torch.bfloat16, tuning.generation()))
+    route = w.plans.gated.get((m, torch.bfloat16, tuning.generation()))
     if first is None or not hasattr(route, "entry"):
         pytest.skip(f"M = {m} does not run the FP8 kernel's gated route here (crossover {w.info['crossover']})")
     fast = w.fast.gated(gate, up, None)

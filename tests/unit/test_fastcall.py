@@ -258,7 +258,7 @@ def test_the_table_empties_with_the_plans_and_is_not_copied(ext, monkeypatch):
     w = mxgemm.prepare_weight(q, s, backend="emulation")
     plan = lambda x, bias: x  # noqa: E731
     plan.entry = StandIn(ROWS_BIAS, 4).entry()
-    w.cached((4, torch.bfloat16, tuning.generation()), lambda: plan)
+    w.cached("launch", (4, torch.bfloat16, tuning.generation()), lambda: plan)
     fastcall.register(w, 4, torch.bfloat16, plan)
     assert len(w.fast) == 1
     assert copy.deepcopy(w).fast is None

@@ -40,7 +40,7 @@ def test_leading_dims_and_empty_batch():
     y = layer(x)
     assert y.shape == (2, 3, 64)
     assert torch.equal(y.reshape(6, 64), layer(x.reshape(6, 96)))
-    assert [key[0] for key in layer.prepared.plans] == [6]  # one plan for 6 rows, however they are laid out
+    assert [key[0] for key in layer.prepared.plans.launch] == [6]  # one plan for 6 rows, however they are laid out
     gapped = random_act(10, 96).reshape(2, 5, 96)[:, 1:4]  # rows not evenly strided
     assert not gapped.is_contiguous() and torch.equal(layer(gapped), layer(gapped.contiguous()))
     assert layer(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 64)

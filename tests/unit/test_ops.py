@@ -111,17 +111,17 @@ def test_the_op_runs_the_live_weights_plan_and_forgets_dropped_weights():
     w = mxgemm.prepare_weight(q, s, backend="emulation", recipe="hybrid-block128")
     x = random_act(3, 256)
     y = linear_op(x, w.op_tensors, None, w.backend, w.op_meta)
-    assert list(w.plans) == [(3, torch.bfloat16, mxgemm.tuning.generation())]
-    plan = w.plans[(3, torch.bfloat16, mxgemm.tuning.generation())]
+    assert list(w.plans.launch) == [(3, torch.bfloat16, mxgemm.tuning.generation())]
+    plan = w.plans.launch[(3, torch.bfloat16, mxgemm.tuning.generation())]
     assert torch.equal(linear_op(x, w.op_tensors, None, w.backend, w.op_meta), y) and len(w.plans) == 1
-    assert w.plans[(3, torch.bfloat16, mxgemm.tuning.generation())] is plan
+    assert w.plans.launch[(3, torch.bfloat16, mxgemm.tuning.generation())] is plan
     copies = [t.clone() for t in w.op_tensors]
     assert torch.equal(linear_op(x, copies, None, w.backend, w.op_meta), y)
     y4 = linear_op(random_act(4, 256), copies, None, w.backend, w.op_meta)
     assert len(w.plans) == 1 and torch.equal(y4, mxgemm.linear(random_act(4, 256), w))
     twin = copy.deepcopy(w)  # a copy (a deep-copied or unpickled model) is found by its own tensors
     assert not twin.plans and torch.equal(linear_op(x, twin.op_tensors, None, w.backend, w.op_meta), y)
-    assert list(twin.plans) == [(3, torch.bfloat16, mxgemm.tuning.generation())]
+    assert list(twin.plans.launch) == [(3, torch.bfloat16, mxgemm.tuning.generation())]
     ref = weakref.ref(w)
     gc.disable()  # freed by reference counting, the moment the last holder lets go: no cycle through its plans
     try:

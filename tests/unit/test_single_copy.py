@@ -121,7 +121,7 @@ def test_whole_module_save_load_and_deepcopy_and_dtype_casts():
     loaded = torch.load(buf, weights_only=False)
     assert torch.equal(loaded(x), y)
     twin = copy.deepcopy(model)
-    assert twin[0].prepared.plans == {} and twin[0].prepared.tensors["qdata"] is not model[0].prepared.tensors["qdata"]
+    assert not twin[0].prepared.plans and twin[0].prepared.tensors["qdata"] is not model[0].prepared.tensors["qdata"]
     assert torch.equal(twin(x), y)
     before = model[0].state_dict()["weight"].view(torch.uint8).clone()
     model.to(torch.float8_e5m2)  # casts floating tensors: the bias; never the quantized weight
@@ -149,7 +149,7 @@ def test_eager_calls_skip_the_op_and_match_it(monkeypatch):
     monkeypatch.setattr(weights, "linear_op", no_op)
     assert torch.equal(mxgemm.linear(x, w, bias), expected)
     assert torch.equal(mxgemm.linear(x.reshape(1, 7, 256), w, bias), expected.reshape(1, 7, 64))
-    assert list(w.plans) == [(7, torch.bfloat16, mxgemm.tuning.generation())]
+    assert list(w.plans.launch) == [(7, torch.bfloat16, mxgemm.tuning.generation())]
     with pytest.raises(AssertionError, match="eagerly"):  # a gradient asked for: the op (with autograd's rules)
         mxgemm.linear(x.requires_grad_(), w, bias)
 

@@ -26,6 +26,7 @@ __all__ = [
     "RECIPES",
     "Availability",
     "Backend",
+    "PlanCache",
     "PreparedGroupedWeight",
     "PreparedWeight",
     "Recipe",
@@ -79,7 +80,35 @@ def check_reencoding(qdata: torch.Tensor, prepare: Callable[[], tuple[dict, dict
 
 
 _FP8 = {str(d): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}
-MAX_PLANS = 256  # launch plans a prepared weight keeps (PreparedWeight.cached)
+MAX_PLANS = 256  # entries a prepared weight's PlanCache keeps, all kinds together (PreparedWeight.cached)
+
+
+@dataclass
+class PlanCache:
+    """What a prepared weight's calls work out once and keep, each kind in a table of its own:
+
+    - ``launch``: the plans eager and compiled calls run (:meth:`Backend.plan`), by (M, activation dtype, tuning
+      generation);
+    - ``tactics``: each call's tactic (:func:`mxgemm.ops.call_tactic`), held as a 1-tuple, by the same key;
+    - ``gated``: the routes that take a gated MLP's product (:meth:`GatedInput.gated_plan`, False where none), by the
+      same key;
+    - ``shared``: a backend's plans of the rows it shares with weights of the same input, by (M, activation dtype).
+    """
+
+    launch: dict[tuple, Callable] = field(default_factory=dict)
+    tactics: dict[tuple, tuple] = field(default_factory=dict)
+    gated: dict[tuple, Any] = field(default_factory=dict)
+    shared: dict[tuple, Any] = field(default_factory=dict)
+
+    def tables(self) -> tuple[dict, ...]:
+        return (self.launch, self.tactics, self.gated, self.shared)
+
+    def __len__(self) -> int:
+        return sum(map(len, self.tables()))
+
+    def clear(self) -> None:
+        for table in self.tables():
+            table.clear()
 
 
 def any_rows(plan: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]):
@@ -126,9 +155,8 @@ class PreparedWeight:
     info: dict[str, Any] = field(default_factory=dict)
     op_tensors: list[torch.Tensor] | None = field(default=None, repr=False, compare=False)
     op_meta: str | None = field(default=None, repr=False, compare=False)
-    # launch plans by (M, activation dtype, tuning generation): see ``Backend.plan``; a backend may keep its own beside
-    # them under keys of another form
-    plans: dict[tuple, Callable] = field(default_factory=dict, repr=False, compare=False)
+    # what its calls work out once, by kind (launch plans, tactics, gated routes, shared rows)
+    plans: PlanCache = field(default_factory=PlanCache, repr=False, compare=False)
     # the plans C++ calls, by M (mxgemm.fastcall): made with the first of them, emptied with ``plans``
     fast: Any = field(default=None, repr=False, compare=False)
 
@@ -155,20 +183,21 @@ class PreparedWeight:
         """What a subclass adds to the op meta (and :meth:`from_op_args` reads back as keyword arguments)."""
         return {}
 
-    def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
-        """``plans[key]``, made by ``make()`` on first use; past ``MAX_PLANS`` entries (a workload of that many
-        distinct M) the plans start over."""
-        plan = self.plans.get(key)
+    def cached(self, kind: str, key: tuple, make: Callable[[], Any]) -> Any:
+        """``plans.<kind>[key]`` (a table of :class:`PlanCache`), made by ``make()`` on first use; past ``MAX_PLANS``
+        entries of all kinds (a workload of that many distinct M) every table starts over, and the C++ table too."""
+        table = getattr(self.plans, kind)
+        plan = table.get(key)
         if plan is None:
             if len(self.plans) >= MAX_PLANS:
                 self.plans.clear()
                 if self.fast is not None:
                     self.fast.clear()
-            plan = self.plans[key] = make()
+            plan = table[key] = make()
         return plan
 
     def __getstate__(self) -> dict[str, Any]:  # pickling and deep copies: plans hold raw pointers, make new ones
-        return {**self.__dict__, "plans": {}, "fast": None}
+        return {**self.__dict__, "plans": PlanCache(), "fast": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -261,8 +290,8 @@ class Backend(ABC):
         """What an eager call of M rows runs: ``(x, bias) -> y``, the same as :meth:`run` with ``tactic``, with
         whatever can be worked out ahead worked out once, for ``x`` [M, K] or [..., K] whose leading dimensions hold
         M rows (``y`` then [..., N]). Backends with a launch path of their own override it. A plan lives in
-        ``weight.plans`` and must not hold the weight itself (that cycle would keep a dropped weight's memory until a
-        garbage collection)."""
+        ``weight.plans.launch`` and must not hold the weight itself (that cycle would keep a dropped weight's memory
+        until a garbage collection)."""
         ref = weakref.ref(weight)
         return any_rows(lambda x, bias: self.run(x, ref(), bias, tactic=tactic))
 

@@ -356,7 +356,7 @@ def _blockwise_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):
 def _rows_plan(weight: PreparedWeight, m: int, x_dtype: torch.dtype):
     """The planned call that shares its quantized rows (:meth:`HybridSM90Backend.run_sharing`) for M, made once and
     kept beside the weight's plans for its own calls; False where planned calls do not run."""
-    return weight.cached(("shared rows", m, x_dtype), lambda: _blockwise_plan(weight, m, x_dtype) or False)
+    return weight.cached("shared", (m, x_dtype), lambda: _blockwise_plan(weight, m, x_dtype) or False)
 
 
 def _quantized_rows(weight: PreparedWeight, x: torch.Tensor):
