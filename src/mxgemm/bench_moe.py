@@ -41,6 +41,7 @@ MOE_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 CPU_MODEL = ("cpu-tiny", (8, 256, 128, 2))
 CPU_TOKENS = (1, 4, 16)
 ROUTINGS = 8
+FP8_BYTES_PER_PARAMETER = 1 + 4 / 128**2  # an element, and its share of a 128x128 block's fp32 scale
 
 
 @dataclass
@@ -71,10 +72,9 @@ def _experts(e: int, n: int, k: int, seed: int, device: torch.device):
 
 
 def _routing(tokens: int, e: int, topk: int, seed: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """int32 cumulative row ends of a uniform top-k routing, and how many experts it makes active."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.rand(tokens, e, generator=g).topk(topk, dim=1).indices.reshape(-1)
-    counts = torch.bincount(ids, minlength=e)
+    """int32 cumulative row ends of :func:`_top_k`'s routing, and how many experts it makes active."""
+    ids, _ = _top_k(tokens, e, topk, seed, torch.device("cpu"))
+    counts = torch.bincount(ids.reshape(-1), minlength=e)
     return counts.cumsum(0).to(torch.int32).to(device), int((counts > 0).sum())
 
 
@@ -161,7 +161,7 @@ def run_moe_bench(
                 y, ref = ours[0](), bf16[0]().float()
                 err = ((y.float() - ref).norm() / ref.norm()).item()
                 active = sum(a for _, a in routings) / len(routings)
-                floor = active * n * k * (1 + 4 / 128**2) / bandwidth * 1e6 if bandwidth else None
+                floor = active * n * k * FP8_BYTES_PER_PARAMETER / bandwidth * 1e6 if bandwidth else None
                 row = MoeRow(model, proj, e, n, k, t, active, prepared[proj].backend, floor, rel_err_vs_bf16=err)
                 calls = {"mxgemm": ours, "bf16": bf16}
                 if gpu:
@@ -186,7 +186,7 @@ def run_moe_bench(
                 y, ref = ours[0]().float(), calls["bf16"][0]().float()
                 err = ((y - ref).norm() / ref.norm()).item()
             active = sum(int(torch.unique(i).numel()) for i, _ in picks) / len(picks)
-            weight_bytes = (3 * hidden * width) * (1 + 4 / 128**2)
+            weight_bytes = 3 * hidden * width * FP8_BYTES_PER_PARAMETER
             floor = active * weight_bytes / bandwidth * 1e6 if bandwidth else None
             row = MoeRow(model, "block", e, hidden, width, t, active, gate_up.backend, floor, rel_err_vs_bf16=err)
             timed(row, calls)

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from torch import nn
 
 from .errors import BackendUnavailableError
-from .format import BLOCK_SIZE, SCALE_MODES, ScaleMode
+from .format import BLOCK_SIZE, ScaleMode
 from .fusion import GROUPS, tally
 from .fusion import fuse as fuse_model
 from .gated import GATED
 from .linear import MXFP8Linear
 from .moe import MXFP8Experts, experts_modules, experts_stay_in_bf16, experts_unfit_reason
-from .resolve import resolve_backend
+from .resolve import check_request, resolve_backend
 
 logger = logging.getLogger("mxgemm")
 
@@ -164,8 +164,7 @@ def _stops_partway(name: str, reports: list[LayerReport]):
 def _check_every_layer_resolves(model: nn.Module, backend, scale_mode, recipe, skip, routers) -> None:
     """Raise, before the model changes, what converting any linear layer would raise for its request: an unknown
     scale mode, recipe or backend, or a named backend that cannot run a layer's shape on its device."""
-    if scale_mode not in SCALE_MODES:
-        raise ValueError(f"scale_mode must be one of {', '.join(SCALE_MODES)}, got {scale_mode!r}")
+    check_request(None, None, scale_mode)
     for name, module in model.named_modules():
         if type(module) is nn.Linear and not skip_reason(name, module, skip, routers):
             shape = (module.out_features, module.in_features)
