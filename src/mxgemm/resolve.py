@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -145,13 +146,9 @@ def explain_auto(
     raise BackendUnavailableError("auto", f"no backend can run on {dev}: {detail}")
 
 
-_logged: set[str] = set()
-
-
+@functools.cache
 def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.info(message)
+    logger.info(message)
 
 
 def resolve_backend(

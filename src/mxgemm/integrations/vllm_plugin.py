@@ -16,6 +16,7 @@ emulation that always accepts), so that vLLM uses mxgemm wherever mxgemm's backe
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -31,14 +32,12 @@ logger = logging.getLogger("mxgemm")
 # a child of vLLM's root logger, which vLLM gives its handler: lines here show where vLLM's own do (mxgemm's logger
 # has no handler in a vLLM process)
 engine_logger = logging.getLogger("vllm.mxgemm")
-_said: set[str] = set()
 
 
+@functools.cache
 def _say_once(message: str) -> None:
     """``message`` at INFO through vLLM's logging, once per process."""
-    if message not in _said:
-        _said.add(message)
-        engine_logger.info(message)
+    engine_logger.info(message)
 
 
 _PLATFORMS = ("CPU", "CUDA")
