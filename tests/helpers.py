@@ -141,10 +141,16 @@ def tiny_qwen3_moe(layers: int = 2, *, hidden: int = 64, width: int = 32, expert
     import transformers
 
     config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=hidden, intermediate_size=128, moe_intermediate_size=width,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=128,
+        moe_intermediate_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=experts,
         num_experts_per_tok=2,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     return transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
 
@@ -154,9 +160,14 @@ def tiny_llama_folder(folder, *, layers: int = 1, vocab: int = 128, dtype: torch
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(folder)
     return folder

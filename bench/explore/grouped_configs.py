@@ -22,10 +22,17 @@ from mxgemm.timing import time_cuda
 C = GroupedConfig
 DECODE = [C(32, 16), C(64, 16), C(64, 16, 4, 4), C(128, 16), C(64, 16, 8, 3), C(64, 32), C(64, 64, 4, 3)]
 PREFILL = [
-    C(128, 64, 8, 3), C(128, 128, 8, 3),
-    C(128, 64, 4, 3, True), C(128, 128, 8, 3, True), C(128, 128, 8, 4, True), C(128, 128, 4, 3, True),
-    C(256, 128, 8, 3, True), C(128, 256, 8, 3, True), C(256, 64, 8, 3, True), C(64, 128, 4, 3, True),
-]  # fmt: skip
+    C(128, 64, 8, 3),
+    C(128, 128, 8, 3),
+    C(128, 64, 4, 3, True),
+    C(128, 128, 8, 3, True),
+    C(128, 128, 8, 4, True),
+    C(128, 128, 4, 3, True),
+    C(256, 128, 8, 3, True),
+    C(128, 256, 8, 3, True),
+    C(256, 64, 8, 3, True),
+    C(64, 128, 4, 3, True),
+]
 PROBLEMS = [
     ("qwen3-30b-a3b", "gate_up", [1, 16, 256, 1024, 4096]),
     ("qwen3-30b-a3b", "down", [1, 1024, 4096]),
@@ -62,12 +69,22 @@ def main() -> None:
                 calls = [partial(grouped_block_linear, x, qd, bs, o, n, cfg) for x, o in zip(xs, routings, strict=True)]
                 results[str(cfg)] = (time_cuda(calls, warmup_ms=20), err)
             best = min(results, key=lambda c: results[c][0])
-            print(f"{model} {proj} T={tokens} rows={rows} quantizer {quant_us:.1f} us; default {base}: "
-                  f"{results[str(base)][0]:.1f}; best {best}: {results[best][0]:.1f}")  # fmt: skip
+            print(
+                f"{model} {proj} T={tokens} rows={rows} quantizer {quant_us:.1f} us; default {base}: "
+                f"{results[str(base)][0]:.1f}; best {best}: {results[best][0]:.1f}"
+            )
             for cfg, (us, err) in sorted(results.items(), key=lambda r: r[1][0]):
                 print(f"    {us:9.1f}  err {err:.1e}  {cfg}")
-            out.append({"model": model, "proj": proj, "tokens": tokens, "quantizer_us": quant_us,
-                        "default": str(base), "results": results})  # fmt: skip
+            out.append(
+                {
+                    "model": model,
+                    "proj": proj,
+                    "tokens": tokens,
+                    "quantizer_us": quant_us,
+                    "default": str(base),
+                    "results": results,
+                }
+            )
         del w
         torch.cuda.empty_cache()
     if args.json:

@@ -77,8 +77,15 @@ def test_hybrid_matches_twin(m, n, k):
         from mxgemm.kernels.w8a16 import default_config, w8a16_linear
 
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        w8a16_linear(x, w.tensors["qdata"][:n].view(torch.uint8), w.tensors["block_scale"], None, block_scaled=True,
-                     config=default_config(m, n, k, block_scaled=True), out=out)  # fmt: skip
+        w8a16_linear(
+            x,
+            w.tensors["qdata"][:n].view(torch.uint8),
+            w.tensors["block_scale"],
+            None,
+            block_scaled=True,
+            config=default_config(m, n, k, block_scaled=True),
+            out=out,
+        )
         assert torch.isfinite(out).all()
 
 

@@ -35,8 +35,10 @@ def _hybrid_runs_here():
         pytest.skip("the FP8 kernel is not built here")
 
 
-@pytest.mark.parametrize("m,k,rows", [(1, 96, 1), (3, 4160, 1), (5, 128, 64), (64, 14336, 64), (72, 4096, 128),
-                                      (2048, 4096, 1), (2048, 4160, 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "m,k,rows",
+    [(1, 96, 1), (3, 4160, 1), (5, 128, 64), (64, 14336, 64), (72, 4096, 128), (2048, 4096, 1), (2048, 4160, 1)],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows_apart", [0, 34])  # dense rows; rows 34 elements further apart (not 8-byte aligned)
 def test_cuda_quantizer_bit_exact(m, k, rows, dtype, rows_apart):
@@ -91,8 +93,9 @@ def test_fp16_and_strided_inputs_and_fp32_bias():
     for m in (2, 40, 300):
         x = random_act(m, 4096, dtype=torch.float16, device="cuda")
         y = mxgemm.linear(x, w, bias32.half())
-        assert y.dtype == torch.float16 and torch.equal(y, linear_op(x, w.op_tensors, bias32.half(), w.backend,
-                                                                           w.op_meta))  # fmt: skip
+        assert y.dtype == torch.float16 and torch.equal(
+            y, linear_op(x, w.op_tensors, bias32.half(), w.backend, w.op_meta)
+        )
         wide = random_act(m, 8192, device="cuda")[:, ::2]  # rows of stride 8192, elements of stride 2
         assert torch.equal(mxgemm.linear(wide, w), mxgemm.linear(wide.contiguous(), w))
         shifted = random_act(m * 4096 + 1, 1, device="cuda").view(-1)[1:].view(m, 4096)  # 2 bytes off alignment

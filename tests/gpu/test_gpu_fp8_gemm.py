@@ -35,8 +35,12 @@ def _kernel_built():
 
 
 def _configs(kp: int) -> list[fp8_gemm.Fp8Config]:
-    swap = [SwapAB(tn, rw, kc, splits, st) for tn, (rw, kc), splits, st in itertools.product(
-        fp8_gemm.TOKEN_TILES, ((1, 1), (2, 1), (1, 2)), (1, 2, 4, 8), fp8_gemm.STAGES)]  # fmt: skip
+    swap = [
+        SwapAB(tn, rw, kc, splits, st)
+        for tn, (rw, kc), splits, st in itertools.product(
+            fp8_gemm.TOKEN_TILES, ((1, 1), (2, 1), (1, 2)), (1, 2, 4, 8), fp8_gemm.STAGES
+        )
+    ]
     tokm = [TokensAsM(*c) for c in itertools.product((64, 128), (64, 128), (1, 2, 4, 8), fp8_gemm.STAGES)]
     return [c for c in swap + tokm if c.valid(kp)]
 
@@ -98,10 +102,16 @@ def test_poisoned_output_is_fully_written():
     x = random_act(100, 4608, device="cuda")
     xq, xs = quantize_1x128_padded(x)
     qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
-    configs = (SwapAB(64, rw=2, splits=4, stages=2), SwapAB(32, splits=1, stages=6), SwapAB(8, splits=2, stages=4),
-               SwapAB(128, kc=2, splits=2, stages=2), SwapAB(16, kc=2, splits=1, stages=6),
-               TokensAsM(128, 128, splits=2, stages=4), TokensAsM(64, 64, splits=1, stages=6),
-               TokensAsM(64, 128, splits=4, stages=2))  # fmt: skip
+    configs = (
+        SwapAB(64, rw=2, splits=4, stages=2),
+        SwapAB(32, splits=1, stages=6),
+        SwapAB(8, splits=2, stages=4),
+        SwapAB(128, kc=2, splits=2, stages=2),
+        SwapAB(16, kc=2, splits=1, stages=6),
+        TokensAsM(128, 128, splits=2, stages=4),
+        TokensAsM(64, 64, splits=1, stages=6),
+        TokensAsM(64, 128, splits=4, stages=2),
+    )
     for cfg in configs:
         out = torch.full((100, 4160), float("nan"), device="cuda", dtype=torch.bfloat16)
         fp8_gemm.fp8_gemm(xq, xs, 100, qd, bs, 4160, cfg, out=out)

@@ -98,8 +98,11 @@ REAL_TABLE = {"cute-dsl": {100, 103, 107}, "trtllm": {100, 103, 107}, "cutlass":
 @pytest.mark.parametrize("cc", [90, 100, 103, 107, 110, 120, 121])
 def test_availability_is_flashinfers_own_table(cc):
     device = DeviceInfo(type="cuda", name="pretend", capability=divmod(cc, 10), index=0)
-    for name, fi_name in (("flashinfer_cutedsl", "cute-dsl"), ("flashinfer_cutlass", "cutlass"),
-                          ("flashinfer_trtllm", "trtllm")):  # fmt: skip
+    for name, fi_name in (
+        ("flashinfer_cutedsl", "cute-dsl"),
+        ("flashinfer_cutlass", "cutlass"),
+        ("flashinfer_trtllm", "trtllm"),
+    ):
         assert bool(mxgemm.backends.get_backend(name).check_device(device)) == (cc in REAL_TABLE[fi_name]), (name, cc)
 
 

@@ -322,8 +322,9 @@ def test_from_pretrained_loads_an_mxfp8_checkpoint_into_mxgemm_layers(mx_checkpo
     model = auto.from_pretrained(path, config=checkpoint_config(path), dtype=dtype)
     layer = model.model.layers[0].mlp.down_proj
     assert layer.prepared.nbytes <= 1.07 * layer.in_features * layer.out_features
-    reference = auto.from_config(transformers.AutoConfig.from_pretrained(mx_checkpoints["compressed-tensors"]),
-                                 dtype=dtype)  # fmt: skip
+    reference = auto.from_config(
+        transformers.AutoConfig.from_pretrained(mx_checkpoints["compressed-tensors"]), dtype=dtype
+    )
     mxgemm.load_checkpoint(reference, mx_checkpoints["compressed-tensors"])
     _assert_mxgemm_layers_and_same_logits(model, reference, dtype, seed=3)
 

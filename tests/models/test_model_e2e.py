@@ -13,9 +13,34 @@ _spec.loader.exec_module(model_e2e)
 def test_rows_for_both_models_each_mode_and_batch(tmp_path):
     out = tmp_path / "e2e.json"
     # 24 new tokens: the decode time (all of generate's but the first token's) stands well clear of timing noise
-    model_e2e.main(["--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "2", "--modes", "eager",
-                    "--repeats", "2", "--eager-repeats", "2", "--prompt", "8", "--new", "24", "--prefill", "16",
-                    "--json", str(out), "--markdown", str(tmp_path / "e2e.md")])  # fmt: skip
+    model_e2e.main(
+        [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--layers",
+            "1",
+            "--batches",
+            "1",
+            "2",
+            "--modes",
+            "eager",
+            "--repeats",
+            "2",
+            "--eager-repeats",
+            "2",
+            "--prompt",
+            "8",
+            "--new",
+            "24",
+            "--prefill",
+            "16",
+            "--json",
+            str(out),
+            "--markdown",
+            str(tmp_path / "e2e.md"),
+        ]
+    )
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["who"], r["batch"]) for r in rows] == [("bf16", 1), ("mxgemm", 1), ("bf16", 2), ("mxgemm", 2)]
@@ -39,8 +64,14 @@ def test_paired_speedups_divide_each_rounds_decode_times():
 
 
 def test_pooled_prefill_takes_every_rows_rounds():
-    rows = [{"who": who, "mode": "eager", "batch": b, "rounds_s": {"prefill": times}}
-            for who, b, times in [("bf16", 1, [6.0, 9.0]), ("mxgemm", 1, [3.0, 3.0]), ("bf16", 16, [8.0, 4.0]),
-                                  ("mxgemm", 16, [4.0, 2.0])]]  # fmt: skip
+    rows = [
+        {"who": who, "mode": "eager", "batch": b, "rounds_s": {"prefill": times}}
+        for who, b, times in [
+            ("bf16", 1, [6.0, 9.0]),
+            ("mxgemm", 1, [3.0, 3.0]),
+            ("bf16", 16, [8.0, 4.0]),
+            ("mxgemm", 16, [4.0, 2.0]),
+        ]
+    ]
     bf16, mx, ratios = model_e2e.pooled_prefill(rows)
     assert (bf16, mx, ratios) == (7.0, 3.0, [2.0, 3.0, 2.0, 2.0])

@@ -50,14 +50,21 @@ def test_skip_patterns_and_second_pass():
 
 def test_hf_llama_compiles_fullgraph_and_matches_eager():
     transformers = __import__("pytest").importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     assert len(mxgemm.quantize_model(model, backend="emulation").replaced) == 14
     body = model.model
-    compiled = torch.compile(lambda x: body(inputs_embeds=x, use_cache=False).last_hidden_state, fullgraph=True,
-                             backend="aot_eager")  # fmt: skip
+    compiled = torch.compile(
+        lambda x: body(inputs_embeds=x, use_cache=False).last_hidden_state, fullgraph=True, backend="aot_eager"
+    )
     with torch.no_grad():
         x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
         assert torch.equal(compiled(x), body(inputs_embeds=x, use_cache=False).last_hidden_state)

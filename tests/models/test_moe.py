@@ -84,8 +84,14 @@ def _tiny(kind):
     if kind == "qwen3_moe":
         return tiny_qwen3_moe(hidden=H, width=I, experts=E).float()
     if kind == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(**common, intermediate_size=128, moe_intermediate_size=I, num_experts=E,
-                                             num_experts_per_tok=2, shared_expert_intermediate_size=64)  # fmt: skip
+        config = transformers.Qwen2MoeConfig(
+            **common,
+            intermediate_size=128,
+            moe_intermediate_size=I,
+            num_experts=E,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=64,
+        )
         return transformers.Qwen2MoeForCausalLM(config)
     config = transformers.MixtralConfig(**common, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2)
     return transformers.MixtralForCausalLM(config)

@@ -65,9 +65,11 @@ def test_smollm2_quantized_keeps_perplexity_and_greedy_text(smollm2, scale_mode,
     (ppl, nxt), text = _read(model, ids), _greedy(model, prompt)
     agree = float((nxt == next_base).float().mean())
     same = sum(a == b for a, b in zip(text, text_base, strict=True))
-    print(f"{scale_mode}: perplexity {ppl_base:.3f} -> {ppl:.3f} ({ppl / ppl_base - 1:+.2%}); greedy next token "
-          f"on the paragraph the same at {agree:.1%} of positions; free-running greedy: {same}/32 tokens the same, "
-          f"{tokenizer.decode(text)!r} against {tokenizer.decode(text_base)!r}")  # fmt: skip
+    print(
+        f"{scale_mode}: perplexity {ppl_base:.3f} -> {ppl:.3f} ({ppl / ppl_base - 1:+.2%}); greedy next token "
+        f"on the paragraph the same at {agree:.1%} of positions; free-running greedy: {same}/32 tokens the same, "
+        f"{tokenizer.decode(text)!r} against {tokenizer.decode(text_base)!r}"
+    )
     assert 1 < ppl_base < 100  # the model reads the paragraph as text
     assert 0 < ppl / ppl_base - 1 <= max_rise
     assert agree >= min_agree and text[:3] == text_base[:3]  # " Paris."

@@ -20,9 +20,15 @@ transformers = pytest.importorskip("transformers")
 
 def _config(layers=2, hidden=64, inter=128, tie=False):
     return transformers.LlamaConfig(
-        vocab_size=128, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -32,8 +38,21 @@ def test_sharded_source_to_sharded_output_and_back(tmp_path, tie):
     model.save_pretrained(tmp_path / "model", max_shard_size="40KB")  # a sharded source with an index
     assert (tmp_path / "model" / "model.safetensors.index.json").exists()
     out = tmp_path / "mx"
-    assert main(["quantize", str(tmp_path / "model"), str(out), "--max-shard-size", "50KB", "--skip",
-                 "lm_head", "down_proj"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "quantize",
+                str(tmp_path / "model"),
+                str(out),
+                "--max-shard-size",
+                "50KB",
+                "--skip",
+                "lm_head",
+                "down_proj",
+            ]
+        )
+        == 0
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(shards) > 2 and set(index["weight_map"].values()) == set(shards)

@@ -259,8 +259,9 @@ def test_hybrid_fp8_tactics_share_the_quantized_regime():
             assert Tactic(Path.CUBLAS) in tactics and tactics[0].path == (Path.FP8 if m <= 64 or one_wave else "cublas")
             configs = [t.config for t in tactics if t.path == Path.FP8]
             assert configs[0] == fp8_default(m, np_, kp, 132) and len(configs) > 8
-            assert {c.tn for c in configs} == ({min(t for t in fp8_gemm.TOKEN_TILES if t >= m)} if m <= 64 else
-                                               {64, 128})  # fmt: skip
+            assert {c.tn for c in configs} == (
+                {min(t for t in fp8_gemm.TOKEN_TILES if t >= m)} if m <= 64 else {64, 128}
+            )
             assert len(configs) == len(set(configs)) and all(c.valid(kp) for c in configs)
         assert b.tactics(257, w) == [Tactic(Path.CUBLAS)]
 
@@ -384,8 +385,10 @@ def test_each_environment_keeps_its_own_file_and_says_how_each_file_is_used(tmp_
     assert TuningCache(here, meta).describe() == f"{here}: 1 entries"
     with caplog.at_level(logging.WARNING, logger="mxgemm"):
         other = TuningCache(here, dict(meta, torch="9.9", kernels="f" * 16))
-    assert other.describe() == f"{here}: not used: made for kernels {meta['kernels']} (here {'f' * 16}), torch " \
-        f"{meta['torch']} (here 9.9)"  # fmt: skip
+    assert (
+        other.describe() == f"{here}: not used: made for kernels {meta['kernels']} (here {'f' * 16}), torch "
+        f"{meta['torch']} (here 9.9)"
+    )
     here.write_text("[1]")
     assert TuningCache(here, meta).describe().endswith("not used: not a tuning file")
     here.write_text("{")

@@ -96,12 +96,19 @@ def test_block_scaled_w8a16_kernel(split_k):
     q, s = random_mx_weight(200, 416)
     tensors, _ = prepare_block128(q, s)
     x = random_act(5, 416)
-    y = w8a16_linear(x, tensors["qdata"][:200].view(torch.uint8), tensors["block_scale"], None, block_scaled=True,
-                     config=cfg)  # fmt: skip
+    y = w8a16_linear(
+        x, tensors["qdata"][:200].view(torch.uint8), tensors["block_scale"], None, block_scaled=True, config=cfg
+    )
     assert sqnr_db(y, x.double() @ reencode_block128(q, s).dequantize().double().T) > 40  # interpreter truncates
     with pytest.raises(ValueError, match="block-scaled"):
-        w8a16_linear(x, q.view(torch.uint8), tensors["block_scale"], None, block_scaled=True,
-                     config=dataclasses.replace(cfg, bk=64))  # fmt: skip
+        w8a16_linear(
+            x,
+            q.view(torch.uint8),
+            tensors["block_scale"],
+            None,
+            block_scaled=True,
+            config=dataclasses.replace(cfg, bk=64),
+        )
 
 
 def test_crossover_rule():

@@ -15,9 +15,15 @@ transformers = pytest.importorskip("transformers")
 
 def _tiny_llama_config(tie=False):
     return transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
 
 
 @pytest.fixture
@@ -125,14 +131,18 @@ def _set(key, fn):
     [
         (_set(f"{L0}.mlp.up_proj.weight_scale", lambda v: v.float()), f"{L0}.mlp.up_proj.weight_scale has dtype"),
         (lambda t: t.pop(f"{O1}.weight_scale"), f"{O1}.weight is float8 but {O1}.weight_scale is missing"),
-        (_set(f"{L0}.mlp.down_proj.weight_scale", lambda v: v[:, :2].contiguous()),
-         rf"{L0}.mlp.down_proj.weight_scale has shape \(64, 2\), expected \[64, 4\]"),
+        (
+            _set(f"{L0}.mlp.down_proj.weight_scale", lambda v: v[:, :2].contiguous()),
+            rf"{L0}.mlp.down_proj.weight_scale has shape \(64, 2\), expected \[64, 4\]",
+        ),
         (_set(f"{L0}.mlp.gate_proj.weight", lambda v: v.bfloat16()), f"{L0}.mlp.gate_proj.weight has dtype"),
-        (lambda t: t.update({"model.extra.weight_scale": torch.zeros(2, 2, dtype=torch.uint8)}),
-         "model.extra.weight_scale belongs to no nn.Linear"),
+        (
+            lambda t: t.update({"model.extra.weight_scale": torch.zeros(2, 2, dtype=torch.uint8)}),
+            "model.extra.weight_scale belongs to no nn.Linear",
+        ),
         (lambda t: t.pop("model.norm.weight"), "the checkpoint has no tensor for model.norm.weight"),
     ],
-)  # fmt: skip
+)
 def test_bad_checkpoints_name_the_tensor(llama_dir, tmp_path, damage, message):
     mx = tmp_path / "mx"
     main(["quantize", str(llama_dir), str(mx)])

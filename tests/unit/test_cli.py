@@ -86,9 +86,14 @@ def test_tune_model_dir_tunes_the_models_linear_shapes(capsys, monkeypatch, tmp_
     from mxgemm.models import linear_shapes
 
     cfg = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, architectures=["LlamaForCausalLM"],
-    )  # fmt: skip
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        architectures=["LlamaForCausalLM"],
+    )
     cfg.save_pretrained(tmp_path / "model")  # config.json only: no weights needed
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
@@ -105,8 +110,13 @@ def test_tune_model_dir_tunes_the_models_linear_shapes(capsys, monkeypatch, tmp_
     assert "5 distinct linear shapes" in capsys.readouterr().out
     (path,) = (tmp_path / "cache").glob("tuning-*.json")
     keys = sorted(json.loads(path.read_text())["entries"])
-    assert [k.split("|")[3:5] for k in keys] == [["n128", "k64"], ["n256", "k64"], ["n32", "k64"], ["n64", "k128"],
-                                                 ["n64", "k64"]]  # fmt: skip
+    assert [k.split("|")[3:5] for k in keys] == [
+        ["n128", "k64"],
+        ["n256", "k64"],
+        ["n32", "k64"],
+        ["n64", "k128"],
+        ["n64", "k64"],
+    ]
 
 
 def test_dot_scaled_runs_in_a_pass_of_its_own():

@@ -116,8 +116,11 @@ def test_the_cublas_path_shares_its_quantized_rows(monkeypatch):
     CUDA quantizer's rows, and ``run_quantized`` runs ``torch._scaled_mm`` on exactly those rows."""
     rows, seen = object(), []
     monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda x: rows)
-    monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda x, qd, bs, n, bias, quantize: seen.append(
-        (qd, bs, n, bias, quantize(x))) or x)  # fmt: skip
+    monkeypatch.setattr(
+        hybrid_sm90,
+        "blockwise_linear",
+        lambda x, qd, bs, n, bias, quantize: seen.append((qd, bs, n, bias, quantize(x))) or x,
+    )
     weight, backend = _weight(crossover=17), HybridSM90Backend()
     bias = torch.randn(N).bfloat16()
     for m in (8, 64):  # the small-M kernel; the FP8 kernel, which quantizes in its own launch
@@ -156,8 +159,12 @@ def test_planned_calls_share_the_rows_their_buffer_holds(monkeypatch):
         y, rows = backend.run_sharing(x, weight, bias)
         assert y is x and rows == shared_rows(m)
         assert backend.run_quantized(x, rows, weight, None) is x
-    assert runs == [("sharing", 300, bias), ("gemm", shared_rows(300), None), ("sharing", 512, bias),
-                    ("gemm", shared_rows(512), None)]  # fmt: skip
+    assert runs == [
+        ("sharing", 300, bias),
+        ("gemm", shared_rows(300), None),
+        ("sharing", 512, bias),
+        ("gemm", shared_rows(512), None),
+    ]
     t = weight.tensors
     assert made == [(t["qdata"], t["block_scale"], N, K, m, torch.bfloat16) for m in (300, 512)]
     x = random_act(512, K)
@@ -170,8 +177,9 @@ def test_a_member_without_a_plan_quantizes_rows_shared_by_a_planned_one_itself(m
     ``torch._scaled_mm`` on that, the same numerics."""
     own, seen = object(), []
     monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda x: own)
-    monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda x, qd, bs, n, bias, quantize: seen.append(
-        quantize(x)) or x)  # fmt: skip
+    monkeypatch.setattr(
+        hybrid_sm90, "blockwise_linear", lambda x, qd, bs, n, bias, quantize: seen.append(quantize(x)) or x
+    )
     weight, backend = _weight(crossover=17), HybridSM90Backend()  # no planned calls here
     x = random_act(300, K)
     planned_rows = hybrid_sm90.cublaslt.PlannedRows("a planned call's", 1, 2, 304, K)

@@ -141,9 +141,23 @@ def test_gated_entry(ext):
 
 @pytest.mark.parametrize(
     "case",
-    ["other M", "fp16", "fp32", "other K", "subclass", "parameter", "grad", "empty", "bias fp32", "bias shape",
-     "bias strided", "bias grad", "failed launch", "dispatch mode"],
-)  # fmt: skip
+    [
+        "other M",
+        "fp16",
+        "fp32",
+        "other K",
+        "subclass",
+        "parameter",
+        "grad",
+        "empty",
+        "bias fp32",
+        "bias shape",
+        "bias strided",
+        "bias grad",
+        "failed launch",
+        "dispatch mode",
+    ],
+)
 def test_python_path_cases(ext, case):
     """Each case the plan's Python launcher takes differently (or the Python path refuses) answers None; the same
     call with the case undone answers."""

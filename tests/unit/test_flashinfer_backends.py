@@ -18,8 +18,40 @@ SM107 = DeviceInfo(type="cuda", name="pretend", capability=(10, 7), index=0)
 H200 = DeviceInfo(type="cuda", name="NVIDIA H200", capability=(9, 0), index=0)
 
 # trtllm-gen's row order within 32-row blocks for epilogue tile 128 (its srcToDstBlk32RowMap)
-ROW_MAP_32 = [0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27, 4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30,
-              7, 15, 23, 31]  # fmt: skip
+ROW_MAP_32 = [
+    0,
+    8,
+    16,
+    24,
+    1,
+    9,
+    17,
+    25,
+    2,
+    10,
+    18,
+    26,
+    3,
+    11,
+    19,
+    27,
+    4,
+    12,
+    20,
+    28,
+    5,
+    13,
+    21,
+    29,
+    6,
+    14,
+    22,
+    30,
+    7,
+    15,
+    23,
+    31,
+]
 
 
 def reference_shuffle_rows(t: torch.Tensor) -> torch.Tensor:

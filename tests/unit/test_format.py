@@ -234,12 +234,15 @@ def test_compressed_tensors_rule_writes_compressed_tensors_bytes():
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     assert ct.__version__
-    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, group_size=32, strategy="group",
-                            scale_dtype=torch.uint8)  # fmt: skip
+    args = QuantizationArgs(
+        num_bits=8, type="float", symmetric=True, group_size=32, strategy="group", scale_dtype=torch.uint8
+    )
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(256, 1024, generator=g) * 0.02 * torch.exp2(torch.randn(256, 1, generator=g) * 3)).bfloat16()
-    w[:8, :32] = (torch.tensor([1.75, -1.75, 1.875, 1.7421875, 448.0, -500.0, 3.5, 0.4375]).unsqueeze(1) *
-                  torch.linspace(1, 0.01, 32)).bfloat16()  # fmt: skip
+    w[:8, :32] = (
+        torch.tensor([1.75, -1.75, 1.875, 1.7421875, 448.0, -500.0, 3.5, 0.4375]).unsqueeze(1)
+        * torch.linspace(1, 0.01, 32)
+    ).bfloat16()
     blocks = w.reshape(256, 32, 32)
     scale, zero = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
     q_ct = ct_quantize(w, scale, zero, args, dtype=torch.float8_e4m3fn)

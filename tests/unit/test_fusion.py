@@ -22,13 +22,21 @@ class _Block(nn.Module):
 
     def __init__(self, hidden=256, kv=128, ffn=384, bias=False):
         super().__init__()
-        self.self_attn = nn.ModuleDict({"q_proj": nn.Linear(hidden, hidden, bias=bias),
-                                        "k_proj": nn.Linear(hidden, kv, bias=bias),
-                                        "v_proj": nn.Linear(hidden, kv, bias=bias),
-                                        "o_proj": nn.Linear(hidden, hidden, bias=False)})  # fmt: skip
-        self.mlp = nn.ModuleDict({"gate_proj": nn.Linear(hidden, ffn, bias=False),
-                                  "up_proj": nn.Linear(hidden, ffn, bias=False),
-                                  "down_proj": nn.Linear(ffn, hidden, bias=False)})  # fmt: skip
+        self.self_attn = nn.ModuleDict(
+            {
+                "q_proj": nn.Linear(hidden, hidden, bias=bias),
+                "k_proj": nn.Linear(hidden, kv, bias=bias),
+                "v_proj": nn.Linear(hidden, kv, bias=bias),
+                "o_proj": nn.Linear(hidden, hidden, bias=False),
+            }
+        )
+        self.mlp = nn.ModuleDict(
+            {
+                "gate_proj": nn.Linear(hidden, ffn, bias=False),
+                "up_proj": nn.Linear(hidden, ffn, bias=False),
+                "down_proj": nn.Linear(ffn, hidden, bias=False),
+            }
+        )
 
     def forward(self, x):
         a = self.self_attn
@@ -130,8 +138,9 @@ def test_above_max_rows_the_members_share_one_quantization_of_their_input(monkey
     _apart_above(fused, 64, monkeypatch)
     calls = []
     run_sharing = EmulationBackend.run_sharing
-    monkeypatch.setattr(EmulationBackend, "run_sharing", lambda self, x, w, b, t: calls.append(x.shape) or run_sharing(
-        self, x, w, b, t))  # fmt: skip
+    monkeypatch.setattr(
+        EmulationBackend, "run_sharing", lambda self, x, w, b, t: calls.append(x.shape) or run_sharing(self, x, w, b, t)
+    )
     names = ("q_proj", "k_proj", "v_proj")
     group = fused.self_attn["q_proj"].shared[0]
     quantizes = recipe != "w8a16"
@@ -159,11 +168,14 @@ def test_a_group_runs_in_the_regime_of_its_joined_weight(monkeypatch, tmp_path):
 
     monkeypatch.setattr(emulation, "hybrid_crossover", lambda n, k: 1 if n * k >= 700 * 256 else 48)
     alone, fused, report = _pair("hybrid-block128")  # gate/up 384 x 256 each (48), joined 768 x 256 (1)
-    assert report.fusion == ("self_attn: q_proj, k_proj, v_proj", "mlp: gate_proj, up_proj (activations quantized "
-                             "from M = 1, the crossover of their joined weight; alone: 48)")  # fmt: skip
+    assert report.fusion == (
+        "self_attn: q_proj, k_proj, v_proj",
+        "mlp: gate_proj, up_proj (activations quantized from M = 1, the crossover of their joined weight; alone: 48)",
+    )
     assert "2 groups of layers sharing an input" in str(report)
-    assert str(report).endswith("\n  1 of those groups: activations quantized from M = 1, the crossover of their "
-                                "joined weight; alone: 48")  # fmt: skip
+    assert str(report).endswith(
+        "\n  1 of those groups: activations quantized from M = 1, the crossover of their joined weight; alone: 48"
+    )
     group = fused.mlp["gate_proj"].shared[0]
     assert group.weight.info["crossover"] == 1 and fused.self_attn["q_proj"].shared[0].weight.info["crossover"] == 48
     gate, up = fused.mlp["gate_proj"], fused.mlp["up_proj"]
@@ -181,8 +193,10 @@ def test_a_group_runs_in_the_regime_of_its_joined_weight(monkeypatch, tmp_path):
     mxgemm.save_checkpoint(alone, tmp_path)  # loaded, the layers join again, in the joined weight's regime
     loaded = _Block().to(torch.bfloat16)
     report = mxgemm.load_checkpoint(loaded, tmp_path, backend="emulation", recipe="hybrid-block128")
-    assert str(report).endswith("2 groups of layers sharing an input run as one (1 of them: activations quantized "
-                                "from M = 1, the crossover of their joined weight; alone: 48)")  # fmt: skip
+    assert str(report).endswith(
+        "2 groups of layers sharing an input run as one (1 of them: activations quantized "
+        "from M = 1, the crossover of their joined weight; alone: 48)"
+    )
     with torch.no_grad():
         assert torch.equal(loaded(x), fused(x))
 
@@ -219,8 +233,10 @@ def test_layers_whose_run_time_info_cannot_be_joined_stay_apart():
     for name, crossover in (("q_proj", 8), ("k_proj", 8), ("v_proj", 4)):
         layer = block.self_attn[name]
         layer._hold(backend.prepare(layer.weight, layer.weight_scale, "hybrid-block128", crossover=crossover))
-    assert fuse_shared_inputs(block) == ["self_attn: q_proj, k_proj, v_proj: not fused (they differ in crossover)",
-                                         "mlp: gate_proj, up_proj"]  # fmt: skip
+    assert fuse_shared_inputs(block) == [
+        "self_attn: q_proj, k_proj, v_proj: not fused (they differ in crossover)",
+        "mlp: gate_proj, up_proj",
+    ]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -363,8 +379,9 @@ def test_compiled_layers_guard_only_plain_values_of_their_own():
 def test_a_traced_cross_attention_runs_each_layer_alone():
     alone, fused, _ = _pair("hybrid-block128")
     a, f = alone.self_attn, fused.self_attn
-    compiled = torch.compile(lambda x, enc: (f["q_proj"](x), f["k_proj"](enc), f["v_proj"](enc)), backend="aot_eager",
-                             fullgraph=True)  # fmt: skip
+    compiled = torch.compile(
+        lambda x, enc: (f["q_proj"](x), f["k_proj"](enc), f["v_proj"](enc)), backend="aot_eager", fullgraph=True
+    )
     x, enc = torch.randn(3, 256, dtype=torch.bfloat16), torch.randn(5, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         for y, ref in zip(compiled(x, enc), (a["q_proj"](x), a["k_proj"](enc), a["v_proj"](enc)), strict=True):
@@ -375,8 +392,10 @@ def test_a_traced_cross_attention_runs_each_layer_alone():
 def test_unfit_groups_stay_as_they_are_and_the_report_says_why():
     # 192 output rows are not whole 128-row blocks of the block recipe's scales
     _, fused, report = _pair("hybrid-block128", kv=192)
-    assert report.fusion[0] == ("self_attn: q_proj, k_proj, v_proj: not fused (out_features=192 is not a whole "
-                                "number of block_scale's 128-row groups)")  # fmt: skip
+    assert report.fusion[0] == (
+        "self_attn: q_proj, k_proj, v_proj: not fused (out_features=192 is not a whole "
+        "number of block_scale's 128-row groups)"
+    )
     assert fused.self_attn["k_proj"].shared is None and fused.mlp["up_proj"].shared is not None
     assert "1 groups not fused: out_features=192" in str(report)
     torch.manual_seed(0)
@@ -427,12 +446,20 @@ def test_hybrid_sm90_groups_on_the_gpu(hidden, kv, ffn):
 @pytest.mark.parametrize(
     "part,sizes,hidden,account",
     [
-        ("mlp", {"gate_proj": 14336, "up_proj": 14336}, 4096, "from M = 1, the crossover of their joined weight; "
-         "alone: 16"),
-        ("self_attn", {"q_proj": 8192, "k_proj": 1024, "v_proj": 1024}, 8192, "from M = 16, the crossover of their "
-         "joined weight; alone: 16 or 17"),
+        (
+            "mlp",
+            {"gate_proj": 14336, "up_proj": 14336},
+            4096,
+            "from M = 1, the crossover of their joined weight; alone: 16",
+        ),
+        (
+            "self_attn",
+            {"q_proj": 8192, "k_proj": 1024, "v_proj": 1024},
+            8192,
+            "from M = 16, the crossover of their joined weight; alone: 16 or 17",
+        ),
     ],
-)  # fmt: skip
+)
 def test_groups_run_in_their_joined_weights_regime_on_the_gpu(part, sizes, hidden, account):
     """On the H200: Llama-3-8B's gate and up layers (14336 x 4096 each, quantized from M = 16 alone) joined run the
     FP8 kernel from M = 1, as their 28672 x 4096 weight would alone; Llama-3-70B's q, k and v (from M = 16, 17, 17)

@@ -22,8 +22,15 @@ transformers = pytest.importorskip("transformers")
 
 
 def _llama(**kw):
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=500, **kw)  # fmt: skip
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=500,
+        **kw,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
@@ -41,8 +48,9 @@ def _pair(**kw):
 def gated_calls(monkeypatch):
     """What each ``on_gated`` call answered: True where the quantized product ran."""
     calls, on_gated = [], MXFP8Linear.on_gated
-    monkeypatch.setattr(MXFP8Linear, "on_gated", lambda self, g, u: calls.append(
-        (y := on_gated(self, g, u)) is not None) or y)  # fmt: skip
+    monkeypatch.setattr(
+        MXFP8Linear, "on_gated", lambda self, g, u: calls.append((y := on_gated(self, g, u)) is not None) or y
+    )
     return calls
 
 
@@ -97,7 +105,11 @@ def test_only_the_gated_expression_with_silu_is_taken():
     assert all(type(model[n]) is c for n, c in (("swapped", Swapped), ("gelu", Gelu), ("plain", Gated)))
     # one GEMM up to fusion.JOINED_MAX_ROWS rows for the gated MLP's gate/up group only
     assert [model[n].gate_proj.shared[0].max_rows for n in ("gated", "swapped", "gelu", "plain")] == [
-        fusion.JOINED_MAX_ROWS, None, None, None]  # fmt: skip
+        fusion.JOINED_MAX_ROWS,
+        None,
+        None,
+        None,
+    ]
 
 
 def test_transformers_activations_other_than_silu_are_not_taken():
@@ -225,8 +237,11 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
     without the CUDA quantizer. The route is made once per M."""
     rows, seen, made, fp8_made = object(), [], [], []
     monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda g, up: rows if (g, up) == (gate, up_) else None)
-    monkeypatch.setattr(hybrid_sm90, "blockwise_linear", lambda x, qd, bs, n, bias, quantize: seen.append(
-        (x, qd, bs, n, bias, quantize(x))) or x)  # fmt: skip
+    monkeypatch.setattr(
+        hybrid_sm90,
+        "blockwise_linear",
+        lambda x, qd, bs, n, bias, quantize: seen.append((x, qd, bs, n, bias, quantize(x))) or x,
+    )
 
     def plan_with_gated(made_here):
         def linear_plan(*args, **launch_kinds):
@@ -298,8 +313,9 @@ def test_a_tuned_tactic_runs_the_gated_product_on_its_own_path(monkeypatch):
         return launch
 
     monkeypatch.setattr(fp8_gemm, "linear_plan", linear_plan)
-    monkeypatch.setattr(HybridSM90Backend, "plan", lambda self, w, m, dtype, tactic=None: lambda x, bias: own.append(
-        (m, tactic)) or x)  # fmt: skip
+    monkeypatch.setattr(
+        HybridSM90Backend, "plan", lambda self, w, m, dtype, tactic=None: lambda x, bias: own.append((m, tactic)) or x
+    )
     gate, up = random_act(300, 384), random_act(300, 384, seed=2)
     assert run_gated(gate, up, weight, None) is gate
     assert made == [(300, tuned.config, False, True)]
@@ -343,9 +359,20 @@ def test_gated_mlps_on_the_gpu(gated_calls, monkeypatch):
     from helpers import skip_unless_backend_runs
 
     skip_unless_backend_runs("hybrid_sm90")
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=1024, intermediate_size=3584, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-        vocab_size=1000)).to("cuda", torch.bfloat16).eval()  # fmt: skip
+    model = (
+        transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                hidden_size=1024,
+                intermediate_size=3584,
+                num_hidden_layers=2,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                vocab_size=1000,
+            )
+        )
+        .to("cuda", torch.bfloat16)
+        .eval()
+    )
     report = mxgemm.quantize_model(model, backend="hybrid_sm90")
     assert f"2 gated MLPs{GATED}" in str(report)
     down = model.model.layers[0].mlp.down_proj

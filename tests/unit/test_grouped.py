@@ -150,9 +150,12 @@ def test_the_op_has_exact_fake_shapes_and_crosses_the_boundary():
     real = grouped_linear_op(x, offsets, w.op_tensors, w.backend, w.op_meta)
     with FakeTensorMode() as mode:
         fake = grouped_linear_op(
-            mode.from_tensor(x), mode.from_tensor(offsets), [mode.from_tensor(t) for t in w.op_tensors], w.backend,
+            mode.from_tensor(x),
+            mode.from_tensor(offsets),
+            [mode.from_tensor(t) for t in w.op_tensors],
+            w.backend,
             w.op_meta,
-        )  # fmt: skip
+        )
     assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
     copies = [t.clone() for t in w.op_tensors]  # not the live weight's: rebuilt from the meta, experts included
     assert torch.equal(grouped_linear_op(x, offsets, copies, w.backend, w.op_meta), real)

@@ -127,8 +127,9 @@ def test_cublaslt_header_is_found_beside_nvcc_or_in_the_cublas_wheel(toolkit, tm
     from mxgemm.kernels import cublaslt
 
     wheel = tmp_path / "site" / "nvidia"
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name: SimpleNamespace(submodule_search_locations=[str(wheel)]))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: SimpleNamespace(submodule_search_locations=[str(wheel)])
+    )
     assert cublaslt.header_dir() is None
     for folder in (wheel / "cublas" / "include", wheel / "cu13" / "include", tmp_path / "cuda" / "include"):
         folder.mkdir(parents=True)

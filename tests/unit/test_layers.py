@@ -56,9 +56,12 @@ def layer_of(module: str, layers: list[tuple[str, list[str]]]) -> int | None:
 
 
 def upward_arrows(edges: dict[str, set[str]], layers) -> list[str]:
-    return [f"{a} ({layers[layer_of(a, layers)][0]}) imports {b} ({layers[layer_of(b, layers)][0]})"
-            for a, targets in sorted(edges.items()) for b in sorted(targets)
-            if layer_of(b, layers) > layer_of(a, layers)]  # fmt: skip
+    return [
+        f"{a} ({layers[layer_of(a, layers)][0]}) imports {b} ({layers[layer_of(b, layers)][0]})"
+        for a, targets in sorted(edges.items())
+        for b in sorted(targets)
+        if layer_of(b, layers) > layer_of(a, layers)
+    ]
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:

@@ -56,8 +56,9 @@ def test_fake_matches_real_for_every_recipe():
         w = mxgemm.prepare_weight(q, s, backend="emulation", recipe=recipe)
         real = linear_op(x, w.op_tensors, None, w.backend, w.op_meta)
         with FakeTensorMode() as mode:
-            fake = linear_op(mode.from_tensor(x), [mode.from_tensor(t) for t in w.op_tensors], None,
-                             w.backend, w.op_meta)  # fmt: skip
+            fake = linear_op(
+                mode.from_tensor(x), [mode.from_tensor(t) for t in w.op_tensors], None, w.backend, w.op_meta
+            )
         assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
 
 

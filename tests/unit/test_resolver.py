@@ -112,9 +112,15 @@ def test_available_backends_rows(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rows = {r.name: r for r in mxgemm.available_backends(CPU)}
     assert set(rows) == {
-        "flashinfer_cutedsl", "flashinfer_cutlass", "flashinfer_trtllm", "cublas_mx", "hybrid_sm90", "cublas_block",
-        "triton", "emulation",
-    }  # fmt: skip
+        "flashinfer_cutedsl",
+        "flashinfer_cutlass",
+        "flashinfer_trtllm",
+        "cublas_mx",
+        "hybrid_sm90",
+        "cublas_block",
+        "triton",
+        "emulation",
+    }
     assert not rows["cublas_block"].available and "CUDA GPU" in rows["cublas_block"].reason
     assert not rows["triton"].available and "CUDA" in rows["triton"].reason
     assert rows["emulation"].available and rows["emulation"].recipes == tuple(mxgemm.RECIPES)

@@ -7,8 +7,19 @@ from mxgemm import settings
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
 
 
-@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("YES", True), (" on ", True), ("0", False),
-                                            ("false", False), ("no", False), ("", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        (" on ", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+        ("", False),
+    ],
+)
 def test_autotune_switch(monkeypatch, value, expected):
     monkeypatch.setenv("MXGEMM_AUTOTUNE", value)
     assert settings.autotune_enabled() is expected

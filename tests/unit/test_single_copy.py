@@ -87,8 +87,11 @@ def test_state_dict_loads_into_a_fresh_layer_and_bad_entries_name_the_key():
     x = random_act(3, 256)
     assert torch.equal(b(x), a(x))
     state = a.state_dict()
-    for key, bad in (("weight", state["weight"].to(torch.bfloat16)), ("weight_scale", state["weight_scale"].float()),
-                     ("weight", state["weight"][:32])):  # fmt: skip
+    for key, bad in (
+        ("weight", state["weight"].to(torch.bfloat16)),
+        ("weight_scale", state["weight_scale"].float()),
+        ("weight", state["weight"][:32]),
+    ):
         with pytest.raises(RuntimeError, match=key):
             b.load_state_dict({**state, key: bad})
     with pytest.raises(RuntimeError, match="weight_scale"):

@@ -74,8 +74,9 @@ def test_kernel_builds_once_and_is_cached_on_disk(monkeypatch, tmp_path):
 def _weight(n, k, crossover, small):
     np_, kp = -(-n // 16) * 16, -(-k // 512) * 512
     tensors = {"qdata": torch.empty((np_, kp), dtype=torch.uint8)}
-    return mxgemm.PreparedWeight("hybrid_sm90", "hybrid-block128", n, k, tensors, {"crossover": crossover,
-                                                                                     "small_m": small})  # fmt: skip
+    return mxgemm.PreparedWeight(
+        "hybrid_sm90", "hybrid-block128", n, k, tensors, {"crossover": crossover, "small_m": small}
+    )
 
 
 @pytest.mark.parametrize("small", [True, False])

@@ -23,9 +23,15 @@ NEW_TOKENS = 16
 
 def write_checkpoint(work: Path) -> Path:
     config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
@@ -51,8 +57,15 @@ def vllm_tokens(folder: Path, tp: int = 1) -> tuple[list[int], list[str]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
-              tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None)  # fmt: skip
+    llm = LLM(
+        model=str(folder),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=128,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
+    )
     layers = llm.apply_model(_mxfp8_layers)[0] if tp == 1 else []  # vLLM's public hook into its model
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params)
@@ -77,8 +90,10 @@ def as_modelopt(folder: Path, out: Path) -> Path:
     quantization config ModelOpt's (quant_algo MXFP8, lm_head excluded)."""
     out.mkdir(exist_ok=True)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "modelopt_mxfp8", "quantization": {
-        "quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": "modelopt_mxfp8",
+        "quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]},
+    }
     (out / "config.json").write_text(json.dumps(config))
     for f in folder.iterdir():
         if f.name != "config.json" and f.is_file():
