@@ -1,5 +1,7 @@
-"""A whole model as a user runs it: a Hugging Face Llama at Llama-3-8B dimensions (32 layers, random weights) through
-``generate``, bf16 against mxgemm (``quantize_model``), eager and compiled with CUDA graphs, in one run.
+"""A whole model as a user runs it: a Hugging Face Llama at Llama-3-8B dimensions (32 layers, random weights) or, with
+``--moe``, a Qwen3-MoE at Qwen3-30B-A3B dimensions (48 layers, 128 experts, top-8; bf16 experts on transformers'
+``grouped_mm`` implementation, mxgemm's on ``MXFP8Experts``), through ``generate``, bf16 against mxgemm
+(``quantize_model``), eager and compiled with CUDA graphs, in one run.
 
 For each (mode, batch) and each of bf16 and mxgemm: a 512-token prompt, time to first token (``generate`` of one
 token), decode tokens/s (128 new tokens: batch x 127 tokens over the time past the first token), a 2048-token prefill
@@ -16,8 +18,10 @@ its rounds (``--eager-repeats``, 9, eager; ``--repeats``, 5, with graphs): the h
 back to back (its spread and median): where the host's speed moves within a run, the rounds' medians taken apart may
 pair a fast round of one model with a slow one of the other. Eager rounds, bound by the host, get more of them.
 
-Run on the device: PYTHONPATH=src python3 bench/model_e2e.py --json e2e.json --markdown e2e.md
-(``--tiny --device cpu`` runs the same script on a few-MB model: a smoke test, not a measurement.)
+Run on the device: PYTHONPATH=src python3 bench/model_e2e.py [--moe] --json e2e.json --markdown e2e.md
+(``--tiny --device cpu`` runs the same script on a few-MB model: a smoke test, not a measurement.) The mxgemm model is
+built first: its bf16 weights are freed as it is quantized, so the two models together peak at bf16's weights and
+mxgemm's, not twice bf16's.
 """
 
 from __future__ import annotations
@@ -37,19 +41,50 @@ from mxgemm.bench import environment
 WHO = ("bf16", "mxgemm")
 
 
-def build(layers: int, who: str, skip: tuple[str, ...], device: str = "cuda", tiny: bool = False, fuse: bool = True):
-    """(model, quantize report) for ``who`` on ``device``: Llama-3-8B dimensions, or (``tiny``) a few-MB Llama;
-    ``fuse``: as for :func:`mxgemm.quantize_model`."""
-    dims = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                vocab_size=128256)  # fmt: skip
+def config(layers: int, tiny: bool, moe: bool):
+    """The model's configuration: Llama-3-8B or (``moe``) Qwen3-30B-A3B dimensions, or a few-MB model of the kind."""
+    if moe:
+        dims = dict(
+            hidden_size=2048,
+            moe_intermediate_size=768,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            vocab_size=151936,
+        )
+        if tiny:
+            dims = dict(
+                hidden_size=128,
+                moe_intermediate_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                num_experts=8,
+                num_experts_per_tok=2,
+                vocab_size=512,
+            )
+        made = transformers.Qwen3MoeConfig(
+            num_hidden_layers=layers, max_position_embeddings=8192, norm_topk_prob=True, rope_theta=1000000.0, **dims
+        )
+        made._experts_implementation = "grouped_mm"  # transformers' fastest bf16 experts on a GPU
+        return made
+    dims = dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256
+    )
     if tiny:
-        dims = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                    vocab_size=512)  # fmt: skip
-    config = transformers.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=8192, rope_theta=500000.0,
-                                      **dims)  # fmt: skip
+        dims = dict(
+            hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512
+        )
+    return transformers.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=8192, rope_theta=500000.0, **dims)
+
+
+def build(model_config, who: str, skip: tuple[str, ...], device: str = "cuda", fuse: bool = True):
+    """(model, quantize report) for ``who`` on ``device``; ``fuse``: as for :func:`mxgemm.quantize_model`."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        model = transformers.AutoModelForCausalLM.from_config(model_config).to(torch.bfloat16).eval()
     model.requires_grad_(False)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -68,6 +103,8 @@ def weights_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, mxgemm.MXFP8Linear):
             tensors += list(module.prepared.tensors.values())
+        if isinstance(module, mxgemm.MXFP8Experts):
+            tensors += [*module.gate_up.tensors.values(), *module.down.tensors.values()]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
@@ -136,40 +173,56 @@ def measure(models: dict, resident: dict, kept: dict, mode: str, batch: int, arg
     rows = []
     for who, t in times.items():
         ttft, full, prefill = (statistics.median(t[k]) for k in ("ttft", "full", "prefill"))
-        rows.append({
-            "who": who, "mode": mode, "batch": batch, "weights_bytes": resident[who],
-            "decode_tok_s": batch * (args.new - 1) / (full - ttft), "ttft_ms": ttft * 1e3,
-            "prefill_2048_ms": prefill * 1e3, "generate_s": full, "peak_bytes": t["peak"],
-            "rounds_s": {k: t[k] for k in ("ttft", "full", "prefill")},  # every round's time: the medians' spread
-        })  # fmt: skip
+        rows.append(
+            {
+                "who": who,
+                "mode": mode,
+                "batch": batch,
+                "weights_bytes": resident[who],
+                "decode_tok_s": batch * (args.new - 1) / (full - ttft),
+                "ttft_ms": ttft * 1e3,
+                "prefill_2048_ms": prefill * 1e3,
+                "generate_s": full,
+                "peak_bytes": t["peak"],
+                "rounds_s": {k: t[k] for k in ("ttft", "full", "prefill")},  # every round's time: the medians' spread
+            }
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--layers", type=int, help="decoder layers (default: 32, or 48 with --moe)")
+    parser.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B dimensions instead of Llama-3-8B's")
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--skip", nargs="*", default=[], help="layers quantize_model leaves in bf16 (e.g. lm_head)")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of the graphs rows")
-    parser.add_argument("--eager-repeats", type=int, default=9,
-                        help="rounds of the eager rows (host-bound: more rounds, a steadier median)")  # fmt: skip
+    parser.add_argument(
+        "--eager-repeats",
+        type=int,
+        default=9,
+        help="rounds of the eager rows (host-bound: more rounds, a steadier median)",
+    )
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=128, help="new tokens of the decode measurement")
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill measurement")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="a few-MB Llama: a smoke test of this script")
+    parser.add_argument("--tiny", action="store_true", help="a few-MB model: a smoke test of this script")
     parser.add_argument("--no-fuse", action="store_true", help="each projection a GEMM of its own (fuse=False)")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
+    args.layers = args.layers or (48 if args.moe else 32)
     device = torch.device(args.device)
     env = environment(mxgemm.describe_device(device))
     models, reports, resident = {}, {}, {}
-    for who in WHO:
-        models[who], reports[who] = build(args.layers, who, tuple(args.skip), args.device, args.tiny, not args.no_fuse)
+    model_config = config(args.layers, args.tiny, args.moe)
+    for who in reversed(WHO):  # mxgemm first: its bf16 weights are gone before bf16's model is made
+        models[who], reports[who] = build(model_config, who, tuple(args.skip), args.device, not args.no_fuse)
         resident[who] = weights_bytes(models[who])
         print(who, reports[who], f"weights {resident[who] / 2**30:.2f} GiB", flush=True)
+    models = {who: models[who] for who in WHO}
     args.vocab = models["bf16"].config.vocab_size
     timer = Timer(device)
     kept = dict.fromkeys(WHO, 0)
@@ -181,9 +234,18 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(row), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
-                    meta = {"device": env, "layers": args.layers, "prompt": args.prompt, "new_tokens": args.new,
-                            "prefill_tokens": args.prefill, "skip": args.skip, "fuse": not args.no_fuse,
-                            "order": "interleaved", "quantize_report": reports}  # fmt: skip
+                    meta = {
+                        "device": env,
+                        "model": model_name(args),
+                        "layers": args.layers,
+                        "prompt": args.prompt,
+                        "new_tokens": args.new,
+                        "prefill_tokens": args.prefill,
+                        "skip": args.skip,
+                        "fuse": not args.no_fuse,
+                        "order": "interleaved",
+                        "quantize_report": reports,
+                    }
                     json.dump({**meta, "rows": rows}, f, indent=1)
     table = markdown(rows, args, env)
     print(table)
@@ -195,8 +257,10 @@ def main(argv: list[str] | None = None) -> None:
 def paired_speedups(bf16: dict, mx: dict) -> list[float]:
     """Each round's decode speed-up (bf16's decode time over mxgemm's, decode time being `generate`'s less its first
     token's): the two ran back to back, so a drift of the host's speed between rounds moves both."""
-    decode = [[full - ttft for full, ttft in zip(r["rounds_s"]["full"], r["rounds_s"]["ttft"], strict=True)]
-              for r in (bf16, mx)]  # fmt: skip
+    decode = [
+        [full - ttft for full, ttft in zip(r["rounds_s"]["full"], r["rounds_s"]["ttft"], strict=True)]
+        for r in (bf16, mx)
+    ]
     return [b / m for b, m in zip(*decode, strict=True)]
 
 
@@ -211,13 +275,18 @@ def pooled_prefill(rows: list[dict]) -> tuple[float, float, list[float]]:
     return statistics.median(bf16), statistics.median(mx), [b / m for b, m in zip(bf16, mx, strict=True)]
 
 
+def model_name(args) -> str:
+    kind, dims = ("Qwen3-MoE", "Qwen3-30B-A3B") if args.moe else ("Llama", "Llama-3-8B")
+    return f"{kind} at {'tiny' if args.tiny else dims} dimensions"
+
+
 def markdown(rows: list[dict], args, env) -> str:
     by = {(r["who"], r["mode"], r["batch"]): r for r in rows}
     lines = [
-        f"Llama at {'tiny' if args.tiny else 'Llama-3-8B'} dimensions, {args.layers} layers, random weights, Hugging "
+        f"{model_name(args)}, {args.layers} layers, random weights, Hugging "
         f"Face `generate` (greedy, {args.prompt}-token prompt, {args.new} new tokens; bf16 and mxgemm calls "
         f"alternating, medians of {args.eager_repeats} rounds eager, {args.repeats} with graphs); mxgemm quantizes "
-        "every linear layer"
+        f"every linear layer{' and the experts (not the routers)' if args.moe else ''}"
         f"{' but ' + ', '.join(args.skip) if args.skip else ''}. {env}",
         "",
         "| mode | batch | bf16 tok/s | mxgemm tok/s | speedup | bf16 TTFT ms | mxgemm TTFT ms | bf16 prefill "

@@ -75,3 +75,17 @@ def test_pooled_prefill_takes_every_rows_rounds():
     ]
     bf16, mx, ratios = model_e2e.pooled_prefill(rows)
     assert (bf16, mx, ratios) == (7.0, 3.0, [2.0, 3.0, 2.0, 2.0])
+
+
+def test_moe_rows_quantize_the_experts(tmp_path):
+    out = tmp_path / "e2e.json"
+    args = ["--moe", "--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "--modes", "eager"]
+    args += ["--repeats", "1", "--eager-repeats", "1", "--prompt", "8", "--new", "4", "--prefill", "16"]
+    model_e2e.main([*args, "--json", str(out), "--markdown", str(tmp_path / "e2e.md")])
+    result = json.loads(out.read_text())
+    assert result["model"] == "Qwen3-MoE at tiny dimensions"
+    report = result["quantize_report"]["mxgemm"]
+    assert report.startswith("replaced 5 of 5 linear layers, 1 of 1 experts modules")
+    by = {r["who"]: r["weights_bytes"] for r in result["rows"]}
+    assert by["mxgemm"] < 0.7 * by["bf16"]  # the experts' bytes counted at about a byte a parameter
+    assert (tmp_path / "e2e.md").read_text().startswith("Qwen3-MoE at tiny dimensions, 1 layers")
