@@ -22,7 +22,6 @@ from .errors import MXGemmError
 from .format import BLOCK_SIZE, SCALE_DTYPES, MXTensor, dequantize, e8m0_bytes, nonfinite_reason
 from .fusion import fuse as fuse_model
 from .fusion import tally
-from .grouped import prepare_grouped_weight
 from .linear import MXFP8Linear
 from .model_folder import ModelFolderError, folder_file, read_folder_file
 from .moe import (
@@ -41,7 +40,9 @@ __all__ = [
     "TensorSource",
     "check_pair",
     "check_values",
+    "experts_in",
     "load_checkpoint",
+    "per_expert_state",
     "read_format",
     "save_checkpoint",
     "source_files",
@@ -320,7 +321,7 @@ def load_checkpoint(
     fmt = read_format(path)
     source = TensorSource(path)
     target = _target_device(model, device)
-    experts, consumed, stacked = _experts_in(model, source)
+    experts, consumed, stacked = experts_in(model, source)
     kept = experts_stay_in_bf16(target, backend, recipe) if experts else ""
     experts_to_dequantize = dict.fromkeys(experts, kept) if kept else {}
     plans = []
@@ -396,7 +397,7 @@ def load_checkpoint(
     return LoadReport(fmt, tuple(layers), tuple(tied), fusion, tuple(modules), dequantized)
 
 
-def _experts_in(model: nn.Module, source: TensorSource):
+def experts_in(model: nn.Module, source: TensorSource):
     """The experts modules of ``model`` (3-D ``gate_up_proj`` / ``down_proj``) whose experts the checkpoint stores per
     expert (``<experts>.<e>.{gate,up,down}_proj.weight``, with ``weight_scale`` where quantized), checked: (the
     quantized ones by name, the checkpoint names they consume, {the model's 3-D tensor name: (the per-expert names
@@ -466,12 +467,12 @@ def _stack_experts(source: TensorSource, groups: tuple[list[str], ...], quantize
 
 def _load_experts(names: dict, source: TensorSource, device, backend, recipe) -> MXFP8Experts:
     """The :class:`MXFP8Experts` of an experts module from its per-expert MXFP8 tensors, checked, on ``device``."""
-
-    def prepared(projections: tuple[str, ...]):
-        weights, scales = _stacked(source, tuple(names[p] for p in projections), quantized=True)
-        return prepare_grouped_weight(weights.to(device), scales.to(device), backend=backend, recipe=recipe)
-
-    return MXFP8Experts(prepared(("gate_proj", "up_proj")), prepared(("down_proj",)))
+    gate_up, down = (
+        _stacked(source, tuple(names[p] for p in projections), quantized=True)
+        for projections in (("gate_proj", "up_proj"), ("down_proj",))
+    )
+    tensors = [t.to(device) for t in (*gate_up, *down)]
+    return MXFP8Experts.from_quantized(*tensors, backend=backend, recipe=recipe)
 
 
 def _declared_ties(model: nn.Module) -> dict[str, str]:
@@ -533,7 +534,7 @@ def _assign(model: nn.Module, names: tuple[str, ...], value: torch.Tensor, devic
         (holder._parameters if attr in holder._parameters else holder._buffers)[attr] = new
 
 
-def _per_expert(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def per_expert_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with each :class:`MXFP8Experts`' stacked MX tensors written per expert, as compressed-tensors and
     ModelOpt store experts: ``<experts>.<e>.{gate,up,down}_proj.weight`` and ``.weight_scale``."""
     for name, module in model.named_modules():
@@ -618,7 +619,7 @@ def save_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     clear_checkpoint(out)
-    state = _per_expert(model, model.state_dict())
+    state = per_expert_state(model, model.state_dict())
     ignore = unquantized_owners(model, {name: tuple(t.shape) for name, t in state.items()})
     names = list(state)
     tensors: dict[str, torch.Tensor] = {}

@@ -161,6 +161,26 @@ class MXFP8Experts(nn.Module):
 
         return cls(prepared(module.gate_up_proj), prepared(module.down_proj))
 
+    @classmethod
+    def from_quantized(
+        cls,
+        gate_up: torch.Tensor,
+        gate_up_scale: torch.Tensor,
+        down: torch.Tensor,
+        down_scale: torch.Tensor,
+        *,
+        backend: str | None = None,
+        recipe: str | None = None,
+    ) -> MXFP8Experts:
+        """The experts from their MX tensors as checkpoints hold them once stacked: ``gate_up`` float8 [E, 2I, H]
+        (gate rows first, then up) and ``down`` [E, H, I], each with its E8M0 scale (uint8 or float8_e8m0fnu,
+        [E, N, K/32]), prepared on their device (:func:`mxgemm.prepare_grouped_weight`)."""
+        options = {"backend": backend, "recipe": recipe}
+        return cls(
+            prepare_grouped_weight(gate_up, gate_up_scale, **options),
+            prepare_grouped_weight(down, down_scale, **options),
+        )
+
     @property
     def backend(self) -> str:
         return self.gate_up.backend

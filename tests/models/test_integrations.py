@@ -3,6 +3,7 @@ with the real packages; byte parity with torchao's MX quantizer."""
 
 import copy
 import json
+import re
 import subprocess
 import sys
 
@@ -341,26 +342,52 @@ def test_checkpoint_config_refuses_a_folder_that_is_not_mxfp8_and_layers_the_mod
         transformers.AutoModelForCausalLM.from_pretrained(path, config=config)
 
 
-def test_checkpoint_config_of_a_moe_checkpoint_names_the_route_that_loads_it(tmp_path):
-    """An MXFP8 mixture-of-experts checkpoint (per-expert tensors, as `mxgemm quantize` writes them): one line naming
-    the first quantized expert and load_checkpoint, which loads it; not transformers' "not an nn.Linear"."""
+def test_checkpoint_config_of_a_moe_checkpoint_loads_the_experts_as_load_checkpoint_does(tmp_path):
+    """An MXFP8 mixture-of-experts checkpoint (per-expert float8 tensors and weight_scale, as `mxgemm quantize` and
+    compressed-tensors write them): from_pretrained(config=checkpoint_config(path)) stacks them into MXFP8Experts of
+    the bits load_checkpoint gives, keeps the routers, and computes the same logits. A missing expert tensor or a
+    bf16 one in its place is refused by name before the model changes."""
     from helpers import tiny_qwen3_moe
+    from safetensors.torch import load_file, save_file
 
     from mxgemm.cli import main
     from mxgemm.integrations import checkpoint_config
+    from mxgemm.moe import MXFP8Experts
 
     tiny_qwen3_moe(1).save_pretrained(tmp_path / "bf16")
     assert main(["quantize", str(tmp_path / "bf16"), str(tmp_path / "mx")]) == 0
-    first = r"\(model\.layers\.0\.mlp\.experts\.0\.down_proj, \.\.\.\).*mxgemm\.load_checkpoint"
-    with pytest.raises(mxgemm.CheckpointError, match=first):
-        checkpoint_config(tmp_path / "mx")
+    auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(tmp_path / "mx", config=checkpoint_config(tmp_path / "mx"))
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, MXFP8Experts) and type(model.model.layers[0].mlp.gate).__name__ == "Qwen3MoeTopKRouter"
+    reference = auto.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "bf16"))
+    mxgemm.load_checkpoint(reference, tmp_path / "mx")
+    for name in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
+        want = getattr(reference.model.layers[0].mlp.experts, name)
+        assert torch.equal(getattr(experts, name).view(torch.uint8), want.view(torch.uint8)), name
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+    tensors = load_file(str(tmp_path / "mx" / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.2.up_proj.weight"
+    for damage, message in (("bf16", f"{name} has dtype torch.bfloat16"), ("missing", f"{name} is missing")):
+        damaged = dict(tensors)
+        if damage == "bf16":
+            damaged[name] = tensors[name].bfloat16()
+        else:
+            del damaged[name]
+        save_file(damaged, str(tmp_path / "mx" / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(mxgemm.CheckpointError, match=re.escape(message)):
+            auto.from_pretrained(tmp_path / "mx", config=checkpoint_config(tmp_path / "mx"))
 
 
 def test_a_moe_model_saved_from_the_online_route_loads_back_the_same(tmp_path):
-    """By default the transformers route leaves experts in bf16, so that a model it saved loads back computing what
-    it computed. With ``experts=True`` it quantizes them as quantize_model does (the same logits), and save_pretrained
-    refuses that model in one line instead of writing experts it cannot load back."""
+    """By default the transformers route leaves experts in bf16. With ``experts=True`` it quantizes them as
+    quantize_model does (the same logits); save_pretrained writes them per expert (weights packed as int32, as the
+    linear layers' are) and from_pretrained loads them back into MXFP8Experts of the same bits and logits."""
     from helpers import tiny_qwen3_moe
+    from safetensors import safe_open
 
     from mxgemm.integrations import MXFP8Config
     from mxgemm.moe import MXFP8Experts
@@ -381,10 +408,19 @@ def test_a_moe_model_saved_from_the_online_route_loads_back_the_same(tmp_path):
     mxgemm.quantize_model(reference)
     with torch.no_grad():
         assert torch.equal(with_experts(ids).logits, reference(ids).logits)
-    refused = r"model.layers.0.mlp.experts holds quantized experts.*save_checkpoint"
-    with pytest.raises(mxgemm.MXGemmError, match=refused):
-        with_experts.save_pretrained(tmp_path / "refused")
-    assert not (tmp_path / "refused" / "model.safetensors").exists()
+    with_experts.save_pretrained(tmp_path / "mx-experts")
+    with safe_open(tmp_path / "mx-experts" / "model.safetensors", "pt") as f:
+        prefix = "model.layers.0.mlp.experts"
+        assert f.get_slice(f"{prefix}.3.up_proj.weight").get_dtype() == "I32"
+        assert f.get_slice(f"{prefix}.3.up_proj.weight_scale").get_dtype() == "U8"
+        assert not any(k.startswith(f"{prefix}.gate_up_proj") for k in f.keys())
+    back = auto.from_pretrained(tmp_path / "mx-experts")
+    got, saved = back.model.layers[0].mlp.experts, with_experts.model.layers[0].mlp.experts
+    assert isinstance(got, MXFP8Experts)
+    for name in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
+        assert torch.equal(getattr(got, name).view(torch.uint8), getattr(saved, name).view(torch.uint8)), name
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, with_experts(ids).logits)
 
 
 @pytest.mark.parametrize(

@@ -5,20 +5,23 @@
   then replaces each ``nn.Linear`` (but the skipped ones) by an ``MXFP8Linear`` quantized from them, layer by layer
   (:func:`mxgemm.quantize_model`). fp32, bf16 and fp16 models work: the layers run in bf16/fp16 and answer in the
   activations' dtype. ``MXFP8Config(experts=True)`` also replaces the 3-D experts of mixture-of-experts layers by
-  ``MXFP8Experts`` (as :func:`mxgemm.quantize_model` does); ``save_pretrained`` refuses such a model (saving quantized
-  experts through transformers is not built yet: :func:`mxgemm.save_checkpoint` writes them per expert).
+  ``MXFP8Experts`` (as :func:`mxgemm.quantize_model` does).
 - Saved and loaded back: ``save_pretrained`` writes each quantized layer's ``weight`` (its float8 [N, K] bytes as
   int32 [N, K/4]: transformers without this module imported refuses that shape, where it would read float8 [N, K]
   as bf16 values) and ``weight_scale`` (uint8 [N, K/32]) with ``quantization_config`` {"quant_method": "mxgemm",
-  ...}; ``from_pretrained`` of that folder (this module imported) checks those tensors in its files, builds
-  placeholders holding exactly them (float8 [N, K] weights of earlier saves too), loads them, and turns each into an
-  ``MXFP8Linear`` prepared once on its device. Both ways, layers that read the same input then run as one
-  and gated MLPs hand ``down_proj`` their product quantized in one kernel (:func:`mxgemm.fusion.fuse`).
+  ...}, and quantized experts per expert as checkpoints store them (``<experts>.<e>.{gate,up,down}_proj.weight`` and
+  ``weight_scale``, the weights packed alike); ``from_pretrained`` of that folder (this module imported) checks those
+  tensors in its files, builds placeholders holding exactly them (float8 [N, K] weights of earlier saves too), loads
+  them (transformers' own converters stack each experts module's per-expert tensors, and a copy of each for the
+  ``_scale`` tensors beside them), and turns each into an ``MXFP8Linear`` or ``MXFP8Experts`` prepared once on its
+  device. Both ways, layers that read the same input then run as one and gated MLPs hand ``down_proj`` their
+  product quantized in one kernel (:func:`mxgemm.fusion.fuse`).
 
 - MXFP8 checkpoints of other producers (compressed-tensors, as ``mxgemm quantize`` writes them, and NVIDIA ModelOpt):
   their config names another method, which transformers would dequantize to bf16. ``from_pretrained(path,
   config=checkpoint_config(path))`` loads them into ``MXFP8Linear`` layers instead: the config is the checkpoint's
-  own with mxgemm as its quantization method, naming the layers whose scales the checkpoint holds.
+  own with mxgemm as its quantization method, naming the layers whose scales the checkpoint holds; quantized experts
+  stored per expert load into ``MXFP8Experts``.
 """
 
 from __future__ import annotations
@@ -34,13 +37,12 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..checkpoints import CheckpointError, TensorSource, check_pair, check_values
-from ..errors import MXGemmError
+from ..checkpoints import CheckpointError, TensorSource, check_pair, check_values, experts_in, per_expert_state
 from ..format import BLOCK_SIZE, e8m0_bytes
 from ..fusion import fuse
 from ..linear import MXFP8Linear
 from ..models import quantizable_linears, quantize_model
-from ..moe import MXFP8Experts
+from ..moe import MXFP8Experts, experts_modules, per_expert_shapes
 from ..resolve import check_request
 
 __all__ = ["METHOD", "MXFP8Config", "MXFP8HfQuantizer", "checkpoint_config", "enable_transformers"]
@@ -53,10 +55,9 @@ class MXFP8Config(QuantizationConfigMixin):
     """``backend`` / ``recipe`` as for :class:`mxgemm.MXFP8Linear` (None: resolved for the device), ``scale_mode``
     the MX scale rule of online quantization ("floor", "rceil", "compressed-tensors"), ``skip`` the layer names or
     glob patterns left in full precision (as for :func:`mxgemm.quantize_model`), ``experts`` whether online
-    quantization takes the experts of mixture-of-experts layers too (a model so quantized cannot be saved through
-    transformers yet). For a saved checkpoint, ``modules``
-    names its quantized layers (None: every linear layer but ``skip``) and ``scale_dtype`` the dtype its scales are
-    stored in ("uint8" or "float8_e8m0fnu")."""
+    quantization takes the experts of mixture-of-experts layers too. For a saved checkpoint, ``modules`` names its
+    quantized linear layers (None: every linear layer but ``skip``), ``scale_dtype`` the dtype its scales are stored
+    in ("uint8" or "float8_e8m0fnu"); its experts are quantized where it stores their scales."""
 
     backend: str | None = None
     recipe: str | None = None
@@ -105,31 +106,87 @@ class _MXWeights(nn.Module):
         return weight, scale
 
 
+class _MXExpertsWeights(nn.Module):
+    """An experts module while transformers loads its MXFP8 experts: ``gate_up_proj`` [E, 2I, H] and ``down_proj``
+    [E, H, I] of the stored weights' dtype (``packed``: their float8 bytes as int32, the last dimension a quarter) and
+    their ``_scale`` tensors [E, N, K/32], which transformers' converters stack from the per-expert tensors; turned
+    into an ``MXFP8Experts`` once they are loaded."""
+
+    def __init__(self, module: nn.Module, scale_dtype: torch.dtype, packed: bool):
+        super().__init__()
+        experts, device = module.gate_up_proj.shape[0], module.gate_up_proj.device
+        shapes = per_expert_shapes(module)
+        for name, rows in (("gate_up_proj", 2 * shapes["gate_proj"][0]), ("down_proj", shapes["down_proj"][0])):
+            k = shapes["down_proj" if name == "down_proj" else "gate_proj"][1]
+            shape, dtype = (
+                ((experts, rows, k // 4), torch.int32) if packed else ((experts, rows, k), torch.float8_e4m3fn)
+            )
+            setattr(self, name, _placeholder((shape, dtype), device))
+            setattr(self, f"{name}_scale", _placeholder(((experts, rows, k // BLOCK_SIZE), scale_dtype), device))
+
+    def checked(self, name: str) -> list[torch.Tensor]:
+        """The loaded (gate_up, its scale, down, its scale), or :class:`mxgemm.CheckpointError` naming the experts
+        module and projection where they do not dequantize to finite values."""
+        tensors = []
+        for projection in ("gate_up_proj", "down_proj"):
+            weight = getattr(self, projection).detach().view(torch.float8_e4m3fn)
+            scale = e8m0_bytes(getattr(self, f"{projection}_scale").detach())
+            check_values(f"{name}.{projection}", weight, scale)
+            tensors += [weight, scale]
+        return tensors
+
+
+def _placeholder(shape_dtype: tuple, device: torch.device) -> nn.Parameter:
+    shape, dtype = shape_dtype
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _unpack_header(source: TensorSource, weight: str, n: int, k: int) -> bool:
+    """Whether ``weight`` is stored packed (float8 [N, K] bytes as int32 [N, K/4], as saves since then are); if so,
+    its header is read as the float8 [N, K] it holds."""
+    packed = source.dtypes.get(weight) == torch.int32 and source.shapes[weight] == (n, k // 4)
+    if packed:
+        source.dtypes[weight], source.shapes[weight] = torch.float8_e4m3fn, (n, k)
+    return packed
+
+
+def _check_scale_dtype(source: TensorSource, scale: str, scale_dtype: torch.dtype) -> None:
+    stored = source.dtypes[scale]
+    if stored != scale_dtype:
+        raise CheckpointError(f"{scale} has dtype {stored}; the config records scales as {scale_dtype} (scale_dtype)")
+
+
 def _check_saved(
-    files: list[str] | None, layers: list[tuple[str, nn.Linear]], scale_dtype: torch.dtype
-) -> dict[str, bool]:
+    files: list[str] | None, model: nn.Module, layers: list[tuple[str, nn.Linear]], scale_dtype: torch.dtype
+) -> tuple[dict[str, bool], dict[str, bool]]:
     """Before transformers loads a saved mxgemm model: each quantized layer's pair in the safetensors files is there,
     of MXFP8's dtypes and the layer's shapes, and its scales of the dtype the config records (transformers would
-    leave a missing tensor uninitialised and cast one of another dtype by value); :class:`mxgemm.CheckpointError`
-    naming the tensor, as :func:`mxgemm.load_checkpoint` refuses it. Answers which layers' weights are packed as
-    int32 [N, K/4] (saves since they are; float8 [N, K] before)."""
+    leave a missing tensor uninitialised and cast one of another dtype by value); so are the per-expert pairs of
+    every experts module the files store quantized (:func:`mxgemm.checkpoints.experts_in`);
+    :class:`mxgemm.CheckpointError` naming the tensor, as :func:`mxgemm.load_checkpoint` refuses it. Answers, for
+    the quantized layers and then the quantized experts modules, whether their weights are packed as int32 [N, K/4]
+    (saves since they are; float8 [N, K] before)."""
     if not files:
         raise CheckpointError("a saved mxgemm model loads from its safetensors files (from_pretrained gave none)")
     source = TensorSource(Path(files[0]).parent)
     packed = {}
     for name, module in layers:
-        weight = f"{name}.weight"
-        n, k = module.out_features, module.in_features
-        packed[name] = source.dtypes.get(weight) == torch.int32 and source.shapes[weight] == (n, k // 4)
-        if packed[name]:  # read as the float8 [N, K] it holds
-            source.dtypes[weight], source.shapes[weight] = torch.float8_e4m3fn, (n, k)
+        packed[name] = _unpack_header(source, f"{name}.weight", module.out_features, module.in_features)
         check_pair(name, source, module)
-        stored = source.dtypes[f"{name}.weight_scale"]
-        if stored != scale_dtype:
-            raise CheckpointError(
-                f"{name}.weight_scale has dtype {stored}; the config records scales as {scale_dtype} (scale_dtype)"
-            )
-    return packed
+        _check_scale_dtype(source, f"{name}.weight_scale", scale_dtype)
+    experts_packed = {}
+    for name, module in experts_modules(model):
+        if not isinstance(module.gate_up_proj, torch.Tensor) or module.gate_up_proj.dim() != 3:
+            continue
+        shapes, e = per_expert_shapes(module), module.gate_up_proj.shape[0]
+        prefix = f"{name}." if name else ""
+        stored = {_unpack_header(source, f"{prefix}{i}.{p}.weight", *shapes[p]) for i in range(e) for p in shapes}
+        experts_packed[name] = stored == {True}
+    quantized, _, _ = experts_in(model, source)
+    for names in quantized.values():
+        for weight in (n for ns in names.values() for n in ns):
+            _check_scale_dtype(source, f"{weight}_scale", scale_dtype)
+    return packed, {name: experts_packed[name] for name in quantized}
 
 
 class MXFP8HfQuantizer(HfQuantizer):
@@ -156,10 +213,34 @@ class MXFP8HfQuantizer(HfQuantizer):
                     raise ValueError(f"the checkpoint quantizes {wrong[0]}, which is not an nn.Linear of this model")
                 layers = [(name, linears[name]) for name in config.modules]
             scale_dtype = _SCALE_DTYPES[config.scale_dtype]
-            packed = _check_saved(kwargs.get("checkpoint_files"), layers, scale_dtype)
+            packed, experts = _check_saved(kwargs.get("checkpoint_files"), model, layers, scale_dtype)
             for name, module in layers:
                 model.set_submodule(name, _MXWeights(module, scale_dtype, packed[name]))
+            for name, experts_packed in experts.items():
+                model.set_submodule(name, _MXExpertsWeights(model.get_submodule(name), scale_dtype, experts_packed))
         return model
+
+    def update_weight_conversions(self, weight_conversions, model=None):
+        """transformers' converters stack per-expert ``weight`` tensors into an experts module's 3-D tensors
+        (``experts.*.gate_proj.weight`` + ``up_proj`` -> ``gate_up_proj``); each such converter gets a copy for the
+        ``weight_scale`` tensors beside them (-> ``gate_up_proj_scale``), with the same operations. (transformers
+        5.0-5.17 call this with the conversions only, later ones with the model too.)"""
+        from transformers.core_model_loading import WeightConverter
+
+        updated = []
+        for converter in weight_conversions:
+            updated.append(converter)
+            sources = getattr(converter, "_original_source_patterns", [])
+            if isinstance(converter, WeightConverter) and sources and all(p.endswith(".weight") for p in sources):
+                targets = converter._original_target_patterns
+                scales = WeightConverter(
+                    [f"{p}_scale" for p in sources], [f"{t}_scale" for t in targets], list(converter.operations)
+                )
+                for attr in ("scope_prefix", "base_model_prefix", "force_cpu"):
+                    if hasattr(converter, attr):
+                        setattr(scales, attr, getattr(converter, attr))
+                updated.append(scales)
+        return updated + self.get_weight_conversions()
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         config = self.quantization_config
@@ -167,30 +248,29 @@ class MXFP8HfQuantizer(HfQuantizer):
             options = {"backend": config.backend, "scale_mode": config.scale_mode, "recipe": config.recipe}
             quantize_model(model, skip=config.skip, experts=config.experts, **options)
             return model
-        loaded = {name: module for name, module in model.named_modules() if isinstance(module, _MXWeights)}
+        loaded = {
+            name: module
+            for name, module in model.named_modules()
+            if isinstance(module, (_MXWeights, _MXExpertsWeights))
+        }
         checked = {name: module.checked(name) for name, module in loaded.items()}  # all, before the model changes
+        options = {"backend": config.backend, "recipe": config.recipe}
         for name, module in loaded.items():
+            if isinstance(module, _MXExpertsWeights):
+                model.set_submodule(name, MXFP8Experts.from_quantized(*checked[name], **options))
+                continue
             bias = None if module.bias is None else module.bias.detach()
-            layer = MXFP8Linear.from_quantized(*checked[name], bias, backend=config.backend, recipe=config.recipe)
-            model.set_submodule(name, layer)
+            model.set_submodule(name, MXFP8Linear.from_quantized(*checked[name], bias, **options))
         fuse(model)
         return model
 
     def get_state_dict_and_metadata(self, model):
-        """What ``save_pretrained`` writes: the model's state dict with each quantized layer's float8 [N, K] weight
-        as its bytes in int32 [N, K/4] (the module docstring says why)."""
-        experts = [name for name, module in model.named_modules() if isinstance(module, MXFP8Experts)]
-        if experts:
-            raise MXGemmError(
-                f"{experts[0]} holds quantized experts, which save_pretrained does not write yet: "
-                "mxgemm.save_checkpoint(model, folder) writes them per expert (compressed-tensors), or quantize with "
-                "MXFP8Config(experts=False)"
-            )
-        state = model.state_dict()
-        for name, module in model.named_modules():
-            if isinstance(module, MXFP8Linear):
-                key = f"{name}.weight" if name else "weight"
-                state[key] = state[key].contiguous().view(torch.int32)
+        """What ``save_pretrained`` writes: the model's state dict with quantized experts per expert and each
+        quantized float8 [N, K] weight as its bytes in int32 [N, K/4] (the module docstring says why)."""
+        state = per_expert_state(model, model.state_dict())
+        for key, tensor in state.items():
+            if tensor.dtype == torch.float8_e4m3fn:
+                state[key] = tensor.contiguous().view(torch.int32)
         return state, {}
 
     def is_serializable(self, **kwargs) -> bool:
@@ -206,7 +286,8 @@ def checkpoint_config(
 ) -> PretrainedConfig:
     """The config of the MXFP8 checkpoint folder ``path`` (compressed-tensors or ModelOpt) with mxgemm as its
     quantization method: ``from_pretrained(path, config=checkpoint_config(path))`` loads every layer whose scales the
-    checkpoint holds into an ``MXFP8Linear`` (``backend`` / ``recipe`` as for it) and the rest as transformers does.
+    checkpoint holds into an ``MXFP8Linear`` (``backend`` / ``recipe`` as for it), experts it stores quantized per
+    expert into ``MXFP8Experts``, and the rest as transformers does.
     ``config_kwargs`` go to ``AutoConfig.from_pretrained``. :class:`mxgemm.CheckpointError` if the folder is not an
     MXFP8 checkpoint."""
     from transformers import AutoConfig
@@ -215,14 +296,9 @@ def checkpoint_config(
 
     read_format(path)
     source = TensorSource(path)
-    modules = sorted(key.removesuffix(".weight_scale") for key in source.where if key.endswith(".weight_scale"))
-    experts = [m for m in modules if re.search(r"\.experts\.\d+\.", m)]
-    if experts:
-        raise CheckpointError(
-            f"{path} quantizes the experts of a mixture of experts ({experts[0]}, ...), which this route does not "
-            "load yet: build the model and call mxgemm.load_checkpoint(model, path)"
-        )
-    dtypes = {str(source.dtypes[f"{m}.weight_scale"]).removeprefix("torch.") for m in modules}
+    scaled = sorted(key.removesuffix(".weight_scale") for key in source.where if key.endswith(".weight_scale"))
+    modules = [m for m in scaled if not re.search(r"\.experts\.\d+\.", m)]  # experts: where their scales are
+    dtypes = {str(source.dtypes[f"{m}.weight_scale"]).removeprefix("torch.") for m in scaled}
     if len(dtypes) > 1 or not dtypes <= set(_SCALE_DTYPES):
         raise CheckpointError(f"{path}: weight scales stored as {sorted(dtypes)}; one of {sorted(_SCALE_DTYPES)}")
     config = AutoConfig.from_pretrained(path, **config_kwargs)
