@@ -371,14 +371,19 @@ def test_checkpoint_config_of_a_moe_checkpoint_loads_the_experts_as_load_checkpo
 
     tensors = load_file(str(tmp_path / "mx" / "model.safetensors"))
     name = "model.layers.0.mlp.experts.2.up_proj.weight"
-    for damage, message in (("bf16", f"{name} has dtype torch.bfloat16"), ("missing", f"{name} is missing")):
+    unread = r"experts\.0\.\w+\.weight_scale is a quantized expert this route does not read"
+    damages = [("bf16", re.escape(f"{name} has dtype torch.bfloat16")), ("missing", re.escape(f"{name} is missing"))]
+    damages.append(("w1", unread))
+    for damage, message in damages:
         damaged = dict(tensors)
         if damage == "bf16":
             damaged[name] = tensors[name].bfloat16()
-        else:
+        elif damage == "missing":
             del damaged[name]
+        else:  # Mixtral's names: transformers would load the float8 bytes into bf16 experts by value
+            damaged = {k.replace(".gate_proj.", ".w1."): v for k, v in tensors.items()}
         save_file(damaged, str(tmp_path / "mx" / "model.safetensors"), metadata={"format": "pt"})
-        with pytest.raises(mxgemm.CheckpointError, match=re.escape(message)):
+        with pytest.raises(mxgemm.CheckpointError, match=message):
             auto.from_pretrained(tmp_path / "mx", config=checkpoint_config(tmp_path / "mx"))
 
 
@@ -421,6 +426,23 @@ def test_a_moe_model_saved_from_the_online_route_loads_back_the_same(tmp_path):
         assert torch.equal(getattr(got, name).view(torch.uint8), getattr(saved, name).view(torch.uint8)), name
     with torch.no_grad():
         assert torch.equal(back(ids).logits, with_experts(ids).logits)
+
+
+def test_save_pretrained_refuses_quantized_experts_transformers_stores_under_other_names(tmp_path):
+    """Mixtral's checkpoints store experts as w1 / w2 / w3, which transformers' converters read; quantized experts
+    written as gate_proj / up_proj / down_proj would not load back, so save_pretrained refuses in one line."""
+    from mxgemm.integrations import MXFP8Config
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.MixtralConfig(**common, intermediate_size=96, num_local_experts=4)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "bf16")
+    auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(tmp_path / "bf16", quantization_config=MXFP8Config(experts=True))
+    refused = r"transformers stores MixtralForCausalLM's experts as .*w1\.weight.*mxgemm\.save_checkpoint"
+    with pytest.raises(mxgemm.MXGemmError, match=refused):
+        model.save_pretrained(tmp_path / "mx")
+    assert not (tmp_path / "mx" / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize(

@@ -38,11 +38,12 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..checkpoints import CheckpointError, TensorSource, check_pair, check_values, experts_in, per_expert_state
+from ..errors import MXGemmError
 from ..format import BLOCK_SIZE, e8m0_bytes
 from ..fusion import fuse
 from ..linear import MXFP8Linear
 from ..models import quantizable_linears, quantize_model
-from ..moe import MXFP8Experts, experts_modules, per_expert_shapes
+from ..moe import MXFP8Experts, experts_modules, per_expert_names, per_expert_shapes
 from ..resolve import check_request
 
 __all__ = ["METHOD", "MXFP8Config", "MXFP8HfQuantizer", "checkpoint_config", "enable_transformers"]
@@ -182,11 +183,40 @@ def _check_saved(
         prefix = f"{name}." if name else ""
         stored = {_unpack_header(source, f"{prefix}{i}.{p}.weight", *shapes[p]) for i in range(e) for p in shapes}
         experts_packed[name] = stored == {True}
-    quantized, _, _ = experts_in(model, source)
+    quantized, consumed, _ = experts_in(model, source)
     for names in quantized.values():
         for weight in (n for ns in names.values() for n in ns):
             _check_scale_dtype(source, f"{weight}_scale", scale_dtype)
+    unread = [k for k in source.where if re.search(r"\.experts\.\d+\..*weight_scale$", k) and k not in consumed]
+    if unread:  # transformers would load their float8 weights into the model's bf16 experts by value
+        raise CheckpointError(
+            f"{unread[0]} is a quantized expert this route does not read: it loads experts stored as "
+            "<experts>.<e>.{gate,up,down}_proj.weight beside weight_scale, under the model's experts module names"
+        )
     return packed, {name: experts_packed[name] for name in quantized}
+
+
+def _check_experts_naming(model: nn.Module) -> None:
+    """Refuse, in one line, to save quantized experts where transformers would not read them back: the model's own
+    converters must store its experts per expert as ``<experts>.<e>.{gate,up,down}_proj.weight`` (Qwen-MoE,
+    DeepSeek-V3), the names quantized experts are written under; Mixtral's, for one, are ``w1`` / ``w2`` / ``w3``."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, module in model.named_modules():
+        if not isinstance(module, MXFP8Experts):
+            continue
+        prefix = f"{name}." if name else ""
+        shapes = {"gate_up_proj": (module.num_experts, module.gate_up.out_features, module.gate_up.in_features)}
+        shapes["down_proj"] = (module.num_experts, module.down.out_features, module.down.in_features)
+        meta = {prefix + p: torch.empty(shape, device="meta") for p, shape in shapes.items()}
+        stored = sorted(revert_weight_conversion(model, meta))
+        written = sorted(n for ns in per_expert_names(name, module.num_experts).values() for n in ns)
+        if stored != written:
+            raise MXGemmError(
+                f"{name}: transformers stores {type(model).__name__}'s experts as {stored[0]}, ..., where quantized "
+                f"experts are written as {written[0]}, ...: save_pretrained cannot write them; "
+                "mxgemm.save_checkpoint(model, folder) does, or quantize with MXFP8Config(experts=False)"
+            )
 
 
 class MXFP8HfQuantizer(HfQuantizer):
@@ -267,6 +297,7 @@ class MXFP8HfQuantizer(HfQuantizer):
     def get_state_dict_and_metadata(self, model):
         """What ``save_pretrained`` writes: the model's state dict with quantized experts per expert and each
         quantized float8 [N, K] weight as its bytes in int32 [N, K/4] (the module docstring says why)."""
+        _check_experts_naming(model)
         state = per_expert_state(model, model.state_dict())
         for key, tensor in state.items():
             if tensor.dtype == torch.float8_e4m3fn:
