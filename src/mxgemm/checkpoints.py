@@ -93,8 +93,8 @@ def compressed_tensors_config(scheme: str, ignore: Sequence[str]) -> dict:
 
 @dataclass(frozen=True)
 class CheckpointFormat:
-    kind: str  # "compressed-tensors" or "modelopt"
-    scheme: str  # "MXFP8" (dynamic MX activations), "MXFP8A16" (weight-only), or "MXFP8" for ModelOpt
+    kind: str  # "compressed-tensors", "modelopt" or "fp8" (block-FP8 configs of 1x32 blocks, SGLang-style)
+    scheme: str  # "MXFP8" (dynamic MX activations), "MXFP8A16" (weight-only), or "MXFP8" for ModelOpt and fp8
     ignore: tuple[str, ...]  # module names or patterns left unquantized
 
 
@@ -110,6 +110,13 @@ def read_format(path: str | Path) -> CheckpointFormat:
         return _modelopt_format(_object(_read_json(where).get("quantization", {}), where), where)
     if qc.get("quant_method") == "modelopt":
         return _modelopt_format(qc, path / "config.json")
+    if qc.get("quant_method") == "fp8":  # DeepSeek-V3-style block-FP8 configs, MX when the blocks are 1x32
+        where = path / "config.json"
+        if qc.get("weight_block_size") != [1, BLOCK_SIZE]:
+            raise CheckpointError(
+                f"{where}: fp8 weight_block_size {qc.get('weight_block_size')!r} is not MXFP8's [1, {BLOCK_SIZE}]"
+            )
+        return CheckpointFormat("fp8", "MXFP8", _names(qc.get("modules_to_not_convert"), where, "ignore"))
     if qc.get("quant_method") == "compressed-tensors":
         where = path / "config.json"
         if qc.get("format") != "mxfp8-quantized":
@@ -200,7 +207,11 @@ if hasattr(torch, "float8_e8m0fnu"):
 
 class TensorSource:
     """The tensors of a folder's safetensors files, read lazily: names, shapes and dtypes from the files' headers
-    at once (a tensor in two files and unreadable files refused, naming them), each tensor's data when loaded."""
+    at once (a tensor in two files and unreadable files refused, naming them), each tensor's data when loaded.
+
+    A float8 weight's ``weight_scale_inv`` (SGLang-style files; the factor its elements are multiplied by, despite
+    the name) is read as its ``weight_scale``: E8M0 bytes as they are, float32 powers of two as their E8M0 bytes
+    (anything else refused when loaded, naming it)."""
 
     def __init__(self, folder: str | Path):
         from safetensors import safe_open
@@ -221,6 +232,15 @@ class TensorSource:
                     self.where[name] = f
                     self.shapes[name] = tuple(info.get_shape())
                     self.dtypes[name] = _ST_DTYPES.get(info.get_dtype())
+        self.stored: dict[str, str] = {}  # a name read under another: weight_scale -> weight_scale_inv
+        for name in [n for n in self.where if n.endswith(".weight_scale_inv")]:
+            scale = name.removesuffix("_inv")
+            if scale in self.where or self.dtypes.get(scale.removesuffix("_scale")) != torch.float8_e4m3fn:
+                continue
+            self.stored[scale] = name
+            self.where[scale], self.shapes[scale] = self.where.pop(name), self.shapes.pop(name)
+            dtype = self.dtypes.pop(name)
+            self.dtypes[scale] = torch.uint8 if dtype == torch.float32 else dtype
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -228,11 +248,23 @@ class TensorSource:
     def load(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
+        stored = self.stored.get(name, name)
         try:
             with safe_open(str(self.where[name]), framework="pt") as handle:
-                return handle.get_tensor(name)
+                tensor = handle.get_tensor(stored)
         except Exception as exc:
-            raise CheckpointError(f"{self.where[name]}: cannot read {name} ({str(exc).splitlines()[0]})") from None
+            raise CheckpointError(f"{self.where[name]}: cannot read {stored} ({str(exc).splitlines()[0]})") from None
+        return _e8m0_of_powers_of_two(stored, tensor) if tensor.dtype == torch.float32 and stored != name else tensor
+
+
+def _e8m0_of_powers_of_two(name: str, scale: torch.Tensor) -> torch.Tensor:
+    """float32 scales that are powers of two (2^-127 .. 2^127) as E8M0 bytes (uint8), else
+    :class:`CheckpointError` naming the tensor."""
+    mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2^exponent, mantissa in [0.5, 1) where positive
+    biased = exponent.to(torch.int32) - 1 + 127
+    if not bool(((mantissa == 0.5) & (biased >= 0) & (biased <= 254)).all()):
+        raise CheckpointError(f"{name}: float32 scales that are not all powers of two from 2^-127 to 2^127 (E8M0)")
+    return biased.to(torch.uint8)
 
 
 def check_pair(name: str, source: TensorSource, module: nn.Linear) -> None:

@@ -84,6 +84,60 @@ def test_compressed_tensors_parses_and_decompresses_it(llama_dir, tmp_path):
     assert torch.equal(theirs.float(), ours.to(theirs.dtype).float())
 
 
+def _fp8_layout(mx, folder, scales: str, block=(1, 32)):
+    """``mx``'s tensors as an SGLang-style block-FP8 checkpoint: quant_method fp8 with 1x32 blocks, each scale under
+    weight_scale_inv, as E8M0 bytes (``scales="uint8"``) or the float32 powers of two they stand for."""
+    folder.mkdir()
+    cfg = json.loads((mx / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": ["lm_head"],
+    }
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = {}
+    for k, v in load_file(str(mx / "model.safetensors")).items():
+        if k.endswith(".weight_scale"):
+            k, v = k + "_inv", (torch.exp2(v.float() - 127) if scales == "float32" else v)
+        tensors[k] = v
+    save_file(tensors, str(folder / "model.safetensors"))
+    return tensors
+
+
+@pytest.mark.parametrize("scales", ["uint8", "float32"])
+def test_sglang_style_weight_scale_inv_layout_loads(llama_dir, tmp_path, scales):
+    """Scales under weight_scale_inv (E8M0 bytes, or float32 powers of two) load into the layers the
+    compressed-tensors scales give, bit for bit; float32 scales that are not powers of two, and block-FP8 configs
+    of other blocks, are refused by name; so is the transformers route, which would leave weight_scale unloaded."""
+    mx = tmp_path / "mx"
+    main(["quantize", str(llama_dir), str(mx)])
+    tensors = _fp8_layout(mx, tmp_path / "fp8", scales)
+    a = transformers.LlamaForCausalLM(_tiny_llama_config())
+    b = transformers.LlamaForCausalLM(_tiny_llama_config())
+    ra = mxgemm.load_checkpoint(a, mx, backend="emulation")
+    rb = mxgemm.load_checkpoint(b, tmp_path / "fp8", backend="emulation")
+    assert (rb.format.kind, rb.format.scheme) == ("fp8", "MXFP8") and rb.quantized == ra.quantized
+    name = "model.layers.1.mlp.down_proj"
+    assert torch.equal(b.get_submodule(name).weight_scale, a.get_submodule(name).weight_scale)
+    ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+    from mxgemm.integrations import checkpoint_config  # transformers loads by stored names: refused, not half-read
+
+    with pytest.raises(mxgemm.CheckpointError, match=r"weight_scale_inv: scales stored as .*mxgemm\.load_checkpoint"):
+        checkpoint_config(tmp_path / "fp8")
+    if scales == "float32":
+        tensors[f"{name}.weight_scale_inv"][0, 0] = 0.3
+        save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+        fresh = transformers.LlamaForCausalLM(_tiny_llama_config())
+        with pytest.raises(mxgemm.CheckpointError, match=rf"{name}\.weight_scale_inv: float32 scales that are not"):
+            mxgemm.load_checkpoint(fresh, tmp_path / "fp8", backend="emulation")
+    _fp8_layout(mx, tmp_path / "blocks", scales, block=(128, 128))
+    with pytest.raises(mxgemm.CheckpointError, match=r"fp8 weight_block_size \[128, 128\] is not MXFP8's \[1, 32\]"):
+        read_format(tmp_path / "blocks")
+
+
 def test_modelopt_layout_loads(llama_dir, tmp_path):
     mx = tmp_path / "mx"
     main(["quantize", str(llama_dir), str(mx)])

@@ -157,6 +157,17 @@ def _check_scale_dtype(source: TensorSource, scale: str, scale_dtype: torch.dtyp
         raise CheckpointError(f"{scale} has dtype {stored}; the config records scales as {scale_dtype} (scale_dtype)")
 
 
+def _refuse_scales_read_under_other_names(source: TensorSource) -> None:
+    """transformers loads tensors by their stored names: scales stored as ``weight_scale_inv`` would leave the
+    layers' ``weight_scale`` unloaded, so such a checkpoint is refused, naming the route that reads it."""
+    if source.stored:
+        first = next(iter(source.stored.values()))
+        raise CheckpointError(
+            f"{first}: scales stored as weight_scale_inv (SGLang-style), which the transformers route does not read; "
+            "build the model and call mxgemm.load_checkpoint(model, path), which does"
+        )
+
+
 def _check_saved(
     files: list[str] | None, model: nn.Module, layers: list[tuple[str, nn.Linear]], scale_dtype: torch.dtype
 ) -> tuple[dict[str, bool], dict[str, bool]]:
@@ -170,6 +181,7 @@ def _check_saved(
     if not files:
         raise CheckpointError("a saved mxgemm model loads from its safetensors files (from_pretrained gave none)")
     source = TensorSource(Path(files[0]).parent)
+    _refuse_scales_read_under_other_names(source)
     packed = {}
     for name, module in layers:
         packed[name] = _unpack_header(source, f"{name}.weight", module.out_features, module.in_features)
@@ -327,6 +339,7 @@ def checkpoint_config(
 
     read_format(path)
     source = TensorSource(path)
+    _refuse_scales_read_under_other_names(source)
     scaled = sorted(key.removesuffix(".weight_scale") for key in source.where if key.endswith(".weight_scale"))
     modules = [m for m in scaled if not re.search(r"\.experts\.\d+\.", m)]  # experts: where their scales are
     dtypes = {str(source.dtypes[f"{m}.weight_scale"]).removeprefix("torch.") for m in scaled}
