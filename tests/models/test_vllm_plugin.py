@@ -88,6 +88,34 @@ def test_tensor_parallel_shards_give_the_same_tokens(vllm_python, single_worker)
     assert _result(done)["vllm"] == result["hf"]
 
 
+@pytest.fixture(scope="module")
+def moe_single_worker(vllm_python, single_worker) -> tuple[dict, str]:
+    work = single_worker[0]
+    done = _run([vllm_python, SCRIPT, work, "--moe"], env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=1200)
+    return _result(done), done.stdout + done.stderr
+
+
+def test_moe_experts_run_on_mxgemm_with_hugging_face_tokens(moe_single_worker):
+    """A tiny Qwen3-MoE as `mxgemm quantize` writes it (experts per expert, MXFP8): mxgemm's quantization config
+    claims it, its MoE method prepares the experts vLLM's loader stacked (vLLM's own MXFP8 MoE path cannot run on a
+    CPU), and the greedy tokens are Hugging Face + mxgemm's; one line of vLLM's log says where the experts run."""
+    result, log = moe_single_worker
+    assert log.count("mxgemm: vLLM's MXFP8 MoE experts run on emulation (w8a16)") == 1
+    moe = [row for row in result["layers"] if not row.startswith("MxgemmMxfp8LinearKernel")]
+    assert moe == ["MxgemmMxfp8MoEMethod:emulation:True"] * 2, result["layers"]  # the emulation's copy is vLLM's
+    assert len(result["hf"]) == 16 and result["vllm"] == result["hf"]
+
+
+def test_moe_experts_under_tensor_parallelism_give_the_same_tokens(vllm_python, single_worker, moe_single_worker):
+    """2 CPU workers: each holds every expert's half of the expert width (gate/up split along N, down along K)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("tensor parallelism over 2 workers needs 2 cores")
+    env = _env(VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
+    done = _run([vllm_python, SCRIPT, single_worker[0], "--moe", "--tp", "2"], env=env, timeout=1200)
+    assert _result(done)["vllm"] == moe_single_worker[0]["hf"]
+
+
 def test_a_modelopt_checkpoint_runs_on_mxgemm_too(vllm_python, single_worker):
     """The same tensors as a ModelOpt MXFP8 checkpoint (vLLM's modelopt_mxfp8 method): the same greedy tokens."""
     work, result, _ = single_worker

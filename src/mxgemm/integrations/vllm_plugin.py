@@ -26,7 +26,10 @@ from ..format import BLOCK_SIZE
 from ..resolve import resolve_backend
 from ..weights import linear, prepare_weight
 
-__all__ = ["register"]  # and MxgemmMxfp8LinearKernel, built on first access (it subclasses vLLM's interface)
+__all__ = [
+    "register",
+    "say_once",
+]  # and MxgemmMxfp8LinearKernel, built on first access (it subclasses vLLM's interface)
 
 logger = logging.getLogger("mxgemm")
 # a child of vLLM's root logger, which vLLM gives its handler: lines here show where vLLM's own do (mxgemm's logger
@@ -35,7 +38,7 @@ engine_logger = logging.getLogger("vllm.mxgemm")
 
 
 @functools.cache
-def _say_once(message: str) -> None:
+def say_once(message: str) -> None:
     """``message`` at INFO through vLLM's logging, once per process."""
     engine_logger.info(message)
 
@@ -66,7 +69,7 @@ def _kernel_class():
             k = c.weight_shape[1]
             if k % BLOCK_SIZE:
                 reason = f"mxgemm needs K (this shard's in_features) a multiple of {BLOCK_SIZE}"
-                _say_once(f"{reason}: such MXFP8 layers are left to vLLM's own kernels")
+                say_once(f"{reason}: such MXFP8 layers are left to vLLM's own kernels")
                 return False, f"{reason}, got {k}"
             return True, None
 
@@ -79,7 +82,7 @@ def _kernel_class():
             if weight.untyped_storage().data_ptr() not in kept:  # the backend made its own copy: drop the checkpoint's
                 del layer.weight, layer.weight_scale
             logger.debug("vLLM MXFP8 layer [%d, %d] on %s (%s)", n, k, prepared.backend, prepared.recipe)
-            _say_once(f"mxgemm: vLLM's MXFP8 linear layers run on {prepared.backend} ({prepared.recipe})")
+            say_once(f"mxgemm: vLLM's MXFP8 linear layers run on {prepared.backend} ({prepared.recipe})")
 
         def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
             return linear(x, layer.mxgemm_weight, bias)
@@ -96,11 +99,15 @@ def __getattr__(name: str):
 
 
 def register() -> None:
-    """vLLM's ``vllm.general_plugins`` entry point: put mxgemm's kernel first in vLLM's MXFP8 kernel list of the CPU
-    and CUDA platforms (once; vLLM calls plugins in every process it starts)."""
+    """vLLM's ``vllm.general_plugins`` entry point: register mxgemm's quantization config for MXFP8 experts
+    (:mod:`mxgemm.integrations.vllm_moe`) and put mxgemm's kernel first in vLLM's MXFP8 kernel list of the CPU and
+    CUDA platforms (once; vLLM calls plugins in every process it starts)."""
     from vllm.model_executor.kernels import linear as registry
     from vllm.platforms import PlatformEnum
 
+    from . import vllm_moe
+
+    vllm_moe.register()
     kernel = __getattr__("MxgemmMxfp8LinearKernel")
     for name in _PLATFORMS:
         platform = PlatformEnum[name]

@@ -6,6 +6,8 @@ layer's kernel and backend. `python greedy_tokens.py WORK_FOLDER --tp 2`: vLLM's
 with tensor parallelism over 2 CPU workers (column-parallel layers split N, row-parallel ones K).
 `python greedy_tokens.py WORK_FOLDER --modelopt`: the same tensors as a ModelOpt MXFP8 checkpoint (vLLM's
 `modelopt_mxfp8` method, the quantization config in config.json), vLLM's greedy tokens.
+`python greedy_tokens.py WORK_FOLDER --moe [--tp 2]`: the same for a tiny Qwen3-MoE (8 experts, top-2) converted into
+WORK_FOLDER/moe-mx, with each MoE layer's method and backend (without --tp: Hugging Face + mxgemm's tokens too).
 `python greedy_tokens.py WORK_FOLDER --readme EXAMPLE.py`: run the README's vLLM example in a folder where
 `my-model-mxfp8` is that checkpoint with a word-level tokenizer (the tiny model has none)."""
 
@@ -21,32 +23,34 @@ PROMPT = [1, 17, 42, 99, 7, 300, 12, 5]
 NEW_TOKENS = 16
 
 
-def write_checkpoint(work: Path) -> Path:
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    config.architectures = ["LlamaForCausalLM"]
+def write_checkpoint(work: Path, moe: bool = False) -> Path:
+    common = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    common.update(max_position_embeddings=256, tie_word_embeddings=False)
+    if moe:  # an expert width of 128: 64 per rank under tensor parallelism, a multiple of 32
+        config = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
+        config.architectures = ["Qwen3MoeForCausalLM"]
+    else:
+        config = transformers.LlamaConfig(**common, intermediate_size=512)
+        config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    # the MoE's weights wider (std 0.1): at 0.05 its 7th greedy token is a near tie that the order of tensor
+    # parallelism's sums decides (each rank's partial rounded to bf16 before vLLM adds them; the bf16 model picks
+    # the other token too); at 0.1 the tokens are clear of such ties
     for p in model.parameters():
-        p.data.normal_(0, 0.05)
-    model.save_pretrained(work / "bf16")
-    cmd = [sys.executable, "-m", "mxgemm", "quantize", str(work / "bf16"), str(work / "mx"), "--scheme", "MXFP8"]
-    subprocess.run([*cmd, "--force"], check=True)
-    return work / "mx"
+        p.data.normal_(0, 0.1 if moe else 0.05)
+    prefix = "moe-" if moe else ""
+    model.save_pretrained(work / f"{prefix}bf16")
+    cmd = [sys.executable, "-m", "mxgemm", "quantize", str(work / f"{prefix}bf16"), str(work / f"{prefix}mx")]
+    subprocess.run([*cmd, "--scheme", "MXFP8", "--force"], check=True)
+    return work / f"{prefix}mx"
 
 
 def hf_tokens(folder: Path) -> list[int]:
     import mxgemm
 
-    model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(folder)).to(torch.bfloat16)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     mxgemm.load_checkpoint(model, folder)
     with torch.no_grad():
         out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -66,7 +70,9 @@ def vllm_tokens(folder: Path, tp: int = 1) -> tuple[list[int], list[str]]:
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
     )
-    layers = llm.apply_model(_mxfp8_layers)[0] if tp == 1 else []  # vLLM's public hook into its model
+    layers = []
+    if tp == 1:  # vLLM's public hook into its model (its workers under tp > 1 take no functions)
+        layers = llm.apply_model(_mxfp8_layers)[0] + llm.apply_model(_moe_layers)[0]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params)
     return list(out[0].outputs[0].token_ids), layers
@@ -82,6 +88,18 @@ def _mxfp8_layers(model) -> list[str]:
             continue
         prepared = getattr(module, "mxgemm_weight", None)
         rows.append(f"{type(kernel).__name__}:{prepared.backend if prepared else None}:{hasattr(module, 'weight')}")
+    return rows
+
+
+def _moe_layers(model) -> list[str]:
+    """Each MoE layer's method class and, where mxgemm prepared its experts, the backend and whether vLLM's copy of
+    the checkpoint tensors is gone."""
+    rows = []
+    for module in model.modules():
+        if hasattr(module, "w13_weight") or hasattr(module, "mxgemm_w13"):
+            prepared = getattr(module, "mxgemm_w13", None)
+            method = type(module.quant_method).__name__
+            rows.append(f"{method}:{prepared.backend if prepared else None}:{hasattr(module, 'w13_weight')}")
     return rows
 
 
@@ -122,6 +140,12 @@ def main() -> None:
     work = Path(sys.argv[1])
     if sys.argv[2:3] == ["--readme"]:
         readme_example(work, Path(sys.argv[3]))
+        return
+    if sys.argv[2:3] == ["--moe"]:
+        tp = 2 if sys.argv[3:5] == ["--tp", "2"] else 1
+        folder = write_checkpoint(work, moe=True) if tp == 1 else work / "moe-mx"
+        vllm, layers = vllm_tokens(folder, tp=tp)
+        print(json.dumps({"hf": hf_tokens(folder) if tp == 1 else None, "vllm": vllm, "layers": layers}))
         return
     if sys.argv[2:4] == ["--tp", "2"]:
         print(json.dumps({"vllm": vllm_tokens(work / "mx", tp=2)[0]}))

@@ -1,0 +1,158 @@
+"""vLLM: the experts of MXFP8 mixture-of-experts checkpoints (compressed-tensors ``mxfp8-quantized``) on mxgemm's
+grouped kernels, through vLLM's public extension points; :func:`register` is called by the plugin's entry point.
+
+- A quantization config registered as ``"mxgemm"`` (``register_quantization_config``) claims, through its
+  ``override_quantization_method``, the compressed-tensors MXFP8 checkpoints of a model with experts, where mxgemm's
+  grouped backend resolves on this machine (:func:`grouped_reason`); elsewhere vLLM's own MXFP8 path runs them and
+  vLLM's log says why. The config is compressed-tensors' own for everything but the experts: its linear layers keep
+  vLLM's MXFP8 scheme (whose kernel is mxgemm's, :mod:`mxgemm.integrations.vllm_plugin`).
+- Its MoE method creates vLLM's canonical ``w13_weight`` / ``w2_weight`` and their ``_scale`` parameters with
+  vLLM's loader attributes (compressed-tensors' own ``create_weights``), so that vLLM's loader stacks the per-expert
+  tensors and shards them for tensor and expert parallelism; once loaded it prepares each as one grouped weight
+  (:func:`mxgemm.prepare_grouped_weight`) and runs :func:`mxgemm.moe_experts` on the router's choice, experts of
+  other ranks (``expert_map`` -1) weighted zero. vLLM reduces the partial sums across ranks and runs shared experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MXGemmError
+from ..grouped import prepare_grouped_weight
+from ..moe import experts_stay_in_bf16, moe_experts
+from ..resolve import resolve_backend
+from .vllm_plugin import say_once
+
+__all__ = ["METHOD", "grouped_reason", "register"]  # and MxgemmConfig, MxgemmMxfp8MoEMethod, built on first access
+
+METHOD = "mxgemm"
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def grouped_reason(backend: str | None = None) -> str:
+    """Why mxgemm does not run MXFP8 experts here under ``backend`` (None: ``$MXGEMM_BACKEND``, else ``auto``), or
+    "" where it does: a named backend without grouped weights, or ``auto`` on a GPU where only the emulation runs
+    them (vLLM's own MXFP8 path is faster there)."""
+    try:
+        resolve_backend(backend, device=_device(), grouped=True)
+    except MXGemmError as exc:
+        return str(exc)
+    return experts_stay_in_bf16(_device(), backend, None)
+
+
+def _is_mxfp8_compressed_tensors(config: dict) -> bool:
+    return config.get("quant_method") == "compressed-tensors" and config.get("format") == "mxfp8-quantized"
+
+
+def _has_experts(hf_config) -> bool:
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return any(getattr(text, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def _classes():
+    """(config, MoE method) classes, built on first use: they subclass vLLM's."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe import (  # noqa: E501
+        CompressedTensorsMoEMethod,
+    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_mxfp8 import (  # noqa: E501
+        CompressedTensorsW8A8Mxfp8MoEMethod,
+    )
+
+    class MxgemmMxfp8MoEMethod(CompressedTensorsW8A8Mxfp8MoEMethod):
+        """vLLM's compressed-tensors MXFP8 MoE method with its weights prepared for, and run on, mxgemm (see the
+        module docstring)."""
+
+        backend: str | None = None  # None: MXGEMM_BACKEND, else auto
+
+        def __init__(self, moe):
+            CompressedTensorsMoEMethod.__init__(self, moe)  # not vLLM's kernel selection: mxgemm runs these experts
+            if moe.activation.value != "silu" or not moe.is_act_and_mul:
+                raise MXGemmError(f"mxgemm runs SiLU-gated experts; this layer's activation is {moe.activation}")
+
+        # create_weights: compressed-tensors' own (the canonical names and vLLM's loader attributes)
+
+        def process_weights_after_loading(self, layer) -> None:
+            for name in ("w13", "w2"):
+                weight, scale = getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_weight_scale")
+                prepared = prepare_grouped_weight(weight.data, scale.data, backend=self.backend)
+                setattr(layer, f"mxgemm_{name}", prepared)
+                kept = {t.untyped_storage().data_ptr() for t in prepared.tensors.values()}
+                if weight.data.untyped_storage().data_ptr() not in kept:  # the backend keeps its own copy
+                    delattr(layer, f"{name}_weight")
+                    delattr(layer, f"{name}_weight_scale")
+            say_once(f"mxgemm: vLLM's MXFP8 MoE experts run on {prepared.backend} ({prepared.recipe})")
+
+        def get_fused_moe_quant_config(self, layer):
+            return None  # no vLLM kernel reads these experts
+
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+            if layer.apply_router_weight_on_input:
+                raise MXGemmError("mxgemm weights the experts' outputs; this layer weights their inputs")
+            weights, ids = topk_weights, topk_ids
+            if layer.expert_map is not None:  # global expert ids -> this rank's, -1 for the others' experts
+                local = layer.expert_map[topk_ids.long()]
+                weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
+                ids = local.clamp(min=0)
+            return moe_experts(x, ids, weights, layer.mxgemm_w13, layer.mxgemm_w2)
+
+    class MxgemmConfig(CompressedTensorsConfig):
+        """compressed-tensors' config with the experts on mxgemm (see the module docstring)."""
+
+        def get_name(self):
+            return METHOD
+
+        @classmethod
+        def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+            if user_quant not in (None, METHOD) or not isinstance(hf_quant_cfg, dict):
+                return None
+            if not _is_mxfp8_compressed_tensors(hf_quant_cfg) or (
+                hf_config is not None and not _has_experts(hf_config)
+            ):
+                return None
+            reason = grouped_reason(MxgemmMxfp8MoEMethod.backend)
+            if reason:
+                say_once(f"mxgemm: MoE experts run on vLLM's own MXFP8 path ({reason})")
+                return None
+            return METHOD
+
+        def get_quant_method(self, layer, prefix):
+            if isinstance(layer, RoutedExperts):
+                # as vLLM's compressed-tensors MoE path does first: the "Linear" targets also name the experts
+                self._add_fused_moe_to_target_scheme_map()
+                scheme = self.get_scheme_dict(layer, f"{prefix}.0.{layer.ckpt_gate_proj_name}")
+                weights = scheme.get("weights") if scheme else None
+                if weights is not None and self._is_mxfp8(weights):
+                    return MxgemmMxfp8MoEMethod(layer.moe_config)
+            return super().get_quant_method(layer, prefix)
+
+    classes = {"MxgemmConfig": MxgemmConfig, "MxgemmMxfp8MoEMethod": MxgemmMxfp8MoEMethod}
+    for name, cls in classes.items():  # found by name where vLLM unpickles the config in its workers
+        cls.__qualname__ = name
+    return classes
+
+
+def __getattr__(name: str):
+    if name in ("MxgemmConfig", "MxgemmMxfp8MoEMethod"):  # built on first use: they subclass vLLM's
+        globals().update(_classes())
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register() -> None:
+    """Register the ``"mxgemm"`` quantization config with vLLM (once per process)."""
+    from vllm.model_executor.layers.quantization import get_quantization_config, register_quantization_config
+
+    config = __getattr__("MxgemmConfig")
+    try:
+        registered = get_quantization_config(METHOD)
+    except ValueError:
+        registered = None
+    if registered is not config:
+        register_quantization_config(METHOD)(config)
