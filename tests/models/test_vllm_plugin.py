@@ -106,13 +106,18 @@ def test_moe_experts_run_on_mxgemm_with_hugging_face_tokens(moe_single_worker):
     assert len(result["hf"]) == 16 and result["vllm"] == result["hf"]
 
 
-def test_moe_experts_under_tensor_parallelism_give_the_same_tokens(vllm_python, single_worker, moe_single_worker):
-    """2 CPU workers: each holds every expert's half of the expert width (gate/up split along N, down along K)."""
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_moe_experts_under_tensor_parallelism_give_the_same_tokens(
+    vllm_python, single_worker, moe_single_worker, expert_parallel
+):
+    """2 CPU workers: each holds every expert's half of the expert width (gate/up split along N, down along K), or,
+    with expert parallelism, 4 whole experts (vLLM's expert_map sends the others' tokens to the other rank)."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("tensor parallelism over 2 workers needs 2 cores")
     env = _env(VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
-    done = _run([vllm_python, SCRIPT, single_worker[0], "--moe", "--tp", "2"], env=env, timeout=1200)
+    command = [vllm_python, SCRIPT, single_worker[0], "--moe", "--tp", "2", *(["--ep"] if expert_parallel else [])]
+    done = _run(command, env=env, timeout=1200)
     assert _result(done)["vllm"] == moe_single_worker[0]["hf"]
 
 

@@ -6,8 +6,9 @@ layer's kernel and backend. `python greedy_tokens.py WORK_FOLDER --tp 2`: vLLM's
 with tensor parallelism over 2 CPU workers (column-parallel layers split N, row-parallel ones K).
 `python greedy_tokens.py WORK_FOLDER --modelopt`: the same tensors as a ModelOpt MXFP8 checkpoint (vLLM's
 `modelopt_mxfp8` method, the quantization config in config.json), vLLM's greedy tokens.
-`python greedy_tokens.py WORK_FOLDER --moe [--tp 2]`: the same for a tiny Qwen3-MoE (8 experts, top-2) converted into
-WORK_FOLDER/moe-mx, with each MoE layer's method and backend (without --tp: Hugging Face + mxgemm's tokens too).
+`python greedy_tokens.py WORK_FOLDER --moe [--tp 2 [--ep]]`: the same for a tiny Qwen3-MoE (8 experts, top-2)
+converted into WORK_FOLDER/moe-mx, with each MoE layer's method and backend (without --tp: Hugging Face + mxgemm's
+tokens too); --ep: vLLM's expert parallelism (4 whole experts a rank) instead of splitting each expert.
 `python greedy_tokens.py WORK_FOLDER --readme EXAMPLE.py`: run the README's vLLM example in a folder where
 `my-model-mxfp8` is that checkpoint with a word-level tokenizer (the tiny model has none)."""
 
@@ -57,7 +58,7 @@ def hf_tokens(folder: Path) -> list[int]:
     return out[0, len(PROMPT) :].tolist()
 
 
-def vllm_tokens(folder: Path, tp: int = 1) -> tuple[list[int], list[str]]:
+def vllm_tokens(folder: Path, tp: int = 1, ep: bool = False) -> tuple[list[int], list[str]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -69,6 +70,7 @@ def vllm_tokens(folder: Path, tp: int = 1) -> tuple[list[int], list[str]]:
         max_model_len=128,
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
+        enable_expert_parallel=ep,
     )
     layers = []
     if tp == 1:  # vLLM's public hook into its model (its workers under tp > 1 take no functions)
@@ -144,7 +146,7 @@ def main() -> None:
     if sys.argv[2:3] == ["--moe"]:
         tp = 2 if sys.argv[3:5] == ["--tp", "2"] else 1
         folder = write_checkpoint(work, moe=True) if tp == 1 else work / "moe-mx"
-        vllm, layers = vllm_tokens(folder, tp=tp)
+        vllm, layers = vllm_tokens(folder, tp=tp, ep="--ep" in sys.argv)
         print(json.dumps({"hf": hf_tokens(folder) if tp == 1 else None, "vllm": vllm, "layers": layers}))
         return
     if sys.argv[2:4] == ["--tp", "2"]:
