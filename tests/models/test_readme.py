@@ -1,5 +1,5 @@
 """The README's examples run as written and print what it shows: each ```python and ```bash block in order, in one
-folder holding a tiny Llama saved as ``my-model``, on a CPU (no GPU visible, no Triton interpreter), where every
+folder holding a tiny Qwen3-MoE saved as ``my-model``, on a CPU (no GPU visible, no Triton interpreter), where every
 layer runs on the emulation reference. A ```text block after an example holds lines its output must contain. The
 vLLM example runs in vLLM's environment of its own (``tests/models/test_vllm_plugin.py``, with :func:`examples`)."""
 
@@ -41,10 +41,9 @@ def test_the_ways_in_are_runnable_examples_and_the_readme_is_a_front_door():
 
 
 def test_every_example_runs_and_prints_what_the_readme_shows(tmp_path):
-    import torch
-    from helpers import tiny_llama_folder
+    from helpers import tiny_qwen3_moe
 
-    tiny_llama_folder(tmp_path / "my-model", layers=2, vocab=256, dtype=torch.bfloat16)
+    tiny_qwen3_moe(2).save_pretrained(tmp_path / "my-model")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MXGEMM_", "TRITON_INTERPRET"))}
     env.update(CUDA_VISIBLE_DEVICES="", MXGEMM_CACHE_DIR=str(tmp_path / "cache"))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the mxgemm command

@@ -10,7 +10,7 @@ with tensor parallelism over 2 CPU workers (column-parallel layers split N, row-
 converted into WORK_FOLDER/moe-mx, with each MoE layer's method and backend (without --tp: Hugging Face + mxgemm's
 tokens too); --ep: vLLM's expert parallelism (4 whole experts a rank) instead of splitting each expert.
 `python greedy_tokens.py WORK_FOLDER --readme EXAMPLE.py`: run the README's vLLM example in a folder where
-`my-model-mxfp8` is that checkpoint with a word-level tokenizer (the tiny model has none)."""
+`my-model-mxfp8` is the tiny Qwen3-MoE's checkpoint with a word-level tokenizer (the tiny model has none)."""
 
 import json
 import subprocess
@@ -129,7 +129,7 @@ def readme_example(work: Path, example: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
     folder = work / "readme" / "my-model-mxfp8"
-    shutil.copytree(work / "mx", folder, dirs_exist_ok=True)
+    shutil.copytree(write_checkpoint(work, moe=True), folder, dirs_exist_ok=True)
     vocab = {"[UNK]": 0, "hello": 1, "world": 2, **{f"t{i}": i for i in range(3, 512)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
