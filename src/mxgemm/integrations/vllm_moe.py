@@ -21,7 +21,7 @@ from ..errors import MXGemmError
 from ..grouped import prepare_grouped_weight
 from ..moe import experts_stay_in_bf16, moe_experts
 from ..resolve import resolve_backend
-from .vllm_plugin import say_once
+from .vllm_log import say_once
 
 __all__ = ["METHOD", "grouped_reason", "register"]  # and MxgemmConfig, MxgemmMxfp8MoEMethod, built on first access
 

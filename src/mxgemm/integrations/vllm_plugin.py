@@ -16,7 +16,6 @@ emulation that always accepts), so that vLLM uses mxgemm wherever mxgemm's backe
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -25,22 +24,11 @@ from ..errors import MXGemmError
 from ..format import BLOCK_SIZE
 from ..resolve import resolve_backend
 from ..weights import linear, prepare_weight
+from .vllm_log import say_once
 
-__all__ = [
-    "register",
-    "say_once",
-]  # and MxgemmMxfp8LinearKernel, built on first access (it subclasses vLLM's interface)
+__all__ = ["register"]  # and MxgemmMxfp8LinearKernel, built on first access (it subclasses vLLM's interface)
 
 logger = logging.getLogger("mxgemm")
-# a child of vLLM's root logger, which vLLM gives its handler: lines here show where vLLM's own do (mxgemm's logger
-# has no handler in a vLLM process)
-engine_logger = logging.getLogger("vllm.mxgemm")
-
-
-@functools.cache
-def say_once(message: str) -> None:
-    """``message`` at INFO through vLLM's logging, once per process."""
-    engine_logger.info(message)
 
 
 _PLATFORMS = ("CPU", "CUDA")
