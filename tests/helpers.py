@@ -171,3 +171,19 @@ def tiny_llama_folder(folder, *, layers: int = 1, vocab: int = 128, dtype: torch
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(folder)
     return folder
+
+
+def compressed_tensors_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' own MXFP8 quantization of ``w`` [N, K] (its qparams, quantize and scale compression):
+    (float8_e4m3fn elements, uint8 E8M0 scales)."""
+    from compressed_tensors.compressors.mx_utils import compress_mx_scale
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = QuantizationArgs(
+        num_bits=8, type="float", symmetric=True, group_size=32, strategy="group", scale_dtype=torch.uint8
+    )
+    blocks = w.reshape(w.shape[0], -1, 32)
+    scale, zero = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
+    return ct_quantize(w, scale, zero, args, dtype=torch.float8_e4m3fn), compress_mx_scale(scale, torch.uint8)

@@ -234,6 +234,33 @@ def test_mxgemm_quantize_of_a_moe_model_loads_as_quantize_model_computes(tmp_pat
         assert torch.equal(loaded(ids).logits, reference(ids).logits)
 
 
+def test_mxgemm_quantize_writes_compressed_tensors_own_bytes_for_each_expert(tmp_path):
+    """``--scale-mode compressed-tensors``: every expert's gate, up and down projection is stored as the bytes
+    compressed-tensors' own MXFP8 quantization gives for that expert's bf16 weight."""
+    pytest.importorskip("compressed_tensors")
+    from helpers import compressed_tensors_mxfp8
+    from safetensors.torch import load_file
+
+    from mxgemm.cli import main
+
+    torch.manual_seed(0)
+    model = _tiny("qwen3_moe").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "mx"), "--scale-mode", "compressed-tensors"]) == 0
+    stored = load_file(str(tmp_path / "mx" / "model.safetensors"))
+    for layer in model.model.layers:
+        experts, prefix = layer.mlp.experts, f"model.layers.{layer.self_attn.layer_idx}.mlp.experts"
+        for e in range(E):
+            for proj, w in (
+                ("gate_proj", experts.gate_up_proj[e, :I]),
+                ("up_proj", experts.gate_up_proj[e, I:]),
+                ("down_proj", experts.down_proj[e]),
+            ):
+                q, s = compressed_tensors_mxfp8(w.detach())
+                assert torch.equal(stored[f"{prefix}.{e}.{proj}.weight"].view(torch.uint8), q.view(torch.uint8))
+                assert torch.equal(stored[f"{prefix}.{e}.{proj}.weight_scale"], s)
+
+
 def test_a_named_backend_runs_the_experts_or_leaves_them_with_its_reason():
     """``triton`` runs grouped weights in w8a8-block (under the interpreter here): asked for w8a16, which it computes
     for dense weights only, it leaves the experts in bf16 and says why; asked for nothing, it takes them."""

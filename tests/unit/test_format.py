@@ -227,26 +227,16 @@ def test_round_trip_is_finite_and_within_half_a_step(values, elem_dtype, scale_m
 def test_compressed_tensors_rule_writes_compressed_tensors_bytes():
     """Byte parity with compressed-tensors' own MXFP8 quantization (its qparams, quantize and scale compression) on
     bf16 weights, blocks whose largest magnitude has the mantissa 1.75 included (where it differs from rceil)."""
-    ct = pytest.importorskip("compressed_tensors")
-    from compressed_tensors.compressors.mx_utils import compress_mx_scale
-    from compressed_tensors.quantization import QuantizationArgs
-    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    pytest.importorskip("compressed_tensors")
+    from helpers import compressed_tensors_mxfp8
 
-    assert ct.__version__
-    args = QuantizationArgs(
-        num_bits=8, type="float", symmetric=True, group_size=32, strategy="group", scale_dtype=torch.uint8
-    )
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(256, 1024, generator=g) * 0.02 * torch.exp2(torch.randn(256, 1, generator=g) * 3)).bfloat16()
     w[:8, :32] = (
         torch.tensor([1.75, -1.75, 1.875, 1.7421875, 448.0, -500.0, 3.5, 0.4375]).unsqueeze(1)
         * torch.linspace(1, 0.01, 32)
     ).bfloat16()
-    blocks = w.reshape(256, 32, 32)
-    scale, zero = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
-    q_ct = ct_quantize(w, scale, zero, args, dtype=torch.float8_e4m3fn)
-    s_ct = compress_mx_scale(scale, torch.uint8)
+    q_ct, s_ct = compressed_tensors_mxfp8(w)
     t = mxgemm.quantize(w, scale_mode="compressed-tensors")
     _assert_bits_equal(t.scale, s_ct)
     _assert_bits_equal(t.qdata, q_ct)
