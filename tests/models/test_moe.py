@@ -261,6 +261,37 @@ def test_mxgemm_quantize_writes_compressed_tensors_own_bytes_for_each_expert(tmp
                 assert torch.equal(stored[f"{prefix}.{e}.{proj}.weight_scale"], s)
 
 
+def test_a_modelopt_moe_checkpoint_loads_the_same_experts(tmp_path):
+    """The tensors `mxgemm quantize` writes, as a ModelOpt MXFP8 checkpoint (hf_quant_config.json): load_checkpoint
+    gives the same MXFP8Experts bits and logits as from the compressed-tensors layout."""
+    import json
+
+    from mxgemm.cli import main
+
+    torch.manual_seed(0)
+    _tiny("qwen3_moe").to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "ct")]) == 0
+    opt = tmp_path / "modelopt"
+    opt.mkdir()
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    ignore = config.pop("quantization_config")["ignore"]
+    (opt / "config.json").write_text(json.dumps(config))
+    quant = {"quant_algo": "MXFP8", "exclude_modules": ignore}
+    (opt / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
+    (opt / "model.safetensors").write_bytes((tmp_path / "ct" / "model.safetensors").read_bytes())
+    models = {}
+    for layout in ("ct", "modelopt"):
+        models[layout] = _tiny("qwen3_moe").to(torch.bfloat16)
+        report = mxgemm.load_checkpoint(models[layout], tmp_path / layout, backend="emulation")
+        assert report.experts == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    assert report.format.kind == "modelopt"
+    got, want = (m.model.layers[1].mlp.experts for m in (models["modelopt"], models["ct"]))
+    assert torch.equal(got.gate_up_proj.view(torch.uint8), want.gate_up_proj.view(torch.uint8))
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(models["modelopt"](ids).logits, models["ct"](ids).logits)
+
+
 def test_a_named_backend_runs_the_experts_or_leaves_them_with_its_reason():
     """``triton`` runs grouped weights in w8a8-block (under the interpreter here): asked for w8a16, which it computes
     for dense weights only, it leaves the experts in bf16 and says why; asked for nothing, it takes them."""
