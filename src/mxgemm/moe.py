@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .backends import get_backend
+from .device import DeviceInfo
 from .format import quantize
 from .grouped import PreparedGroupedWeight, grouped_linear, prepare_grouped_weight
 from .resolve import explain_auto
@@ -95,7 +96,7 @@ def per_expert_shapes(module: nn.Module) -> dict[str, tuple[int, int]]:
     return {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
 
 
-def experts_stay_in_bf16(device: torch.device, backend: str | None, recipe: str | None) -> str:
+def experts_stay_in_bf16(device: torch.device | DeviceInfo, backend: str | None, recipe: str | None) -> str:
     """Why experts on ``device`` are kept in bf16 under ``backend`` (None: ``auto``), or "": ``auto`` on a GPU where
     no backend but the emulation runs grouped weights, whose experts would run many times slower than bf16's."""
     if (backend or "auto") != "auto" or device.type != "cuda":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device import DeviceInfo
 from ..errors import MXGemmError
 from ..grouped import prepare_grouped_weight
 from ..moe import experts_stay_in_bf16, moe_experts
@@ -28,19 +29,27 @@ __all__ = ["METHOD", "grouped_reason", "register"]  # and MxgemmConfig, MxgemmMx
 METHOD = "mxgemm"
 
 
-def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def _device() -> DeviceInfo:
+    """This machine's GPU as vLLM's platform describes it (NVML: the engine's process makes no CUDA context before
+    vLLM starts its workers), or the CPU."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return DeviceInfo(type="cpu")
+    capability = current_platform.get_device_capability()
+    return DeviceInfo("cuda", current_platform.get_device_name(), (capability.major, capability.minor))
 
 
-def grouped_reason(backend: str | None = None) -> str:
-    """Why mxgemm does not run MXFP8 experts here under ``backend`` (None: ``$MXGEMM_BACKEND``, else ``auto``), or
-    "" where it does: a named backend without grouped weights, or ``auto`` on a GPU where only the emulation runs
-    them (vLLM's own MXFP8 path is faster there)."""
+def grouped_reason(backend: str | None = None, device: DeviceInfo | None = None) -> str:
+    """Why mxgemm does not run MXFP8 experts on ``device`` (None: this machine's) under ``backend`` (None:
+    ``$MXGEMM_BACKEND``, else ``auto``), or "" where it does: a named backend without grouped weights, or ``auto`` on
+    a GPU where only the emulation runs them (vLLM's own MXFP8 path is faster there)."""
+    device = device or _device()
     try:
-        resolve_backend(backend, device=_device(), grouped=True)
+        resolve_backend(backend, device=device, grouped=True)
     except MXGemmError as exc:
         return str(exc)
-    return experts_stay_in_bf16(_device(), backend, None)
+    return experts_stay_in_bf16(device, backend, None)
 
 
 def _is_mxfp8_compressed_tensors(config: dict) -> bool:
