@@ -91,12 +91,9 @@ class _MXWeights(nn.Module):
 
     def __init__(self, linear: nn.Linear, scale_dtype: torch.dtype, packed: bool):
         super().__init__()
-        n, k = linear.out_features, linear.in_features
-        device = linear.weight.device
-        shape, dtype = ((n, k // 4), torch.int32) if packed else ((n, k), torch.float8_e4m3fn)
-        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-        scale = torch.empty(n, k // BLOCK_SIZE, dtype=scale_dtype, device=device)
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.weight, self.weight_scale = _placeholders(
+            (linear.out_features, linear.in_features), scale_dtype, packed, linear.weight.device
+        )
         self.bias = linear.bias
 
     def checked(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,15 +112,12 @@ class _MXExpertsWeights(nn.Module):
 
     def __init__(self, module: nn.Module, scale_dtype: torch.dtype, packed: bool):
         super().__init__()
-        experts, device = module.gate_up_proj.shape[0], module.gate_up_proj.device
-        shapes = per_expert_shapes(module)
-        for name, rows in (("gate_up_proj", 2 * shapes["gate_proj"][0]), ("down_proj", shapes["down_proj"][0])):
-            k = shapes["down_proj" if name == "down_proj" else "gate_proj"][1]
-            shape, dtype = (
-                ((experts, rows, k // 4), torch.int32) if packed else ((experts, rows, k), torch.float8_e4m3fn)
-            )
-            setattr(self, name, _placeholder((shape, dtype), device))
-            setattr(self, f"{name}_scale", _placeholder(((experts, rows, k // BLOCK_SIZE), scale_dtype), device))
+        (experts, _, _), device = module.gate_up_proj.shape, module.gate_up_proj.device
+        width, hidden = per_expert_shapes(module)["gate_proj"]
+        self.gate_up_proj, self.gate_up_proj_scale = _placeholders(
+            (experts, 2 * width, hidden), scale_dtype, packed, device
+        )
+        self.down_proj, self.down_proj_scale = _placeholders((experts, hidden, width), scale_dtype, packed, device)
 
     def checked(self, name: str) -> list[torch.Tensor]:
         """The loaded (gate_up, its scale, down, its scale), or :class:`mxgemm.CheckpointError` naming the experts
@@ -137,9 +131,15 @@ class _MXExpertsWeights(nn.Module):
         return tensors
 
 
-def _placeholder(shape_dtype: tuple, device: torch.device) -> nn.Parameter:
-    shape, dtype = shape_dtype
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+def _placeholders(
+    shape: tuple[int, ...], scale_dtype: torch.dtype, packed: bool, device: torch.device
+) -> tuple[nn.Parameter, nn.Parameter]:
+    """Empty (weight, scale) parameters for an MX weight of ``shape`` [..., N, K] as stored: the weight float8, or
+    (``packed``) its bytes as int32 [..., N, K/4]; the scale [..., N, K/32] of ``scale_dtype``."""
+    *rows, k = shape
+    weight = ((*rows, k // 4), torch.int32) if packed else (shape, torch.float8_e4m3fn)
+    pairs = (weight, ((*rows, k // BLOCK_SIZE), scale_dtype))
+    return tuple(nn.Parameter(torch.empty(s, dtype=d, device=device), requires_grad=False) for s, d in pairs)
 
 
 def _unpack_header(source: TensorSource, weight: str, n: int, k: int) -> bool:
@@ -311,9 +311,12 @@ class MXFP8HfQuantizer(HfQuantizer):
         quantized float8 [N, K] weight as its bytes in int32 [N, K/4] (the module docstring says why)."""
         _check_experts_naming(model)
         state = per_expert_state(model, model.state_dict())
-        for key, tensor in state.items():
-            if tensor.dtype == torch.float8_e4m3fn:
-                state[key] = tensor.contiguous().view(torch.int32)
+        weights = [f"{name}.weight".lstrip(".") for name, m in model.named_modules() if isinstance(m, MXFP8Linear)]
+        for name, m in model.named_modules():
+            if isinstance(m, MXFP8Experts):
+                weights += [n for ns in per_expert_names(name, m.num_experts).values() for n in ns]
+        for key in weights:
+            state[key] = state[key].contiguous().view(torch.int32)
         return state, {}
 
     def is_serializable(self, **kwargs) -> bool:
