@@ -121,6 +121,17 @@ def test_moe_experts_under_tensor_parallelism_give_the_same_tokens(
     assert _result(done)["vllm"] == moe_single_worker[0]["hf"]
 
 
+def test_a_modelopt_moe_checkpoint_runs_its_experts_on_mxgemm_too(vllm_python, single_worker, moe_single_worker):
+    """The MoE checkpoint's tensors as a ModelOpt MXFP8 checkpoint: mxgemm's ModelOpt config claims it, its experts
+    run on mxgemm's MoE method, and the greedy tokens are Hugging Face + mxgemm's."""
+    command = [vllm_python, SCRIPT, single_worker[0], "--moe", "--modelopt"]
+    done = _run(command, env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=1200)
+    result = _result(done)
+    assert "quantization=mxgemm_modelopt" in done.stdout + done.stderr
+    assert [row for row in result["layers"] if "MoEMethod" in row] == ["MxgemmMxfp8MoEMethod:emulation:True"] * 2
+    assert result["vllm"] == moe_single_worker[0]["hf"]
+
+
 def test_a_modelopt_checkpoint_runs_on_mxgemm_too(vllm_python, single_worker):
     """The same tensors as a ModelOpt MXFP8 checkpoint (vLLM's modelopt_mxfp8 method): the same greedy tokens."""
     work, result, _ = single_worker

@@ -1,11 +1,11 @@
 """vLLM: the experts of MXFP8 mixture-of-experts checkpoints (compressed-tensors ``mxfp8-quantized``) on mxgemm's
 grouped kernels, through vLLM's public extension points; :func:`register` is called by the plugin's entry point.
 
-- A quantization config registered as ``"mxgemm"`` (``register_quantization_config``) claims, through its
-  ``override_quantization_method``, the compressed-tensors MXFP8 checkpoints of a model with experts, where mxgemm's
-  grouped backend resolves on this machine (:func:`grouped_reason`); elsewhere vLLM's own MXFP8 path runs them and
-  vLLM's log says why. The config is compressed-tensors' own for everything but the experts: its linear layers keep
-  vLLM's MXFP8 scheme (whose kernel is mxgemm's, :mod:`mxgemm.integrations.vllm_plugin`).
+- Quantization configs registered as ``"mxgemm"`` and ``"mxgemm_modelopt"`` (``register_quantization_config``)
+  claim, through their ``override_quantization_method``, the compressed-tensors and ModelOpt MXFP8 checkpoints of a
+  model with experts, where mxgemm's grouped backend resolves on this machine (:func:`grouped_reason`); elsewhere
+  vLLM's own MXFP8 path runs them and vLLM's log says why. Each is the format's own config for everything but the
+  experts: the linear layers keep vLLM's MXFP8 scheme (whose kernel is mxgemm's, :mod:`.vllm_plugin`).
 - Its MoE method creates vLLM's canonical ``w13_weight`` / ``w2_weight`` and their ``_scale`` parameters with
   vLLM's loader attributes (compressed-tensors' own ``create_weights``), so that vLLM's loader stacks the per-expert
   tensors and shards them for tensor and expert parallelism; once loaded it prepares each as one grouped weight
@@ -24,9 +24,11 @@ from ..moe import experts_stay_in_bf16, moe_experts
 from ..resolve import resolve_backend
 from .vllm_log import say_once
 
-__all__ = ["METHOD", "grouped_reason", "register"]  # and MxgemmConfig, MxgemmMxfp8MoEMethod, built on first access
+__all__ = ["METHOD", "MODELOPT_METHOD", "grouped_reason", "register"]  # and _CLASSES, built on first access
 
-METHOD = "mxgemm"
+METHOD = "mxgemm"  # compressed-tensors checkpoints
+MODELOPT_METHOD = "mxgemm_modelopt"  # ModelOpt MXFP8 checkpoints
+_CLASSES = ("MxgemmConfig", "MxgemmModelOptConfig", "MxgemmMxfp8MoEMethod")
 
 
 def _device() -> DeviceInfo:
@@ -52,8 +54,17 @@ def grouped_reason(backend: str | None = None, device: DeviceInfo | None = None)
     return experts_stay_in_bf16(device, backend, None)
 
 
-def _is_mxfp8_compressed_tensors(config: dict) -> bool:
-    return config.get("quant_method") == "compressed-tensors" and config.get("format") == "mxfp8-quantized"
+def _claim(method: str, is_mxfp8: bool, user_quant, hf_config, backend: str | None) -> str | None:
+    """``method`` where a checkpoint of MXFP8 format (``is_mxfp8``) quantizes a model with experts that mxgemm's
+    grouped backend runs here, unless the user asked for another method; else None (vLLM's own path), the reason
+    said once in vLLM's log where it is this machine."""
+    if user_quant not in (None, method) or not is_mxfp8 or (hf_config is not None and not _has_experts(hf_config)):
+        return None
+    reason = grouped_reason(backend)
+    if reason:
+        say_once(f"mxgemm: MoE experts run on vLLM's own MXFP8 path ({reason})")
+        return None
+    return method
 
 
 def _has_experts(hf_config) -> bool:
@@ -73,6 +84,7 @@ def _classes():
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_mxfp8 import (  # noqa: E501
         CompressedTensorsW8A8Mxfp8MoEMethod,
     )
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptMxFp8Config
 
     class MxgemmMxfp8MoEMethod(CompressedTensorsW8A8Mxfp8MoEMethod):
         """vLLM's compressed-tensors MXFP8 MoE method with its weights prepared for, and run on, mxgemm (see the
@@ -119,17 +131,9 @@ def _classes():
 
         @classmethod
         def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
-            if user_quant not in (None, METHOD) or not isinstance(hf_quant_cfg, dict):
-                return None
-            if not _is_mxfp8_compressed_tensors(hf_quant_cfg) or (
-                hf_config is not None and not _has_experts(hf_config)
-            ):
-                return None
-            reason = grouped_reason(MxgemmMxfp8MoEMethod.backend)
-            if reason:
-                say_once(f"mxgemm: MoE experts run on vLLM's own MXFP8 path ({reason})")
-                return None
-            return METHOD
+            config = hf_quant_cfg if isinstance(hf_quant_cfg, dict) else {}
+            is_mxfp8 = config.get("quant_method") == "compressed-tensors" and config.get("format") == "mxfp8-quantized"
+            return _claim(METHOD, is_mxfp8, user_quant, hf_config, MxgemmMxfp8MoEMethod.backend)
 
         def get_quant_method(self, layer, prefix):
             if isinstance(layer, RoutedExperts):
@@ -141,27 +145,50 @@ def _classes():
                     return MxgemmMxfp8MoEMethod(layer.moe_config)
             return super().get_quant_method(layer, prefix)
 
-    classes = {"MxgemmConfig": MxgemmConfig, "MxgemmMxfp8MoEMethod": MxgemmMxfp8MoEMethod}
+    class MxgemmModelOptConfig(ModelOptMxFp8Config):
+        """ModelOpt's MXFP8 config with the experts on mxgemm (see the module docstring)."""
+
+        def get_name(self):
+            return MODELOPT_METHOD
+
+        @classmethod
+        def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+            algo = cls._extract_modelopt_quant_algo(hf_quant_cfg) if isinstance(hf_quant_cfg, dict) else None
+            is_mxfp8 = algo is not None and "MXFP8" in algo
+            return _claim(MODELOPT_METHOD, is_mxfp8, user_quant, hf_config, MxgemmMxfp8MoEMethod.backend)
+
+        def get_quant_method(self, layer, prefix):
+            if isinstance(layer, RoutedExperts) and not self.is_layer_excluded(prefix):
+                return MxgemmMxfp8MoEMethod(layer.moe_config)
+            return super().get_quant_method(layer, prefix)
+
+    classes = {
+        "MxgemmConfig": MxgemmConfig,
+        "MxgemmModelOptConfig": MxgemmModelOptConfig,
+        "MxgemmMxfp8MoEMethod": MxgemmMxfp8MoEMethod,
+    }
     for name, cls in classes.items():  # found by name where vLLM unpickles the config in its workers
         cls.__qualname__ = name
     return classes
 
 
 def __getattr__(name: str):
-    if name in ("MxgemmConfig", "MxgemmMxfp8MoEMethod"):  # built on first use: they subclass vLLM's
-        globals().update(_classes())
+    if name in _CLASSES:  # built once, on first use: they subclass vLLM's
+        if name not in globals():
+            globals().update(_classes())
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:
-    """Register the ``"mxgemm"`` quantization config with vLLM (once per process)."""
+    """Register mxgemm's quantization configs with vLLM (once per process)."""
     from vllm.model_executor.layers.quantization import get_quantization_config, register_quantization_config
 
-    config = __getattr__("MxgemmConfig")
-    try:
-        registered = get_quantization_config(METHOD)
-    except ValueError:
-        registered = None
-    if registered is not config:
-        register_quantization_config(METHOD)(config)
+    for method, name in ((METHOD, "MxgemmConfig"), (MODELOPT_METHOD, "MxgemmModelOptConfig")):
+        config = __getattr__(name)
+        try:
+            registered = get_quantization_config(method)
+        except ValueError:
+            registered = None
+        if registered is not config:
+            register_quantization_config(method)(config)

@@ -6,9 +6,10 @@ layer's kernel and backend. `python greedy_tokens.py WORK_FOLDER --tp 2`: vLLM's
 with tensor parallelism over 2 CPU workers (column-parallel layers split N, row-parallel ones K).
 `python greedy_tokens.py WORK_FOLDER --modelopt`: the same tensors as a ModelOpt MXFP8 checkpoint (vLLM's
 `modelopt_mxfp8` method, the quantization config in config.json), vLLM's greedy tokens.
-`python greedy_tokens.py WORK_FOLDER --moe [--tp 2 [--ep]]`: the same for a tiny Qwen3-MoE (8 experts, top-2)
-converted into WORK_FOLDER/moe-mx, with each MoE layer's method and backend (without --tp: Hugging Face + mxgemm's
-tokens too); --ep: vLLM's expert parallelism (4 whole experts a rank) instead of splitting each expert.
+`python greedy_tokens.py WORK_FOLDER --moe [--tp 2 [--ep] | --modelopt]`: the same for a tiny Qwen3-MoE (8 experts,
+top-2) converted into WORK_FOLDER/moe-mx, with each MoE layer's method and backend (without --tp: Hugging Face +
+mxgemm's tokens too); --ep: vLLM's expert parallelism (4 whole experts a rank) instead of splitting each expert;
+--modelopt: the checkpoint a run without it wrote, in ModelOpt's layout.
 `python greedy_tokens.py WORK_FOLDER --readme EXAMPLE.py`: run the README's vLLM example in a folder where
 `my-model-mxfp8` is the tiny Qwen3-MoE's checkpoint with a word-level tokenizer (the tiny model has none)."""
 
@@ -107,12 +108,13 @@ def _moe_layers(model) -> list[str]:
 
 def as_modelopt(folder: Path, out: Path) -> Path:
     """``folder``'s compressed-tensors checkpoint rewritten as a ModelOpt MXFP8 one: the same tensors, the
-    quantization config ModelOpt's (quant_algo MXFP8, lm_head excluded)."""
+    quantization config ModelOpt's (quant_algo MXFP8, excluding what compressed-tensors' config ignores)."""
     out.mkdir(exist_ok=True)
     config = json.loads((folder / "config.json").read_text())
+    ignore = config["quantization_config"]["ignore"]
     config["quantization_config"] = {
         "quant_method": "modelopt_mxfp8",
-        "quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]},
+        "quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": ignore},
     }
     (out / "config.json").write_text(json.dumps(config))
     for f in folder.iterdir():
@@ -146,6 +148,10 @@ def main() -> None:
     if sys.argv[2:3] == ["--moe"]:
         tp = 2 if sys.argv[3:5] == ["--tp", "2"] else 1
         folder = write_checkpoint(work, moe=True) if tp == 1 else work / "moe-mx"
+        if "--modelopt" in sys.argv:  # the checkpoint the last run wrote, in ModelOpt's layout
+            tokens, layers = vllm_tokens(as_modelopt(work / "moe-mx", work / "moe-modelopt"))
+            print(json.dumps({"vllm": tokens, "layers": layers}))
+            return
         vllm, layers = vllm_tokens(folder, tp=tp, ep="--ep" in sys.argv)
         print(json.dumps({"hf": hf_tokens(folder) if tp == 1 else None, "vllm": vllm, "layers": layers}))
         return
