@@ -93,11 +93,29 @@ def _tiny(kind):
             shared_expert_intermediate_size=64,
         )
         return transformers.Qwen2MoeForCausalLM(config)
+    if kind == "deepseek_v3":  # multi-head latent attention, a shared expert, a router with a score correction
+        config = transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4},
+            intermediate_size=128,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+        )
+        return transformers.DeepseekV3ForCausalLM(config)
     config = transformers.MixtralConfig(**common, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2)
     return transformers.MixtralForCausalLM(config)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"])
 def test_quantize_model_takes_the_experts_and_keeps_the_routers(kind):
     torch.manual_seed(0)
     model = _tiny(kind).to(torch.bfloat16)
@@ -111,6 +129,8 @@ def test_quantize_model_takes_the_experts_and_keeps_the_routers(kind):
     if kind == "qwen2_moe":  # the shared expert is a dense MLP: quantized; its gate routes: kept, and said so
         assert isinstance(model.model.layers[0].mlp.shared_expert.gate_proj, mxgemm.MXFP8Linear)
         assert "skipped model.layers.0.mlp.shared_expert_gate: routes a mixture of experts" in str(report)
+    if kind == "deepseek_v3":  # its shared experts are a dense MLP too
+        assert isinstance(model.model.layers[0].mlp.shared_experts.down_proj, mxgemm.MXFP8Linear)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits, expected = model(ids).logits, reference(ids).logits
@@ -290,6 +310,27 @@ def test_a_modelopt_moe_checkpoint_loads_the_same_experts(tmp_path):
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(models["modelopt"](ids).logits, models["ct"](ids).logits)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "deepseek_v3"])
+def test_the_transformers_route_saves_and_loads_quantized_experts(tmp_path, kind):
+    """MXFP8Config(experts=True), save_pretrained, from_pretrained: the experts come back as MXFP8Experts of the same
+    bits (transformers' converters for these models stack gate/up/down per expert), the logits the same."""
+    from mxgemm.integrations import MXFP8Config
+
+    torch.manual_seed(0)
+    _tiny(kind).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(tmp_path / "bf16", quantization_config=MXFP8Config(experts=True, backend="emulation"))
+    model.save_pretrained(tmp_path / "mx")
+    back = auto.from_pretrained(tmp_path / "mx")
+    got, saved = back.model.layers[1].mlp.experts, model.model.layers[1].mlp.experts
+    assert isinstance(got, MXFP8Experts)
+    assert torch.equal(got.down_proj.view(torch.uint8), saved.down_proj.view(torch.uint8))
+    assert torch.equal(got.gate_up_proj_scale, saved.gate_up_proj_scale)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
 
 
 def test_a_named_backend_runs_the_experts_or_leaves_them_with_its_reason():
