@@ -1,12 +1,12 @@
-"""vLLM: the experts of MXFP8 mixture-of-experts checkpoints (compressed-tensors ``mxfp8-quantized``) on mxgemm's
-grouped kernels, through vLLM's public extension points; :func:`register` is called by the plugin's entry point.
+"""vLLM: the experts of MXFP8 mixture-of-experts checkpoints (compressed-tensors ``mxfp8-quantized``, ModelOpt
+MXFP8) on mxgemm's grouped kernels, through vLLM's public extension points; :func:`register` is called by the plugin's entry point.
 
 - Quantization configs registered as ``"mxgemm"`` and ``"mxgemm_modelopt"`` (``register_quantization_config``)
   claim, through their ``override_quantization_method``, the compressed-tensors and ModelOpt MXFP8 checkpoints of a
   model with experts, where mxgemm's grouped backend resolves on this machine (:func:`grouped_reason`); elsewhere
   vLLM's own MXFP8 path runs them and vLLM's log says why. Each is the format's own config for everything but the
   experts: the linear layers keep vLLM's MXFP8 scheme (whose kernel is mxgemm's, :mod:`.vllm_plugin`).
-- Its MoE method creates vLLM's canonical ``w13_weight`` / ``w2_weight`` and their ``_scale`` parameters with
+- Their MoE method creates vLLM's canonical ``w13_weight`` / ``w2_weight`` and their ``_scale`` parameters with
   vLLM's loader attributes (compressed-tensors' own ``create_weights``), so that vLLM's loader stacks the per-expert
   tensors and shards them for tensor and expert parallelism; once loaded it prepares each as one grouped weight
   (:func:`mxgemm.prepare_grouped_weight`) and runs :func:`mxgemm.moe_experts` on the router's choice, experts of
@@ -73,7 +73,7 @@ def _has_experts(hf_config) -> bool:
 
 
 def _classes():
-    """(config, MoE method) classes, built on first use: they subclass vLLM's."""
+    """mxgemm's configs and MoE method by name (:data:`_CLASSES`), built on first use: they subclass vLLM's."""
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
