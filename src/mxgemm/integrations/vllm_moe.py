@@ -1,5 +1,6 @@
 """vLLM: the experts of MXFP8 mixture-of-experts checkpoints (compressed-tensors ``mxfp8-quantized``, ModelOpt
-MXFP8) on mxgemm's grouped kernels, through vLLM's public extension points; :func:`register` is called by the plugin's entry point.
+MXFP8) on mxgemm's grouped kernels, through vLLM's public extension points; :func:`register` is called by the
+plugin's entry point.
 
 - Quantization configs registered as ``"mxgemm"`` and ``"mxgemm_modelopt"`` (``register_quantization_config``)
   claim, through their ``override_quantization_method``, the compressed-tensors and ModelOpt MXFP8 checkpoints of a
