@@ -101,6 +101,7 @@ def quantize_model(
     skip: Sequence[str] = ("lm_head",),
     fuse: bool = True,
     experts: bool = True,
+    atomic: bool = False,
 ) -> QuantizeReport:
     """Replace every ``nn.Linear`` of ``model`` by an ``MXFP8Linear`` quantized online, and every experts module of
     a mixture of experts (transformers' 3-D ``gate_up_proj`` / ``down_proj`` experts) by an ``MXFP8Experts``, in
@@ -113,11 +114,19 @@ def quantize_model(
     ``fuse``: then make each layer's q, k and v projections, and its gate and up projections, run as one, and its
     gated MLP hand ``down_proj`` the product quantized in one kernel (:func:`mxgemm.fusion.fuse`). ``experts``: False
     leaves every experts module as it is (the report says so).
+
+    Every request is checked before the model changes. By default each layer then frees its full-precision weight as
+    its replacement goes in, so the model never holds both copies of more than one layer; a failure partway (out of
+    memory, a kernel's error) leaves the layers before it replaced, and the error says so. ``atomic``: build every
+    replacement first and put them in only once all are built, so that a failure leaves the model as it was, at the
+    cost of holding the full-precision and the quantized weights together until then (about 1.5x bf16's bytes).
     """
     reports = []
     routers = router_names(model)
     _check_every_layer_resolves(model, backend, scale_mode, recipe, skip, routers)
     experts_plan = _experts_plan(model, backend, recipe, skip if experts else ("*",))
+    pending: dict[str, nn.Module] = {}  # atomic: the replacements, put in once all are built
+    put = pending.__setitem__ if atomic else model.set_submodule
     # names, not modules: each nn.Linear (and its bf16 weight) is freed as soon as its replacement is in place
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     for name in names:
@@ -126,12 +135,14 @@ def quantize_model(
         if reason:
             reports.append(LayerReport(name, False, None, None, reason))
             continue
-        with _stops_partway(name, reports):
+        with _stops_partway(name, reports, atomic):
             layer = MXFP8Linear.from_linear(module, backend=backend, scale_mode=scale_mode, recipe=recipe)
         del module
-        model.set_submodule(name, layer)
+        put(name, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
-    reports += _quantize_experts(model, experts_plan, backend, scale_mode, recipe)
+    reports += _quantize_experts(model, experts_plan, (backend, scale_mode, recipe), put, reports, atomic)
+    for name, module in pending.items():
+        model.set_submodule(name, module)
     replaced = [r for r in reports if r.replaced]
     if backend is None and replaced and all(r.backend == "emulation" for r in replaced):
         logger.warning(
@@ -142,14 +153,15 @@ def quantize_model(
 
 
 @contextlib.contextmanager
-def _stops_partway(name: str, reports: list[LayerReport]):
-    """A failure converting ``name`` after the request was checked (out of memory, a kernel's error): the layers
-    already replaced stay replaced (their full-precision weights are freed as each is), so the error says where it
-    stopped and that the model is partly converted, on the error itself (Python 3.11+) and on the ``mxgemm`` logger."""
+def _stops_partway(name: str, reports: list[LayerReport], atomic: bool):
+    """A failure converting ``name`` after the request was checked (out of memory, a kernel's error): unless
+    ``atomic`` (nothing put in yet), the layers already replaced stay replaced (their full-precision weights are freed
+    as each is), so the error says where it stopped and that the model is partly converted, on the error itself
+    (Python 3.11+) and on the ``mxgemm`` logger."""
     try:
         yield
     except Exception as exc:
-        done = sum(r.replaced for r in reports)
+        done = 0 if atomic else sum(r.replaced for r in reports)
         if done:
             message = (
                 f"quantize_model stopped at {name}: the {done} layers before it are already quantized and the model is "
@@ -191,18 +203,22 @@ def _experts_plan(model: nn.Module, backend, recipe, skip) -> dict[str, str]:
     return plan
 
 
-def _quantize_experts(model: nn.Module, plan: dict[str, str], backend, scale_mode, recipe) -> list[LayerReport]:
-    """Each experts module of ``plan`` replaced by an :class:`MXFP8Experts`, or left with its reason."""
+def _quantize_experts(
+    model: nn.Module, plan: dict[str, str], request: tuple, put, earlier: list[LayerReport], atomic: bool
+) -> list[LayerReport]:
+    """Each experts module of ``plan`` replaced by an :class:`MXFP8Experts` (``put(name, module)``) for ``request``
+    (backend, scale mode, recipe), or left with its reason; ``earlier``: the linear layers' reports."""
+    backend, scale_mode, recipe = request
     reports = []
     for name, reason in plan.items():
         if reason:
             reports.append(LayerReport(name, False, None, None, reason, kind="experts"))
             continue
         module = model.get_submodule(name)
-        with _stops_partway(name, reports):
+        with _stops_partway(name, [*earlier, *reports], atomic):
             experts = MXFP8Experts.from_experts(module, backend=backend, scale_mode=scale_mode, recipe=recipe)
         del module
-        model.set_submodule(name, experts)
+        put(name, experts)
         reports.append(LayerReport(name, True, experts.backend, experts.recipe, "", kind="experts"))
     return reports
 

@@ -127,3 +127,34 @@ def test_a_failure_partway_says_where_it_stopped_and_that_the_model_is_partly_co
     assert any(said in note for note in getattr(raised.value, "__notes__", [said]))
     kinds = [type(m).__name__ for m in (model.layers[0]["q"], model.layers[0]["o"], model.layers[1]["q"])]
     assert kinds == ["MXFP8Linear", "MXFP8Linear", "Linear"]
+
+
+def test_an_atomic_quantization_that_fails_partway_leaves_the_model_as_it_was(monkeypatch, caplog):
+    """``atomic=True``: every replacement is built before the first goes in, so a failure at the third layer leaves
+    every layer the nn.Linear it was, its weight untouched, and says nothing of a partly converted model; without a
+    failure it gives the model the default does."""
+    import copy
+    import logging
+
+    real, calls = mxgemm.MXFP8Linear.from_linear, []
+
+    def from_linear(module, **kwargs):
+        calls.append(module)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(module, **kwargs)
+
+    model = _Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = copy.deepcopy(model)
+    monkeypatch.setattr(mxgemm.MXFP8Linear, "from_linear", from_linear)
+    with caplog.at_level(logging.ERROR, logger="mxgemm"), pytest.raises(torch.OutOfMemoryError):
+        mxgemm.quantize_model(model, backend="emulation", atomic=True)
+    assert "partly converted" not in caplog.text
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, (nn.Linear, mxgemm.MXFP8Linear)))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    monkeypatch.setattr(mxgemm.MXFP8Linear, "from_linear", real)
+    mxgemm.quantize_model(model, backend="emulation", atomic=True)
+    mxgemm.quantize_model(reference, backend="emulation")
+    ids = torch.randint(0, 100, (2, 5))
+    assert torch.equal(model(ids), reference(ids))

@@ -333,6 +333,25 @@ def test_the_transformers_route_saves_and_loads_quantized_experts(tmp_path, kind
         assert torch.equal(back(ids).logits, model(ids).logits)
 
 
+def test_an_atomic_quantization_failing_at_the_experts_leaves_the_model_as_it_was(monkeypatch):
+    """The experts are built after the linear layers: with ``atomic=True`` a failure at the second experts module
+    leaves every linear layer and experts module as it was."""
+    real, calls = MXFP8Experts.from_experts, []
+
+    def from_experts(module, **kwargs):
+        calls.append(module)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(module, **kwargs)
+
+    monkeypatch.setattr(MXFP8Experts, "from_experts", from_experts)
+    model = _tiny("qwen3_moe").to(torch.bfloat16)
+    with pytest.raises(torch.OutOfMemoryError):
+        mxgemm.quantize_model(model, backend="emulation", atomic=True)
+    assert not any(isinstance(m, (mxgemm.MXFP8Linear, MXFP8Experts)) for m in model.modules())
+    assert len(calls) == 2
+
+
 def test_a_named_backend_runs_the_experts_or_leaves_them_with_its_reason():
     """``triton`` runs grouped weights in w8a8-block (under the interpreter here): asked for w8a16, which it computes
     for dense weights only, it leaves the experts in bf16 and says why; asked for nothing, it takes them."""
