@@ -104,12 +104,8 @@ def test_a_request_that_cannot_run_fails_before_the_model_changes():
         assert all(type(m) is nn.Linear for m in model), kwargs
 
 
-def test_a_failure_partway_says_where_it_stopped_and_that_the_model_is_partly_converted(monkeypatch, caplog):
-    """A failure after the request was checked (the GPU out of memory, a kernel's error) cannot be undone: the layers
-    before it freed their full-precision weights. The error keeps its type and says where it stopped and how many
-    layers are already quantized (a note on it, and a line on the mxgemm logger)."""
-    import logging
-
+def _fail_at_the_third_layer(monkeypatch):
+    """MXFP8Linear.from_linear running out of GPU memory at its third call; returns the real one."""
     real, calls = mxgemm.MXFP8Linear.from_linear, []
 
     def from_linear(module, **kwargs):
@@ -119,6 +115,16 @@ def test_a_failure_partway_says_where_it_stopped_and_that_the_model_is_partly_co
         return real(module, **kwargs)
 
     monkeypatch.setattr(mxgemm.MXFP8Linear, "from_linear", from_linear)
+    return real
+
+
+def test_a_failure_partway_says_where_it_stopped_and_that_the_model_is_partly_converted(monkeypatch, caplog):
+    """A failure after the request was checked (the GPU out of memory, a kernel's error) cannot be undone: the layers
+    before it freed their full-precision weights. The error keeps its type and says where it stopped and how many
+    layers are already quantized (a note on it, and a line on the mxgemm logger)."""
+    import logging
+
+    _fail_at_the_third_layer(monkeypatch)
     model = _Net()
     with caplog.at_level(logging.ERROR, logger="mxgemm"), pytest.raises(torch.OutOfMemoryError) as raised:
         mxgemm.quantize_model(model, backend="emulation")
@@ -136,18 +142,10 @@ def test_an_atomic_quantization_that_fails_partway_leaves_the_model_as_it_was(mo
     import copy
     import logging
 
-    real, calls = mxgemm.MXFP8Linear.from_linear, []
-
-    def from_linear(module, **kwargs):
-        calls.append(module)
-        if len(calls) == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(module, **kwargs)
-
     model = _Net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     reference = copy.deepcopy(model)
-    monkeypatch.setattr(mxgemm.MXFP8Linear, "from_linear", from_linear)
+    real = _fail_at_the_third_layer(monkeypatch)
     with caplog.at_level(logging.ERROR, logger="mxgemm"), pytest.raises(torch.OutOfMemoryError):
         mxgemm.quantize_model(model, backend="emulation", atomic=True)
     assert "partly converted" not in caplog.text

@@ -115,6 +115,19 @@ def _tiny(kind):
     return transformers.MixtralForCausalLM(config)
 
 
+def _assert_same_experts_and_logits(got: nn.Module, want: nn.Module, seed: int) -> None:
+    """Every MXFP8Experts of ``got`` holds the bits of ``want``'s, and the two models compute the same logits."""
+    experts = {n: m for n, m in want.named_modules() if isinstance(m, MXFP8Experts)}
+    assert experts and all(isinstance(got.get_submodule(n), MXFP8Experts) for n in experts)
+    for name, module in experts.items():
+        for t in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
+            mine, theirs = getattr(got.get_submodule(name), t), getattr(module, t)
+            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), f"{name}.{t}"
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, want(ids).logits)
+
+
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"])
 def test_quantize_model_takes_the_experts_and_keeps_the_routers(kind):
     torch.manual_seed(0)
@@ -208,9 +221,7 @@ def test_a_moe_checkpoint_loads_back_into_the_same_model(tmp_path, experts_quant
     kinds = {type(m).__name__ for n, m in fresh.named_modules() if n.endswith("mlp.experts")}
     assert kinds == {"MXFP8Experts" if experts_quantized else "Qwen3MoeExperts"}
     if experts_quantized:
-        got, saved = fresh.model.layers[0].mlp.experts, model.model.layers[0].mlp.experts
-        assert torch.equal(got.gate_up_proj.view(torch.uint8), saved.gate_up_proj.view(torch.uint8))
-        assert torch.equal(got.down_proj_scale, saved.down_proj_scale)
+        _assert_same_experts_and_logits(fresh, model, seed=2)
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(fresh(ids).logits, model(ids).logits)
@@ -305,11 +316,7 @@ def test_a_modelopt_moe_checkpoint_loads_the_same_experts(tmp_path):
         report = mxgemm.load_checkpoint(models[layout], tmp_path / layout, backend="emulation")
         assert report.experts == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
     assert report.format.kind == "modelopt"
-    got, want = (m.model.layers[1].mlp.experts for m in (models["modelopt"], models["ct"]))
-    assert torch.equal(got.gate_up_proj.view(torch.uint8), want.gate_up_proj.view(torch.uint8))
-    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        assert torch.equal(models["modelopt"](ids).logits, models["ct"](ids).logits)
+    _assert_same_experts_and_logits(models["modelopt"], models["ct"], seed=5)
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "deepseek_v3"])
@@ -323,14 +330,7 @@ def test_the_transformers_route_saves_and_loads_quantized_experts(tmp_path, kind
     auto = transformers.AutoModelForCausalLM
     model = auto.from_pretrained(tmp_path / "bf16", quantization_config=MXFP8Config(experts=True, backend="emulation"))
     model.save_pretrained(tmp_path / "mx")
-    back = auto.from_pretrained(tmp_path / "mx")
-    got, saved = back.model.layers[1].mlp.experts, model.model.layers[1].mlp.experts
-    assert isinstance(got, MXFP8Experts)
-    assert torch.equal(got.down_proj.view(torch.uint8), saved.down_proj.view(torch.uint8))
-    assert torch.equal(got.gate_up_proj_scale, saved.gate_up_proj_scale)
-    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        assert torch.equal(back(ids).logits, model(ids).logits)
+    _assert_same_experts_and_logits(auto.from_pretrained(tmp_path / "mx"), model, seed=6)
 
 
 def test_an_atomic_quantization_failing_at_the_experts_leaves_the_model_as_it_was(monkeypatch):
