@@ -140,7 +140,9 @@ def quantize_model(
         del module
         put(name, layer)
         reports.append(LayerReport(name, True, layer.backend, layer.recipe, ""))
-    reports += _quantize_experts(model, experts_plan, (backend, scale_mode, recipe), put, reports, atomic)
+    reports += _quantize_experts(
+        model, experts_plan, backend, scale_mode, recipe, put=put, earlier=reports, atomic=atomic
+    )
     for name, module in pending.items():
         model.set_submodule(name, module)
     replaced = [r for r in reports if r.replaced]
@@ -204,11 +206,18 @@ def _experts_plan(model: nn.Module, backend, recipe, skip) -> dict[str, str]:
 
 
 def _quantize_experts(
-    model: nn.Module, plan: dict[str, str], request: tuple, put, earlier: list[LayerReport], atomic: bool
+    model: nn.Module,
+    plan: dict[str, str],
+    backend,
+    scale_mode,
+    recipe,
+    *,
+    put,
+    earlier: list[LayerReport],
+    atomic: bool,
 ) -> list[LayerReport]:
-    """Each experts module of ``plan`` replaced by an :class:`MXFP8Experts` (``put(name, module)``) for ``request``
-    (backend, scale mode, recipe), or left with its reason; ``earlier``: the linear layers' reports."""
-    backend, scale_mode, recipe = request
+    """Each experts module of ``plan`` replaced by an :class:`MXFP8Experts` (``put(name, module)``), or left with its
+    reason; ``earlier``: the linear layers' reports (a failure partway counts them as already replaced)."""
     reports = []
     for name, reason in plan.items():
         if reason:

@@ -222,6 +222,7 @@ def test_a_moe_checkpoint_loads_back_into_the_same_model(tmp_path, experts_quant
     assert kinds == {"MXFP8Experts" if experts_quantized else "Qwen3MoeExperts"}
     if experts_quantized:
         _assert_same_experts_and_logits(fresh, model, seed=2)
+        return
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(fresh(ids).logits, model(ids).logits)

@@ -81,6 +81,7 @@ class MXFP8Config(QuantizationConfigMixin):
             raise TypeError("MXFP8Config: skip and modules are lists of layer names or patterns, experts True/False")
 
 
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # a tensor of one expert, as checkpoints store them
 _SCALE_DTYPES = {"uint8": torch.uint8, "float8_e8m0fnu": torch.float8_e8m0fnu}
 
 
@@ -199,7 +200,7 @@ def _check_saved(
     for names in quantized.values():
         for weight in (n for ns in names.values() for n in ns):
             _check_scale_dtype(source, f"{weight}_scale", scale_dtype)
-    unread = [k for k in source.where if re.search(r"\.experts\.\d+\..*weight_scale$", k) and k not in consumed]
+    unread = [k for k in source.where if _PER_EXPERT.search(k) and k.endswith(".weight_scale") and k not in consumed]
     if unread:  # transformers would load their float8 weights into the model's bf16 experts by value
         raise CheckpointError(
             f"{unread[0]} is a quantized expert this route does not read: it loads experts stored as "
@@ -344,7 +345,7 @@ def checkpoint_config(
     source = TensorSource(path)
     _refuse_scales_read_under_other_names(source)
     scaled = sorted(key.removesuffix(".weight_scale") for key in source.where if key.endswith(".weight_scale"))
-    modules = [m for m in scaled if not re.search(r"\.experts\.\d+\.", m)]  # experts: where their scales are
+    modules = [m for m in scaled if not _PER_EXPERT.search(m)]  # experts: where their scales are
     dtypes = {str(source.dtypes[f"{m}.weight_scale"]).removeprefix("torch.") for m in scaled}
     if len(dtypes) > 1 or not dtypes <= set(_SCALE_DTYPES):
         raise CheckpointError(f"{path}: weight scales stored as {sorted(dtypes)}; one of {sorted(_SCALE_DTYPES)}")

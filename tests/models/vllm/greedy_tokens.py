@@ -6,10 +6,9 @@ layer's kernel and backend. `python greedy_tokens.py WORK_FOLDER --tp 2`: vLLM's
 with tensor parallelism over 2 CPU workers (column-parallel layers split N, row-parallel ones K).
 `python greedy_tokens.py WORK_FOLDER --modelopt`: the same tensors as a ModelOpt MXFP8 checkpoint (vLLM's
 `modelopt_mxfp8` method, the quantization config in config.json), vLLM's greedy tokens.
-`python greedy_tokens.py WORK_FOLDER --moe [--tp 2 [--ep] | --modelopt]`: the same for a tiny Qwen3-MoE (8 experts,
-top-2) converted into WORK_FOLDER/moe-mx, with each MoE layer's method and backend (without --tp: Hugging Face +
-mxgemm's tokens too); --ep: vLLM's expert parallelism (4 whole experts a rank) instead of splitting each expert;
---modelopt: the checkpoint a run without it wrote, in ModelOpt's layout.
+`python greedy_tokens.py WORK_FOLDER --moe [--tp 2 [--ep] | --modelopt]`: each of the above for a tiny Qwen3-MoE
+(8 experts, top-2) converted into WORK_FOLDER/moe-mx, with each MoE layer's method and backend; --ep: vLLM's expert
+parallelism (4 whole experts a rank) instead of splitting each expert.
 `python greedy_tokens.py WORK_FOLDER --readme EXAMPLE.py`: run the README's vLLM example in a folder where
 `my-model-mxfp8` is the tiny Qwen3-MoE's checkpoint with a word-level tokenizer (the tiny model has none)."""
 
@@ -141,28 +140,21 @@ def readme_example(work: Path, example: Path) -> None:
 
 
 def main() -> None:
-    work = Path(sys.argv[1])
-    if sys.argv[2:3] == ["--readme"]:
-        readme_example(work, Path(sys.argv[3]))
+    work, flags = Path(sys.argv[1]), sys.argv[2:]
+    if flags[:1] == ["--readme"]:
+        readme_example(work, Path(flags[1]))
         return
-    if sys.argv[2:3] == ["--moe"]:
-        tp = 2 if sys.argv[3:5] == ["--tp", "2"] else 1
-        folder = write_checkpoint(work, moe=True) if tp == 1 else work / "moe-mx"
-        if "--modelopt" in sys.argv:  # the checkpoint the last run wrote, in ModelOpt's layout
-            tokens, layers = vllm_tokens(as_modelopt(work / "moe-mx", work / "moe-modelopt"))
-            print(json.dumps({"vllm": tokens, "layers": layers}))
-            return
-        vllm, layers = vllm_tokens(folder, tp=tp, ep="--ep" in sys.argv)
-        print(json.dumps({"hf": hf_tokens(folder) if tp == 1 else None, "vllm": vllm, "layers": layers}))
+    moe = "--moe" in flags
+    prefix = "moe-" if moe else ""
+    if "--tp" in flags:  # on the checkpoint a run without flags wrote
+        tp = int(flags[flags.index("--tp") + 1])
+        print(json.dumps({"vllm": vllm_tokens(work / f"{prefix}mx", tp=tp, ep="--ep" in flags)[0]}))
         return
-    if sys.argv[2:4] == ["--tp", "2"]:
-        print(json.dumps({"vllm": vllm_tokens(work / "mx", tp=2)[0]}))
-        return
-    if sys.argv[2:3] == ["--modelopt"]:
-        tokens, layers = vllm_tokens(as_modelopt(work / "mx", work / "modelopt"))
+    if "--modelopt" in flags:  # the same, in ModelOpt's layout
+        tokens, layers = vllm_tokens(as_modelopt(work / f"{prefix}mx", work / f"{prefix}modelopt"))
         print(json.dumps({"vllm": tokens, "layers": layers}))
         return
-    folder = write_checkpoint(work)
+    folder = write_checkpoint(work, moe=moe)
     hf = hf_tokens(folder)
     vllm, layers = vllm_tokens(folder)
     print(json.dumps({"hf": hf, "vllm": vllm, "layers": layers}))
