@@ -1,9 +1,10 @@
 """The routed experts of a mixture-of-experts layer: ``moe_experts`` (functional) and ``MXFP8Experts`` (the module
 that takes the place of transformers' 3-D experts modules).
 
-A call sorts the token copies by expert, runs the experts' gate/up projection (one grouped call), ``silu(gate) *
-up``, the down projection (one grouped call), and combines each token's copies weighted by the router, in a fixed
-order: deterministic, no host synchronisation and no shape that depends on the routing, so that a decode step
+A call is one op, ``mxgemm::moe_experts``, on the experts' backend: the token copies sorted by expert, the gate/up
+projection, ``silu(gate) * up``, the down projection, and each token's copies weighted by the router and summed in a
+fixed order (:meth:`mxgemm.backends.capabilities.GroupedWeights.run_experts`; the Triton backend does it in four
+launches). Deterministic, no host synchronisation and no shape that depends on the routing, so that a decode step
 captures in a CUDA graph and compiles with ``fullgraph=True``.
 """
 
@@ -15,7 +16,8 @@ from torch import nn
 from .backends import get_backend
 from .device import DeviceInfo
 from .format import quantize
-from .grouped import PreparedGroupedWeight, grouped_linear, prepare_grouped_weight
+from .grouped import PreparedGroupedWeight, prepare_grouped_weight
+from .ops import moe_experts_op
 from .resolve import explain_auto
 
 __all__ = [
@@ -43,8 +45,10 @@ def moe_experts(
     """``x`` [T, H] (bf16/fp16; fp32 runs in bf16 and answers fp32), each token sent to ``topk_ids`` [T, k] (int,
     < E) with ``topk_weights`` [T, k]: ``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for
     ``e = topk_ids[t, j]``, [T, H]. ``gate_up``: the experts' [E, 2I, H] (gate rows first, then up, as transformers
-    stacks them); ``down``: [E, H, I]. The products and the weighted sum round to the activations' dtype, as
-    transformers' experts round them."""
+    stacks them); ``down``: [E, H, I], both prepared on one backend. The products round to the activations' dtype
+    as transformers' experts round them, and each token's weighted copies are summed in fp32 in top-k order, rounded
+    once. A copy routed outside ``[0, E)`` (expert parallelism's experts of other ranks) adds nothing; the ids are
+    not checked on the host, which would wait for the GPU."""
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"topk_ids and topk_weights must both be [T, k] for x of {x.shape[0]} tokens, got "
@@ -55,20 +59,30 @@ def moe_experts(
             f"gate_up [{gate_up.experts}, {gate_up.out_features}, {gate_up.in_features}] and down [{down.experts}, "
             f"{down.out_features}, {down.in_features}] are not one layer's experts"
         )
+    if gate_up.backend != down.backend:
+        raise ValueError(f"gate_up runs on {gate_up.backend} and down on {down.backend}; prepare both on one backend")
+    if x.dim() != 2 or x.shape[1] != gate_up.in_features:
+        raise ValueError(f"x must be [T, {gate_up.in_features}], got shape {tuple(x.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must hold integer expert ids, got {topk_ids.dtype}")
+    if not (x.device == topk_ids.device == topk_weights.device == gate_up.device):
+        raise ValueError(
+            f"x, topk_ids and topk_weights must be on {gate_up.device}, where the experts are; got {x.device}, "
+            f"{topk_ids.device}, {topk_weights.device}"
+        )
     dtype = x.dtype
     x = x if dtype in (torch.bfloat16, torch.float16) else x.to(torch.bfloat16)  # fp32 models: bf16 activations
-    tokens, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # token copies sorted by expert, each expert's in token order
-    counts = torch.zeros(gate_up.experts, dtype=torch.int64, device=x.device).index_add_(
-        0, flat.long(), torch.ones_like(flat, dtype=torch.int64)
+    y = moe_experts_op(
+        x.contiguous(),
+        topk_ids.contiguous(),
+        topk_weights.to(x.dtype).contiguous(),
+        gate_up.op_tensors,
+        down.op_tensors,
+        gate_up.backend,
+        gate_up.op_meta,
+        down.op_meta,
     )
-    offsets = counts.cumsum(0).to(torch.int32)
-    rows = x[order // k]
-    gate, up = grouped_linear(rows, gate_up, offsets).chunk(2, dim=-1)
-    y = grouped_linear(nn.functional.silu(gate) * up, down, offsets)
-    unsorted = torch.empty_like(y).index_copy_(0, order, y).reshape(tokens, k, -1)
-    return (unsorted * topk_weights.to(x.dtype).unsqueeze(-1)).sum(1).to(dtype)
+    return y.to(dtype)
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

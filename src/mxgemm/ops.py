@@ -33,6 +33,7 @@ __all__ = [
     "grouped_linear_op",
     "linear_gated_op",
     "linear_op",
+    "moe_experts_op",
     "quantize_1x128_op",
     "quantize_mx_op",
     "run_gated",
@@ -164,6 +165,49 @@ grouped_linear_op = _define(
 """``mxgemm::grouped_linear``: ``x`` [S, K], rows sorted by expert, through the grouped weight described by
 (tensors, meta): row ``i`` times expert ``e``'s weight where ``offsets[e-1] <= i < offsets[e]`` -> [S, N] in
 ``x.dtype`` (zeros past ``offsets[-1]``); no host synchronisation, one shape whatever the routing."""
+
+
+def _moe_experts(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    gate_up: list[Tensor],
+    down: list[Tensor],
+    backend: str,
+    gate_up_meta: str,
+    down_meta: str,
+) -> Tensor:
+    return get_backend(backend).run_experts(
+        x,
+        topk_ids,
+        topk_weights,
+        PreparedGroupedWeight.from_op_args(backend, gate_up, gate_up_meta),
+        PreparedGroupedWeight.from_op_args(backend, down, down_meta),
+    )
+
+
+def _moe_experts_fake(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    gate_up: list[Tensor],
+    down: list[Tensor],
+    backend: str,
+    gate_up_meta: str,
+    down_meta: str,
+) -> Tensor:
+    return x.new_empty((x.shape[0], json.loads(down_meta)["out_features"]))
+
+
+moe_experts_op = _define(
+    "moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor[] gate_up, Tensor[] down, str backend, "
+    "str gate_up_meta, str down_meta) -> Tensor",
+    _moe_experts,
+    _moe_experts_fake,
+)
+"""``mxgemm::moe_experts``: the routed block of a mixture of experts on one backend's grouped weights (described by
+their tensors and meta), ``x`` [T, H] -> [T, H] (:meth:`mxgemm.backends.capabilities.GroupedWeights.run_experts`);
+no host synchronisation, one shape whatever the routing."""
 
 
 def _quantize_mx(x: Tensor, scale_mode: str, elem_dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -163,3 +163,81 @@ def test_a_tiny_moe_model_runs_its_experts_on_the_grouped_kernel():
             static_ids.copy_(torch.randint(0, 128, (2, 12), generator=g))
             graph.replay()
             assert torch.equal(static_logits, model(static_ids, use_cache=False).logits)
+
+
+def _block(e, hidden, width, seed=0):
+    return [
+        mxgemm.prepare_grouped_weight(*_experts(e, n, k, seed=seed + n), backend="triton")
+        for n, k in ((2 * width, hidden), (hidden, width))
+    ]
+
+
+def _top_k(tokens, e, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(tokens, e, generator=g).topk(k, dim=1).indices
+    return ids.cuda(), torch.rand(tokens, k, generator=g).softmax(-1).bfloat16().cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_times_up_is_pytorchs_for_every_value(dtype):
+    """The fused gate/up epilogue's ``silu(gate) * up`` on every finite bf16 / fp16 ``gate`` (``up`` 1.5): the bits
+    of ``torch.nn.functional.silu(gate) * up`` on this GPU."""
+    import triton
+    import triton.language as tl
+
+    from mxgemm.kernels.grouped.fp8 import _silu_times, rounded
+
+    @triton.jit
+    def kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ty = o_ptr.dtype.element_ty
+        g = tl.load(g_ptr + i, mask=i < n).to(tl.float32)
+        u = tl.load(u_ptr + i, mask=i < n).to(tl.float32)
+        tl.store(o_ptr + i, rounded(_silu_times(g, u, ty, False), ty, False).to(ty), mask=i < n)
+
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).cuda()
+    gate = gate[torch.isfinite(gate)]
+    up = torch.full_like(gate, 1.5)
+    out = torch.empty_like(gate)
+    kernel[(triton.cdiv(gate.numel(), 1024),)](gate, up, out, gate.numel(), BLOCK=1024)
+    expected = torch.nn.functional.silu(gate) * up
+    same = (out.view(torch.int16) == expected.view(torch.int16)) | (torch.isnan(out) & torch.isnan(expected))
+    assert same.all(), gate[~same][:8]
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 700])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_fused_block_is_the_composition_of_its_steps(tokens, dtype):
+    """``moe_experts`` on the Triton backend (sort, gate/up with the product, down written back in token order, the
+    weighted sum: four launches) bit for bit its steps run apart, on a poisoned allocator, copies routed outside
+    [0, E) adding nothing; 700 tokens take the configs that quantize rows apart."""
+    from mxgemm.backends.capabilities import GroupedWeights
+
+    gate_up, down = _block(16, 512, 384)
+    ids, weights = _top_k(tokens, 16, 4, seed=tokens)
+    ids[0, 1], ids[-1, 0] = -1, 16  # expert parallelism's other ranks' experts
+    x = random_act(tokens, 512, device="cuda", dtype=dtype, seed=tokens)
+    weights = weights.to(dtype)
+    poison_cuda_allocator()
+    y = mxgemm.moe_experts(x, ids, weights, gate_up, down)
+    steps = GroupedWeights.run_experts(get_backend("triton"), x, ids, weights, gate_up, down)
+    assert torch.isfinite(y).all() and torch.equal(y, steps)
+
+
+def test_one_graph_replays_any_routing_of_the_block():
+    gate_up, down = _block(32, 1024, 512)
+    static_x = random_act(16, 1024, device="cuda")
+    static_ids, static_w = _top_k(16, 32, 8, seed=0)
+    mxgemm.moe_experts(static_x, static_ids, static_w, gate_up, down)  # compiled outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = mxgemm.moe_experts(static_x, static_ids, static_w, gate_up, down)
+    for trial in range(1, 5):
+        ids, w = _top_k(16, 32, 8, seed=trial)
+        if trial == 4:
+            ids[:] = 3  # every copy on one expert
+        static_x.copy_(random_act(16, 1024, device="cuda", seed=trial))
+        static_ids.copy_(ids)
+        static_w.copy_(w)
+        graph.replay()
+        assert torch.equal(static_y, mxgemm.moe_experts(static_x, static_ids, static_w, gate_up, down)), trial

@@ -115,6 +115,33 @@ class GroupedWeights(ABC):
         ``x``'s device; expert 0 starts at row 0); rows at or past ``offsets[-1]`` answer zeros. Inputs are already
         validated; the offsets' values are not read on the host."""
 
+    def run_experts(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        gate_up: PreparedGroupedWeight,
+        down: PreparedGroupedWeight,
+    ) -> torch.Tensor:
+        """The routed block of :func:`mxgemm.moe_experts` (inputs validated; ``x`` bf16/fp16 [T, H], ``topk_weights``
+        in its dtype): each token copy ``t * k + j`` through expert ``topk_ids[t, j]``'s ``gate_up``, ``silu(gate) *
+        up`` in ``x``'s dtype, ``down``, then ``sum_j round(y_j * topk_weights[t, j])`` in fp32 over j in turn,
+        rounded to ``x``'s dtype; a copy routed outside ``[0, E)`` adds zero. This default: the copies sorted by
+        expert and gathered, two :meth:`run_grouped` calls, the product between them, and the copies put back."""
+        tokens, k = topk_ids.shape
+        groups = torch.where((topk_ids >= 0) & (topk_ids < gate_up.experts), topk_ids, gate_up.experts).reshape(-1)
+        order = torch.argsort(groups, stable=True)  # each expert's copies in token order, then the unrouted ones
+        counts = torch.zeros(gate_up.experts + 1, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, groups.long(), torch.ones_like(groups, dtype=torch.int64))
+        offsets = counts.cumsum(0)[:-1].to(torch.int32)
+        gate, up = self.run_grouped(x[order // k], gate_up, offsets).chunk(2, dim=-1)
+        y = self.run_grouped(torch.nn.functional.silu(gate) * up, down, offsets)
+        copies = torch.empty_like(y).index_copy_(0, order, y).reshape(tokens, k, -1)
+        out = torch.zeros(tokens, y.shape[1], dtype=torch.float32, device=x.device)
+        for j in range(k):
+            out += copies[:, j] * topk_weights[:, j : j + 1]
+        return out.to(x.dtype)
+
     @abstractmethod
     def export_grouped_mx(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         """The MX tensors (float8 ``[E, N, K]``, uint8 E8M0 ``[E, N, K/32]``) that dequantize to exactly the weights

@@ -153,5 +153,17 @@ class TritonBackend(Backend, GroupedWeights):
             x, t["qdata"].view(torch.uint8), t["block_scale"], offsets, weight.out_features, config
         )
 
+    def run_experts(self, x, topk_ids, topk_weights, gate_up, down) -> torch.Tensor:
+        """Four launches: the copies sorted by expert, gate/up on the tokens in place with ``silu(gate) * up`` in its
+        epilogue, down writing each copy back to its token's place, and the weighted sum (``kernels/grouped``)."""
+        from ..kernels.grouped.fp8 import grouped_down, grouped_gate_up
+        from ..kernels.grouped.routing import combine, sort_by_expert
+
+        gu, dn = gate_up.tensors, down.tensors
+        offsets, src = sort_by_expert(topk_ids, gate_up.experts)
+        product = grouped_gate_up(x, gu["qdata"].view(torch.uint8), gu["block_scale"], offsets, src, topk_ids.shape[1])
+        y = grouped_down(product, dn["qdata"].view(torch.uint8), dn["block_scale"], offsets, src, down.out_features)
+        return combine(y, topk_weights)
+
     def export_grouped_mx(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_block128_to_mx(weight.tensors["qdata"], weight.tensors["block_scale"])

@@ -11,12 +11,10 @@ plugin's entry point.
   vLLM's loader attributes (compressed-tensors' own ``create_weights``), so that vLLM's loader stacks the per-expert
   tensors and shards them for tensor and expert parallelism; once loaded it prepares each as one grouped weight
   (:func:`mxgemm.prepare_grouped_weight`) and runs :func:`mxgemm.moe_experts` on the router's choice, experts of
-  other ranks (``expert_map`` -1) weighted zero. vLLM reduces the partial sums across ranks and runs shared experts.
+  other ranks (``expert_map`` -1) adding nothing. vLLM reduces the partial sums across ranks and runs shared experts.
 """
 
 from __future__ import annotations
-
-import torch
 
 from ..device import DeviceInfo
 from ..errors import MXGemmError
@@ -117,12 +115,10 @@ def _classes():
         def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
             if layer.apply_router_weight_on_input:
                 raise MXGemmError("mxgemm weights the experts' outputs; this layer weights their inputs")
-            weights, ids = topk_weights, topk_ids
-            if layer.expert_map is not None:  # global expert ids -> this rank's, -1 for the others' experts
-                local = layer.expert_map[topk_ids.long()]
-                weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
-                ids = local.clamp(min=0)
-            return moe_experts(x, ids, weights, layer.mxgemm_w13, layer.mxgemm_w2)
+            ids = topk_ids  # global expert ids -> this rank's, -1 (adding nothing) for the others' experts
+            if layer.expert_map is not None:
+                ids = layer.expert_map[topk_ids.long()]
+            return moe_experts(x, ids, topk_weights, layer.mxgemm_w13, layer.mxgemm_w2)
 
     class MxgemmConfig(CompressedTensorsConfig):
         """compressed-tensors' config with the experts on mxgemm (see the module docstring)."""

@@ -19,17 +19,26 @@ the same bits): with many rows per expert, quantizing in the kernel would repeat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ...block128 import quantize_1x128
 from ..act_quant import _to_e4m3_bits, quantize_1x128_padded  # the 1x128 quantizer and its rounding
 
-__all__ = ["GroupedConfig", "default_config", "grouped_block_linear", "token_tile_slots"]
+__all__ = [
+    "GroupedConfig",
+    "default_config",
+    "grouped_block_linear",
+    "grouped_down",
+    "grouped_gate_up",
+    "token_tile_slots",
+]
 
 _AMAX_FLOOR = tl.constexpr(2.0**-64)
 _FP8_MAX = tl.constexpr(448.0)
@@ -54,10 +63,12 @@ def _grouped_kernel(
     s_ptr,
     off_ptr,
     y_ptr,
+    src_ptr,
     S,
     N,
     K,
     E,
+    TOPK,
     stride_xs,
     stride_xsk,
     stride_we,
@@ -69,6 +80,9 @@ def _grouped_kernel(
     BN: tl.constexpr,
     BM: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    GATHER: tl.constexpr,
+    GATED: tl.constexpr,
+    SCATTER: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     slot = tl.program_id(0)
@@ -91,19 +105,29 @@ def _grouped_kernel(
         rm = first_row + (slot - first_slot) * BM + tl.arange(0, BM)
         m_ok = rm < end_row
         rm64 = rm.to(tl.int64)
+        xm = rm64  # the rows of x and y this tile reads and writes
+        ym = rm64
+        if GATHER or SCATTER:  # the row's token copy: x's row src // TOPK, or y's row src
+            src = tl.load(src_ptr + rm64, mask=m_ok, other=0).to(tl.int64)
+            if GATHER:
+                xm = src // TOPK
+            if SCATTER:
+                ym = src
         rn = pid_n * BN + tl.arange(0, BN)
         n_ok = rn < N
         acc = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_up = tl.zeros((BN, BM), dtype=tl.float32)
         if grp < E:
             rk = tl.arange(0, 128)
             w_base = w_ptr + grp.to(tl.int64) * stride_we + rn[:, None] * stride_wn
             s_base = s_ptr + grp.to(tl.int64) * stride_se + (rn // 128) * stride_sn
+            s_up = s_ptr + grp.to(tl.int64) * stride_se + ((rn + N) // 128) * stride_sn
             for k0 in range(0, K, 128):
                 k_ok = (k0 + rk) < K
-                x_ptrs = x_ptr + rm64[:, None] * stride_xs + (k0 + rk)[None, :]
+                x_ptrs = x_ptr + xm[:, None] * stride_xs + (k0 + rk)[None, :]
                 if QUANTIZED:  # FP8 rows and their 1x128 scales, quantized apart
                     xq = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
-                    x_scale = tl.load(xs_ptr + (k0 // 128) * stride_xsk + rm64, mask=m_ok, other=0.0)
+                    x_scale = tl.load(xs_ptr + (k0 // 128) * stride_xsk + xm, mask=m_ok, other=0.0)
                     if INTERPRET:
                         xq = xq.to(tl.float32)
                 else:
@@ -116,16 +140,54 @@ def _grouped_kernel(
                         xq = _nearest_e4m3(v)
                     else:
                         xq = _to_e4m3_bits(v).to(tl.float8e4nv, bitcast=True)
-                w = tl.load(w_base + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-                if INTERPRET:
-                    wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                    part = tl.dot(wf, tl.trans(xq), input_precision="ieee")
-                else:
-                    part = tl.dot(w.to(tl.float8e4nv, bitcast=True), tl.trans(xq))
+                w_ptrs = w_base + (k0 + rk)[None, :]
+                part = _fp8_dot(tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0), xq, INTERPRET)
                 w_scale = tl.load(s_base + k0 // 128, mask=n_ok, other=0.0)
                 acc += part * w_scale[:, None] * x_scale[None, :]
-        y_ptrs = y_ptr + rm64[None, :] * stride_ys + rn[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+                if GATED:  # the up rows, N below the gate rows
+                    w_up = tl.load(w_ptrs + N * stride_wn, mask=n_ok[:, None] & k_ok[None, :], other=0)
+                    up_scale = tl.load(s_up + k0 // 128, mask=n_ok, other=0.0)
+                    acc_up += _fp8_dot(w_up, xq, INTERPRET) * up_scale[:, None] * x_scale[None, :]
+        out_ty = y_ptr.dtype.element_ty
+        if GATED:
+            gate = rounded(acc, out_ty, INTERPRET)
+            acc = _silu_times(gate, rounded(acc_up, out_ty, INTERPRET), out_ty, INTERPRET)
+        y_ptrs = y_ptr + ym[None, :] * stride_ys + rn[:, None]
+        tl.store(y_ptrs, rounded(acc, out_ty, INTERPRET).to(out_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def rounded(v, out_ty: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``v`` rounded to ``out_ty`` (to nearest, ties to even), held in fp32. The interpreter's own cast to bf16
+    truncates; there the rounding is made on the bits."""
+    if INTERPRET and out_ty == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return v.to(out_ty).to(tl.float32)
+
+
+@triton.jit
+def _fp8_dot(w, xq, INTERPRET: tl.constexpr):
+    """``w`` (E4M3 bytes) times ``xq^T`` in fp32: FP8 tensor cores, or the interpreter's fp32 product of the same
+    values."""
+    if INTERPRET:
+        wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return tl.dot(wf, tl.trans(xq), input_precision="ieee")
+    return tl.dot(w.to(tl.float8e4nv, bitcast=True), tl.trans(xq))
+
+
+@triton.jit
+def _silu_times(gate, up, out_ty: tl.constexpr, INTERPRET: tl.constexpr):
+    """``silu(gate) * up`` as PyTorch computes it in ``out_ty`` (gate and up already rounded to it, held in fp32):
+    SiLU as ``gate / (1 + exp(-gate))`` in fp32 (an IEEE division and ``expf``), rounded to ``out_ty``, times ``up``
+    in fp32; fp32, to be rounded to ``out_ty`` once more. ``expf`` is libdevice's, as CUDA's."""
+    if INTERPRET:  # the interpreter's exp: NumPy's
+        e = tl.exp(-gate)
+    else:
+        e = libdevice.exp(-gate)
+    act = tl.math.div_rn(gate, 1.0 + e)
+    return rounded(act, out_ty, INTERPRET) * up
 
 
 @dataclass(frozen=True)
@@ -179,23 +241,64 @@ def grouped_block_linear(
     """``x`` [S, K] bf16/fp16 (unit stride along K), rows sorted by expert; ``w_bytes`` uint8 (E4M3 bits)
     ``[E, >= n, K]``; ``block_scale`` fp32 ``[E, >= ceil(n/128), >= ceil(K/128)]``; ``offsets`` int32 ``[E]`` on
     ``x``'s device -> [S, n] in ``x.dtype``."""
-    s, k = x.shape
+    return _launch(x, w_bytes, block_scale, offsets, n, config, rows=x.shape[0])
+
+
+def grouped_gate_up(
+    x: torch.Tensor,
+    w_bytes: torch.Tensor,
+    block_scale: torch.Tensor,
+    offsets: torch.Tensor,
+    src: torch.Tensor,
+    topk: int,
+    config: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """The gate/up projection of a routed block on its tokens in place: ``x`` [T, K] in token order, ``src`` int32
+    [S] the token copy (``token * topk + j``) each row sorted by expert reads, ``w_bytes`` ``[E, 2I, K]`` (gate rows,
+    then up) -> ``silu(gate) * up`` [S, I] in ``x.dtype``, rows sorted by expert, as PyTorch computes the product in
+    that dtype. ``config`` as for ``2I`` outputs (each program takes half its ``bn`` of gate and of up rows)."""
+    s = src.shape[0]
+    c = config or default_config(s, w_bytes.shape[0])
+    half = dataclasses.replace(c, bn=max(c.bn // 2, 16))
+    return _launch(
+        x, w_bytes, block_scale, offsets, w_bytes.shape[1] // 2, half, rows=s, src=src, topk=topk, gated=True
+    )
+
+
+def grouped_down(
+    x: torch.Tensor,
+    w_bytes: torch.Tensor,
+    block_scale: torch.Tensor,
+    offsets: torch.Tensor,
+    src: torch.Tensor,
+    n: int,
+    config: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """:func:`grouped_block_linear` with each output row written to its token copy's place: row ``i`` of the result
+    [S, n] is sorted row ``j`` with ``src[j] == i`` (``src`` a permutation of ``range(S)``)."""
+    return _launch(x, w_bytes, block_scale, offsets, n, config, rows=x.shape[0], src=src, scatter=True)
+
+
+def _launch(x, w_bytes, block_scale, offsets, n, config, *, rows, src=None, topk=1, gated=False, scatter=False):
+    """One grid of :func:`_grouped_kernel` over ``rows`` rows sorted by expert (``x`` has ``rows / topk`` rows where
+    ``src`` gathers them)."""
+    k = x.shape[1]
     e = w_bytes.shape[0]
-    c = config or default_config(s, e)
+    c = config or default_config(rows, e)
     if not c.valid():
         raise ValueError(f"the grouped kernel cannot run {c}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if w_bytes.stride(2) != 1 or block_scale.dtype != torch.float32 or offsets.dtype != torch.int32:
         raise ValueError("the grouped kernel reads uint8 weights of unit stride along K, fp32 scales, int32 offsets")
-    y = torch.empty((s, n), dtype=x.dtype, device=x.device)
-    if s == 0 or n == 0:
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
         return y
     xs, stride_xsk = block_scale, 0  # not read unless quantized
     if c.quantized:
         x, xs = _quantized_rows(x)
         stride_xsk = xs.stride(1)
-    grid = (token_tile_slots(s, e, c.bm), triton.cdiv(n, c.bn))
+    grid = (token_tile_slots(rows, e, c.bm), triton.cdiv(n, c.bn))
     cfg = {"num_warps": c.warps} if _interpreting() else {"num_warps": c.warps, "num_stages": c.stages}
     _grouped_kernel[grid](
         x,
@@ -204,10 +307,12 @@ def grouped_block_linear(
         block_scale,
         offsets,
         y,
-        s,
+        offsets if src is None else src,  # not read without src
+        rows,
         n,
         k,
         e,
+        topk,
         x.stride(0),
         stride_xsk,
         w_bytes.stride(0),
@@ -219,6 +324,9 @@ def grouped_block_linear(
         BN=c.bn,
         BM=c.bm,
         QUANTIZED=c.quantized,
+        GATHER=src is not None and not scatter,
+        GATED=gated,
+        SCATTER=scatter,
         INTERPRET=_interpreting(),
         **cfg,
     )
