@@ -1,7 +1,8 @@
 """The routed block in four launches (sort, gate/up with the product, down written back in token order, weighted sum)
 against the same kernels with the glue in PyTorch (``GroupedWeights.run_experts``'s default: argsort, counts, gather,
 two grouped calls, SiLU and product, index_copy, the weighted sum): CUDA-graph time (8 routings per graph) and eager
-time per call (back to back, one synchronisation at the end), bit equality checked first.
+time per call (back to back, one synchronisation at the end; transformers' bf16 ``grouped_mm`` experts beside them),
+bit equality checked first.
 
     PYTHONPATH=src python3 bench/explore/moe_glue.py --json moe-glue.json
 """
@@ -18,7 +19,7 @@ import torch
 import mxgemm
 from mxgemm.backends import get_backend
 from mxgemm.backends.capabilities import GroupedWeights
-from mxgemm.bench_moe import MOE_MODELS, _experts, _top_k
+from mxgemm.bench_moe import MOE_MODELS, _experts, _hf_experts, _top_k
 from mxgemm.timing import time_cuda
 
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
@@ -45,11 +46,12 @@ def main() -> None:
     rows = []
     for model in args.models:
         e, hidden, width, topk = MOE_MODELS[model]
-        w = {}
+        w, w16 = {}, {}
         for proj, (n, k) in (("gate_up", (2 * width, hidden)), ("down", (hidden, width))):
-            q, s, _ = _experts(e, n, k, seed=n + k, device=dev)
+            q, s, w16[proj] = _experts(e, n, k, seed=n + k, device=dev)
             w[proj] = mxgemm.prepare_grouped_weight(q, s, backend="triton")
             del q, s
+        hf = _hf_experts(e, hidden, width, topk, w16["gate_up"], w16["down"])
         torch.cuda.empty_cache()
         for t in TOKENS:
             picks = [_top_k(t, e, topk, seed=r, device=dev) for r in range(8)]
@@ -73,16 +75,18 @@ def main() -> None:
             if t <= 64:
                 row["eager_fused_us"] = eager_us(fused[0])
                 row["eager_steps_us"] = eager_us(steps[0])
+                row["eager_bf16_us"] = eager_us(partial(hf, xs[0], *picks[0]))
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del w
+        del w, w16, hf
         torch.cuda.empty_cache()
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with open(args.json, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     print(f"\n{env['device']}")
-    print("| model | tokens | equal | graph steps µs | graph fused µs | speedup | eager steps µs | eager fused µs |")
-    print("|---|---|---|---|---|---|---|---|")
+    head = "| model | tokens | equal | graph steps µs | graph fused µs | speedup | eager steps µs | eager fused µs |"
+    print(head + " eager bf16 experts µs |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         eager = (
             f"{r.get('eager_steps_us', 0):.1f} | {r.get('eager_fused_us', 0):.1f}" if "eager_fused_us" in r else "- | -"

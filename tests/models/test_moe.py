@@ -60,6 +60,34 @@ def test_moe_experts_is_each_tokens_experts_run_one_by_one(tokens, kind, dtype):
         assert torch.equal(y[t], expected), t
 
 
+@pytest.mark.parametrize(
+    "case, error, message",
+    [
+        ("ids of other tokens", ValueError, r"topk_ids and topk_weights must both be \[T, k\] for x of 3 tokens"),
+        ("float ids", TypeError, "topk_ids must hold integer expert ids, got torch.float32"),
+        ("x of other H", ValueError, rf"x must be \[T, {H}\], got shape \(3, 32\)"),
+        ("not one layer's", ValueError, "are not one layer's experts"),
+        ("two backends", ValueError, "gate_up runs on emulation and down on triton; prepare both on one backend"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(case, error, message):
+    (gate_up, down), (_, dq) = _experts()
+    x = random_act(3, H)
+    ids, weights = _routing(3, 2, "random")
+    with pytest.raises(error, match=message):
+        if case == "ids of other tokens":
+            mxgemm.moe_experts(x, ids[:2], weights[:2], gate_up, down)
+        elif case == "float ids":
+            mxgemm.moe_experts(x, ids.float(), weights, gate_up, down)
+        elif case == "x of other H":
+            mxgemm.moe_experts(x[:, :32], ids, weights, gate_up, down)
+        elif case == "not one layer's":
+            mxgemm.moe_experts(x, ids, weights, gate_up, gate_up)
+        else:
+            other = mxgemm.prepare_grouped_weight(dq.qdata, dq.scale, backend="triton")
+            mxgemm.moe_experts(x, ids, weights, gate_up, other)
+
+
 def test_fp32_activations_run_in_bf16_and_answer_fp32():
     (gate_up, down), _ = _experts()
     x = random_act(5, H, dtype=torch.float32)
