@@ -88,9 +88,9 @@ def main() -> None:
     print(head + " eager bf16 experts µs |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        eager = (
-            f"{r.get('eager_steps_us', 0):.1f} | {r.get('eager_fused_us', 0):.1f}" if "eager_fused_us" in r else "- | -"
-        )
+        eager = "- | - | -"
+        if "eager_fused_us" in r:
+            eager = " | ".join(f"{r[k]:.1f}" for k in ("eager_steps_us", "eager_fused_us", "eager_bf16_us"))
         speed = r["graph_steps_us"] / r["graph_fused_us"]
         print(
             f"| {r['model']} | {r['tokens']} | {r['bit_equal']} | {r['graph_steps_us']:.1f} | "
