@@ -429,22 +429,25 @@ def load_checkpoint(
     return LoadReport(fmt, tuple(layers), tuple(tied), fusion, tuple(modules), dequantized)
 
 
-def experts_in(model: nn.Module, source: TensorSource):
+def experts_in(model: nn.Module, source: TensorSource, stored: dict[str, dict[str, list[str]]] | None = None):
     """The experts modules of ``model`` (3-D ``gate_up_proj`` / ``down_proj``) whose experts the checkpoint stores per
-    expert (``<experts>.<e>.{gate,up,down}_proj.weight``, with ``weight_scale`` where quantized), checked: (the
-    quantized ones by name, the checkpoint names they consume, {the model's 3-D tensor name: (the per-expert names
-    stacked into it, quantized)} for the experts to load into the model's own tensors (bf16 in the checkpoint)."""
+    expert (``<experts>.<e>.{gate,up,down}_proj.weight``, with ``weight_scale`` where quantized; ``stored``: other
+    names, by module and projection), checked: (the quantized ones by name, the checkpoint names they consume, {the
+    model's 3-D tensor name: (the per-expert names stacked into it, quantized)} for the experts to load into the
+    model's own tensors (bf16 in the checkpoint)."""
     experts, consumed, stacked = {}, set(), {}
     for name, module in experts_modules(model):
         gate_up = module.gate_up_proj
-        if not (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3) or f"{name}.0.gate_proj.weight" not in source:
+        if not (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3):
             continue
         count = gate_up.shape[0]
-        names = per_expert_names(name, count)
+        names = (stored or {}).get(name) or per_expert_names(name, count)
+        if names["gate_proj"][0] not in source:
+            continue
         absent = [n for ns in names.values() for n in ns if n not in source]
         if absent:
             raise CheckpointError(f"{absent[0]} is missing: {name} has {count} experts ({len(absent)} tensors missing)")
-        quantized = f"{name}.0.gate_proj.weight_scale" in source
+        quantized = f"{names['gate_proj'][0]}_scale" in source
         shapes = per_expert_shapes(module)
         for p, ns in names.items():
             for n in ns:
@@ -566,9 +569,12 @@ def _assign(model: nn.Module, names: tuple[str, ...], value: torch.Tensor, devic
         (holder._parameters if attr in holder._parameters else holder._buffers)[attr] = new
 
 
-def per_expert_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def per_expert_state(
+    model: nn.Module, state: dict[str, torch.Tensor], stored: dict[str, dict[str, list[str]]] | None = None
+) -> dict[str, torch.Tensor]:
     """``state`` with each :class:`MXFP8Experts`' stacked MX tensors written per expert, as compressed-tensors and
-    ModelOpt store experts: ``<experts>.<e>.{gate,up,down}_proj.weight`` and ``.weight_scale``."""
+    ModelOpt store experts: ``<experts>.<e>.{gate,up,down}_proj.weight`` and ``.weight_scale`` (``stored``: other
+    weight names, by module and projection)."""
     for name, module in model.named_modules():
         if not isinstance(module, MXFP8Experts):
             continue
@@ -576,7 +582,7 @@ def per_expert_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[s
         gate_up, gate_up_scale = state.pop(prefix + "gate_up_proj"), state.pop(prefix + "gate_up_proj_scale")
         down, down_scale = state.pop(prefix + "down_proj"), state.pop(prefix + "down_proj_scale")
         width = down.shape[-1]
-        names = per_expert_names(name, module.num_experts)
+        names = (stored or {}).get(name) or per_expert_names(name, module.num_experts)
         for e in range(module.num_experts):
             for proj, weight, scale in (
                 ("gate_proj", gate_up[e, :width], gate_up_scale[e, :width]),

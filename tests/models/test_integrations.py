@@ -428,10 +428,16 @@ def test_a_moe_model_saved_from_the_online_route_loads_back_the_same(tmp_path):
         assert torch.equal(back(ids).logits, with_experts(ids).logits)
 
 
-def test_save_pretrained_refuses_quantized_experts_transformers_stores_under_other_names(tmp_path):
-    """Mixtral's checkpoints store experts as w1 / w2 / w3, which transformers' converters read; quantized experts
-    written as gate_proj / up_proj / down_proj would not load back, so save_pretrained refuses in one line."""
+def test_mixtral_experts_save_under_mixtrals_names_and_load_back(tmp_path, monkeypatch):
+    """Mixtral's checkpoints store experts as ``block_sparse_moe.experts.<e>.{w1,w3,w2}``, which transformers'
+    converters read: save_pretrained writes quantized experts under those names (with ``weight_scale`` beside each)
+    and from_pretrained loads them back into MXFP8Experts of the same bits and logits. Where a model's converters
+    would not store its experts one tensor per expert and projection, save_pretrained refuses in one line and writes
+    nothing."""
+    from safetensors import safe_open
+
     from mxgemm.integrations import MXFP8Config
+    from mxgemm.moe import MXFP8Experts
 
     common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
     config = transformers.MixtralConfig(**common, intermediate_size=96, num_local_experts=4)
@@ -439,10 +445,31 @@ def test_save_pretrained_refuses_quantized_experts_transformers_stores_under_oth
     transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "bf16")
     auto = transformers.AutoModelForCausalLM
     model = auto.from_pretrained(tmp_path / "bf16", quantization_config=MXFP8Config(experts=True))
-    refused = r"transformers stores MixtralForCausalLM's experts as .*w1\.weight.*mxgemm\.save_checkpoint"
-    with pytest.raises(mxgemm.MXGemmError, match=refused):
-        model.save_pretrained(tmp_path / "mx")
-    assert not (tmp_path / "mx" / "model.safetensors").exists()
+    saved = model.model.layers[0].mlp.experts
+    assert isinstance(saved, MXFP8Experts)
+    model.save_pretrained(tmp_path / "mx")
+    with safe_open(tmp_path / "mx" / "model.safetensors", "pt") as f:
+        prefix = "model.layers.0.block_sparse_moe.experts"
+        assert {f.get_slice(f"{prefix}.3.{w}.weight").get_dtype() for w in ("w1", "w2", "w3")} == {"I32"}
+        assert f.get_slice(f"{prefix}.3.w2.weight").get_shape() == [64, 96 // 4]
+        assert f.get_slice(f"{prefix}.3.w3.weight_scale").get_dtype() == "U8"
+        assert not any(".mlp.experts" in k or "gate_up_proj" in k for k in f.keys())
+    back = auto.from_pretrained(tmp_path / "mx")
+    got = back.model.layers[0].mlp.experts
+    assert isinstance(got, MXFP8Experts)
+    for name in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
+        assert torch.equal(getattr(got, name).view(torch.uint8), getattr(saved, name).view(torch.uint8)), name
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+
+    import transformers.core_model_loading as loading
+
+    monkeypatch.setattr(loading, "revert_weight_conversion", lambda model, state: state)  # no converters
+    refused = r"model\.layers\.0\.mlp\.experts: transformers does not store MixtralForCausalLM's experts one tensor"
+    with pytest.raises(mxgemm.MXGemmError, match=refused + r".*mxgemm\.save_checkpoint"):
+        model.save_pretrained(tmp_path / "other")
+    assert not (tmp_path / "other" / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize(

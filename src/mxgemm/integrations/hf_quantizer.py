@@ -9,8 +9,9 @@
 - Saved and loaded back: ``save_pretrained`` writes each quantized layer's ``weight`` (its float8 [N, K] bytes as
   int32 [N, K/4]: transformers without this module imported refuses that shape, where it would read float8 [N, K]
   as bf16 values) and ``weight_scale`` (uint8 [N, K/32]) with ``quantization_config`` {"quant_method": "mxgemm",
-  ...}, and quantized experts per expert as checkpoints store them (``<experts>.<e>.{gate,up,down}_proj.weight`` and
-  ``weight_scale``, the weights packed alike); ``from_pretrained`` of that folder (this module imported) checks those
+  ...}, and quantized experts per expert under the names transformers stores the model's experts under
+  (``<experts>.<e>.{gate,up,down}_proj.weight``, Mixtral's ``w1`` / ``w3`` / ``w2``) with ``weight_scale`` beside
+  each, the weights packed alike); ``from_pretrained`` of that folder (this module imported) checks those
   tensors in its files, builds placeholders holding exactly them (float8 [N, K] weights of earlier saves too), loads
   them (transformers' own converters stack each experts module's per-expert tensors, and a copy of each for the
   ``_scale`` tensors beside them), and turns each into an ``MXFP8Linear`` or ``MXFP8Experts`` prepared once on its
@@ -43,7 +44,7 @@ from ..format import BLOCK_SIZE, e8m0_bytes
 from ..fusion import fuse
 from ..linear import MXFP8Linear
 from ..models import quantizable_linears, quantize_model
-from ..moe import MXFP8Experts, experts_modules, per_expert_names, per_expert_shapes
+from ..moe import PROJECTIONS, MXFP8Experts, experts_modules, is_experts_module, per_expert_shapes
 from ..resolve import check_request
 
 __all__ = ["METHOD", "MXFP8Config", "MXFP8HfQuantizer", "checkpoint_config", "enable_transformers"]
@@ -189,47 +190,67 @@ def _check_saved(
         check_pair(name, source, module)
         _check_scale_dtype(source, f"{name}.weight_scale", scale_dtype)
     experts_packed = {}
+    stored = _stored_names(model)
     for name, module in experts_modules(model):
-        if not isinstance(module.gate_up_proj, torch.Tensor) or module.gate_up_proj.dim() != 3:
+        if name not in stored or module.gate_up_proj.dim() != 3:
             continue
-        shapes, e = per_expert_shapes(module), module.gate_up_proj.shape[0]
-        prefix = f"{name}." if name else ""
-        stored = {_unpack_header(source, f"{prefix}{i}.{p}.weight", *shapes[p]) for i in range(e) for p in shapes}
-        experts_packed[name] = stored == {True}
-    quantized, consumed, _ = experts_in(model, source)
+        shapes = per_expert_shapes(module)
+        packed_now = {_unpack_header(source, n, *shapes[p]) for p, ns in stored[name].items() for n in ns}
+        experts_packed[name] = packed_now == {True}
+    quantized, consumed, _ = experts_in(model, source, stored)
     for names in quantized.values():
         for weight in (n for ns in names.values() for n in ns):
             _check_scale_dtype(source, f"{weight}_scale", scale_dtype)
     unread = [k for k in source.where if _PER_EXPERT.search(k) and k.endswith(".weight_scale") and k not in consumed]
     if unread:  # transformers would load their float8 weights into the model's bf16 experts by value
         raise CheckpointError(
-            f"{unread[0]} is a quantized expert this route does not read: it loads experts stored as "
-            "<experts>.<e>.{gate,up,down}_proj.weight beside weight_scale, under the model's experts module names"
+            f"{unread[0]} is a quantized expert this route does not read: it loads experts stored beside their "
+            "weight_scale under the names transformers stores this model's experts under"
         )
     return packed, {name: experts_packed[name] for name in quantized}
 
 
-def _check_experts_naming(model: nn.Module) -> None:
-    """Refuse, in one line, to save quantized experts where transformers would not read them back: the model's own
-    converters must store its experts per expert as ``<experts>.<e>.{gate,up,down}_proj.weight`` (Qwen-MoE,
-    DeepSeek-V3), the names quantized experts are written under; Mixtral's, for one, are ``w1`` / ``w2`` / ``w3``."""
+def _stored_names(model: nn.Module, *, quantized: bool = False) -> dict[str, dict[str, list[str]]]:
+    """For each experts module of ``model`` (transformers' 3-D experts, or an :class:`MXFP8Experts`; ``quantized``:
+    those only), the names transformers stores its experts' weights under, by projection and expert:
+    ``<experts>.<e>.{gate,up,down}_proj`` for Qwen-MoE and DeepSeek-V3, ``<block_sparse_moe>.experts.<e>.{w1,w3,w2}``
+    for Mixtral. Found by reverting the model's own converters (transformers' ``revert_weight_conversion``) on
+    tensors of one element per expert and projection that carry which they are. A module whose experts do not come
+    back one tensor per expert and projection has no entry; for an :class:`MXFP8Experts` (``quantized``), that is
+    :class:`mxgemm.MXGemmError` naming it, since save_pretrained could not write it."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    names = {}
     for name, module in model.named_modules():
-        if not isinstance(module, MXFP8Experts):
+        if isinstance(module, MXFP8Experts):
+            count = module.num_experts
+        elif not quantized and is_experts_module(module) and isinstance(module.gate_up_proj, torch.Tensor):
+            count = module.gate_up_proj.shape[0]
+        else:
             continue
         prefix = f"{name}." if name else ""
-        shapes = {"gate_up_proj": (module.num_experts, module.gate_up.out_features, module.gate_up.in_features)}
-        shapes["down_proj"] = (module.num_experts, module.down.out_features, module.down.in_features)
-        meta = {prefix + p: torch.empty(shape, device="meta") for p, shape in shapes.items()}
-        stored = sorted(revert_weight_conversion(model, meta))
-        written = sorted(n for ns in per_expert_names(name, module.num_experts).values() for n in ns)
-        if stored != written:
+        code = torch.arange(count, dtype=torch.float64, device="cpu")  # gate 2e, up 2e + 1, down 2E + e
+        coded = {
+            f"{prefix}gate_up_proj": torch.stack([2 * code, 2 * code + 1], dim=1)[:, :, None],
+            f"{prefix}down_proj": (2 * count + code)[:, None, None],
+        }
+        found = {p: [""] * count for p in PROJECTIONS}
+        stored = revert_weight_conversion(model, coded)
+        for key, value in stored.items():
+            v = int(value.flatten()[0]) if value.numel() == 1 else -1
+            if v < 0 or not key.endswith(".weight"):
+                break
+            p, e = (PROJECTIONS[v % 2], v // 2) if v < 2 * count else ("down_proj", v - 2 * count)
+            found[p][e] = key
+        if len(stored) == 3 * count and all(all(ns) for ns in found.values()):
+            names[name] = found
+        elif quantized:
             raise MXGemmError(
-                f"{name}: transformers stores {type(model).__name__}'s experts as {stored[0]}, ..., where quantized "
-                f"experts are written as {written[0]}, ...: save_pretrained cannot write them; "
+                f"{name}: transformers does not store {type(model).__name__}'s experts one tensor per expert and "
+                f"projection ({next(iter(stored))}, ...): save_pretrained cannot write them quantized; "
                 "mxgemm.save_checkpoint(model, folder) does, or quantize with MXFP8Config(experts=False)"
             )
+    return names
 
 
 class MXFP8HfQuantizer(HfQuantizer):
@@ -310,12 +331,10 @@ class MXFP8HfQuantizer(HfQuantizer):
     def get_state_dict_and_metadata(self, model):
         """What ``save_pretrained`` writes: the model's state dict with quantized experts per expert and each
         quantized float8 [N, K] weight as its bytes in int32 [N, K/4] (the module docstring says why)."""
-        _check_experts_naming(model)
-        state = per_expert_state(model, model.state_dict())
+        stored = _stored_names(model, quantized=True)
+        state = per_expert_state(model, model.state_dict(), stored)
         weights = [f"{name}.weight".lstrip(".") for name, m in model.named_modules() if isinstance(m, MXFP8Linear)]
-        for name, m in model.named_modules():
-            if isinstance(m, MXFP8Experts):
-                weights += [n for ns in per_expert_names(name, m.num_experts).values() for n in ns]
+        weights += [n for names in stored.values() for ns in names.values() for n in ns]
         for key in weights:
             state[key] = state[key].contiguous().view(torch.int32)
         return state, {}
