@@ -25,10 +25,12 @@ from .fusion import tally
 from .linear import MXFP8Linear
 from .model_folder import ModelFolderError, folder_file, read_folder_file
 from .moe import (
+    PROJECTIONS,
     MXFP8Experts,
     experts_modules,
     experts_stay_in_bf16,
     experts_unfit_reason,
+    is_experts_module,
     per_expert_names,
     per_expert_shapes,
 )
@@ -46,6 +48,9 @@ __all__ = [
     "read_format",
     "save_checkpoint",
     "source_files",
+    "stored_expert_names",
+    "stored_module_names",
+    "stored_to_model_names",
 ]
 
 
@@ -567,6 +572,97 @@ def _assign(model: nn.Module, names: tuple[str, ...], value: torch.Tensor, devic
         owner, _, attr = name.rpartition(".")
         holder = model.get_submodule(owner) if owner else model
         (holder._parameters if attr in holder._parameters else holder._buffers)[attr] = new
+
+
+def _reverted(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """``state`` (names of ``model``'s tensors) under the names transformers stores them under, its converters
+    reverted (``revert_weight_conversion``); None where ``model`` is not a transformers model."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    return revert_weight_conversion(model, state) if isinstance(model, PreTrainedModel) else None
+
+
+def stored_expert_names(model: nn.Module, *, quantized: bool = False) -> dict[str, dict[str, list[str]]]:
+    """For each experts module of ``model`` (transformers' 3-D experts, or an :class:`MXFP8Experts`; ``quantized``:
+    those only), the names its checkpoints store its experts' weights under, by projection and expert:
+    ``<experts>.<e>.{gate,up,down}_proj.weight`` for Qwen-MoE and DeepSeek-V3,
+    ``<layer>.block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`` for Mixtral. Found by reverting the model's own
+    converters (transformers' ``revert_weight_conversion``) on tensors of one element per expert and projection
+    that carry which they are; a module whose experts do not come back one tensor per expert and projection has no
+    entry (transformers then stores them stacked). Models that are not transformers models:
+    :func:`mxgemm.moe.per_expert_names`."""
+    names = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MXFP8Experts):
+            count = module.num_experts
+        elif not quantized and is_experts_module(module) and isinstance(module.gate_up_proj, torch.Tensor):
+            count = module.gate_up_proj.shape[0]
+        else:
+            continue
+        prefix = f"{name}." if name else ""
+        code = torch.arange(count, dtype=torch.float64, device="cpu")  # gate 2e, up 2e + 1, down 2E + e
+        coded = {
+            f"{prefix}gate_up_proj": torch.stack([2 * code, 2 * code + 1], dim=1)[:, :, None],
+            f"{prefix}down_proj": (2 * count + code)[:, None, None],
+        }
+        stored = _reverted(model, coded)
+        if stored is None:
+            names[name] = per_expert_names(name, count)
+            continue
+        found = {p: [""] * count for p in PROJECTIONS}
+        for key, value in stored.items():
+            v = int(value.flatten()[0]) if value.numel() == 1 and key.endswith(".weight") else -1
+            if v < 0:
+                break
+            p, e = (PROJECTIONS[v % 2], v // 2) if v < 2 * count else ("down_proj", v - 2 * count)
+            found[p][e] = key
+        if len(stored) == 3 * count and all(all(ns) for ns in found.values()):
+            names[name] = found
+    return names
+
+
+def stored_to_model_names(model: nn.Module) -> dict[str, str]:
+    """The names ``model``'s checkpoints store its tensors under -> its own names (transformers' renamings, such as
+    Mixtral's ``block_sparse_moe`` for ``mlp``), per-expert tensors (:func:`stored_expert_names`) -> their
+    :func:`mxgemm.moe.per_expert_names`; only the names that differ. Where the model's converters do not take
+    tensors of one element (converters of tensors other than experts), only the experts' names."""
+    experts = stored_expert_names(model)
+    stacked = {
+        f"{name}.{t}".lstrip(".")
+        for name, module in model.named_modules()
+        if is_experts_module(module)
+        for t in ("gate_up_proj", "down_proj")
+    }  # converters of stacked tensors would not take one element
+    keys = [k for k in model.state_dict() if k not in stacked]
+    coded = {k: torch.full((1,), float(i), dtype=torch.float64, device="cpu") for i, k in enumerate(keys)}
+    try:
+        reverted = _reverted(model, coded) or {}
+    except (RuntimeError, ValueError, IndexError):  # a converter of other tensors that does not take one element
+        reverted = {}
+    names = {}
+    for key, value in reverted.items():
+        if value.numel() == 1 and key != keys[int(value.item())]:
+            names[key] = keys[int(value.item())]
+    for name, by_projection in experts.items():
+        own = per_expert_names(name, len(by_projection["gate_proj"]))
+        for p, stored in by_projection.items():
+            names.update((s, m) for s, m in zip(stored, own[p], strict=True) if s != m)
+    return names
+
+
+def stored_module_names(model: nn.Module, modules: Sequence[str]) -> dict[str, str]:
+    """Module names of ``model`` -> the names its checkpoints store them under (transformers' renamings, such as
+    Mixtral's ``mlp`` stored as ``block_sparse_moe``, reverted); the same names for other models."""
+    mark = "__mxgemm_module__"
+    coded = {f"{m}.{mark}": torch.full((1,), float(i), device="cpu") for i, m in enumerate(modules)}
+    named = {}
+    for key, value in (_reverted(model, coded) or {}).items():
+        if key.endswith(f".{mark}") and value.numel() == 1:
+            named[modules[int(value.item())]] = key.removesuffix(f".{mark}")
+    return {m: named.get(m, m) for m in modules}
 
 
 def per_expert_state(

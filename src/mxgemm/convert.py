@@ -24,12 +24,15 @@ from .checkpoints import (
     TensorSource,
     clear_checkpoint,
     compressed_tensors_config,
+    stored_expert_names,
+    stored_module_names,
+    stored_to_model_names,
     tied_groups,
     unquantized_owners,
 )
 from .format import ScaleMode, quantize
 from .models import LayerReport, QuantizeReport, hf_model_class, matches_skip, router_names, skip_reason
-from .moe import experts_modules, experts_unfit_reason, per_expert_names, per_expert_shapes
+from .moe import experts_modules, experts_unfit_reason, per_expert_shapes
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ShardWriter", "quantize_folder"]
 
@@ -99,16 +102,17 @@ def _experts_targets(model: nn.Module, source: TensorSource, skip, reports: list
     ``down_proj``): ``<experts>.<e>.{gate,up,down}_proj.weight`` -> its shape; each module's report (or why it stays
     as stored) appended to ``reports``."""
     targets = {}
+    stored = stored_expert_names(model)
     for name, module in experts_modules(model):
         reason = "matches skip" if matches_skip(name, skip) else experts_unfit_reason(module)
-        if not reason and f"{name}.0.gate_proj.weight" not in source:
+        names = stored.get(name)
+        if not reason and (names is None or names["gate_proj"][0] not in source):
             reason = "the checkpoint stores these experts stacked, not per expert"
         if reason:
             reports.append(LayerReport(name, False, None, None, reason, kind="experts"))
             continue
         shapes = per_expert_shapes(module)
         reports.append(LayerReport(name, True, "emulation", "w8a16", "", kind="experts"))
-        names = per_expert_names(name, module.down_proj.shape[0])
         targets.update({n: shapes[p] for p, ns in names.items() for n in ns})
     return targets
 
@@ -182,9 +186,11 @@ def quantize_folder(
         raise CheckpointError(f"{src}: no tensor for {sorted(targets)[0]} (and {len(targets) - 1} more)")
     writer.finish()
     cfg = config.to_dict()
-    kept = {n: source.shapes[n] for n in source.where if n not in quantized}  # routers, experts, ... as stored
-    ignore = [r.name for r in reports if not r.replaced] + unquantized_owners(model, kept)
-    cfg["quantization_config"] = compressed_tensors_config(scheme, list(dict.fromkeys(ignore)))
+    own = stored_to_model_names(model)  # the source's names, as stored, -> the model's
+    kept = {own.get(n, n): source.shapes[n] for n in source.where if n not in quantized}  # routers, experts, ...
+    ignore = dict.fromkeys([r.name for r in reports if not r.replaced] + unquantized_owners(model, kept))
+    ignore = list(dict.fromkeys(stored_module_names(model, list(ignore)).values()))  # as the checkpoint names them
+    cfg["quantization_config"] = compressed_tensors_config(scheme, ignore)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
     return QuantizeReport(tuple(reports))
 

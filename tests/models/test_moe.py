@@ -294,6 +294,38 @@ def test_mxgemm_quantize_of_a_moe_model_loads_as_quantize_model_computes(tmp_pat
         assert torch.equal(loaded(ids).logits, reference(ids).logits)
 
 
+def test_mxgemm_quantize_of_mixtral_writes_its_experts_under_mixtrals_names(tmp_path):
+    """A Mixtral folder stores experts as ``block_sparse_moe.experts.<e>.{w1,w3,w2}.weight``: `mxgemm quantize`
+    quantizes them under those names (what vLLM's and transformers' Mixtral loaders read), its ``ignore`` names the
+    routers as the checkpoint names them and nothing wider, and from_pretrained(config=checkpoint_config(path)) loads
+    MXFP8Experts computing what quantize_model makes of the same weights."""
+    import json
+
+    from safetensors import safe_open
+
+    from mxgemm.cli import main
+    from mxgemm.integrations import checkpoint_config
+
+    torch.manual_seed(0)
+    _tiny("mixtral").to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "mx")]) == 0
+    with safe_open(tmp_path / "mx" / "model.safetensors", "pt") as f:
+        prefix = "model.layers.1.block_sparse_moe.experts.3"
+        assert {f.get_slice(f"{prefix}.{w}.weight").get_dtype() for w in ("w1", "w2", "w3")} == {"F8_E4M3"}
+        assert f.get_slice(f"{prefix}.w2.weight_scale").get_shape() == [H, I // 32]
+        assert not any(".mlp." in k for k in f.keys())
+    ignore = json.loads((tmp_path / "mx" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert sorted(ignore) == ["lm_head", *(f"model.layers.{i}.block_sparse_moe.gate" for i in range(2))]
+    auto = transformers.AutoModelForCausalLM
+    loaded = auto.from_pretrained(tmp_path / "mx", config=checkpoint_config(tmp_path / "mx"), dtype=torch.bfloat16)
+    assert isinstance(loaded.model.layers[1].mlp.experts, MXFP8Experts)
+    reference = auto.from_pretrained(tmp_path / "src")
+    mxgemm.quantize_model(reference, experts=True)
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
 def test_mxgemm_quantize_writes_compressed_tensors_own_bytes_for_each_expert(tmp_path):
     """``--scale-mode compressed-tensors``: every expert's gate, up and down projection is stored as the bytes
     compressed-tensors' own MXFP8 quantization gives for that expert's bf16 weight."""

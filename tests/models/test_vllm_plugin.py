@@ -106,6 +106,17 @@ def test_moe_experts_run_on_mxgemm_with_hugging_face_tokens(moe_single_worker):
     assert len(result["hf"]) == 16 and result["vllm"] == result["hf"]
 
 
+def test_mixtral_experts_as_mxgemm_quantize_writes_them_run_on_mxgemm(vllm_python, single_worker):
+    """A tiny Mixtral as `mxgemm quantize` writes it (experts under Mixtral's w1 / w3 / w2 names, MXFP8): vLLM's
+    Mixtral loader stacks them, mxgemm's MoE method runs them, and the greedy tokens are Hugging Face + mxgemm's."""
+    env = _env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    done = _run([vllm_python, SCRIPT, single_worker[0], "--mixtral"], env=env, timeout=1200)
+    result = _result(done)
+    moe = [row for row in result["layers"] if not row.startswith("MxgemmMxfp8LinearKernel")]
+    assert moe == ["MxgemmMxfp8MoEMethod:emulation:True"] * 2, result["layers"]
+    assert len(result["hf"]) == 16 and result["vllm"] == result["hf"]
+
+
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_moe_experts_under_tensor_parallelism_give_the_same_tokens(
     vllm_python, single_worker, moe_single_worker, expert_parallel

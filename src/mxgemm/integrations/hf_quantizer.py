@@ -38,13 +38,21 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..checkpoints import CheckpointError, TensorSource, check_pair, check_values, experts_in, per_expert_state
+from ..checkpoints import (
+    CheckpointError,
+    TensorSource,
+    check_pair,
+    check_values,
+    experts_in,
+    per_expert_state,
+    stored_expert_names,
+)
 from ..errors import MXGemmError
 from ..format import BLOCK_SIZE, e8m0_bytes
 from ..fusion import fuse
 from ..linear import MXFP8Linear
 from ..models import quantizable_linears, quantize_model
-from ..moe import PROJECTIONS, MXFP8Experts, experts_modules, is_experts_module, per_expert_shapes
+from ..moe import MXFP8Experts, experts_modules, per_expert_shapes
 from ..resolve import check_request
 
 __all__ = ["METHOD", "MXFP8Config", "MXFP8HfQuantizer", "checkpoint_config", "enable_transformers"]
@@ -211,44 +219,16 @@ def _check_saved(
 
 
 def _stored_names(model: nn.Module, *, quantized: bool = False) -> dict[str, dict[str, list[str]]]:
-    """For each experts module of ``model`` (transformers' 3-D experts, or an :class:`MXFP8Experts`; ``quantized``:
-    those only), the names transformers stores its experts' weights under, by projection and expert:
-    ``<experts>.<e>.{gate,up,down}_proj`` for Qwen-MoE and DeepSeek-V3, ``<block_sparse_moe>.experts.<e>.{w1,w3,w2}``
-    for Mixtral. Found by reverting the model's own converters (transformers' ``revert_weight_conversion``) on
-    tensors of one element per expert and projection that carry which they are. A module whose experts do not come
-    back one tensor per expert and projection has no entry; for an :class:`MXFP8Experts` (``quantized``), that is
-    :class:`mxgemm.MXGemmError` naming it, since save_pretrained could not write it."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    names = {}
+    """:func:`mxgemm.checkpoints.stored_expert_names`; for a quantized experts module whose experts transformers
+    would not store one tensor per expert and projection, :class:`mxgemm.MXGemmError` naming it, since
+    save_pretrained could not write it."""
+    names = stored_expert_names(model, quantized=quantized)
     for name, module in model.named_modules():
-        if isinstance(module, MXFP8Experts):
-            count = module.num_experts
-        elif not quantized and is_experts_module(module) and isinstance(module.gate_up_proj, torch.Tensor):
-            count = module.gate_up_proj.shape[0]
-        else:
-            continue
-        prefix = f"{name}." if name else ""
-        code = torch.arange(count, dtype=torch.float64, device="cpu")  # gate 2e, up 2e + 1, down 2E + e
-        coded = {
-            f"{prefix}gate_up_proj": torch.stack([2 * code, 2 * code + 1], dim=1)[:, :, None],
-            f"{prefix}down_proj": (2 * count + code)[:, None, None],
-        }
-        found = {p: [""] * count for p in PROJECTIONS}
-        stored = revert_weight_conversion(model, coded)
-        for key, value in stored.items():
-            v = int(value.flatten()[0]) if value.numel() == 1 else -1
-            if v < 0 or not key.endswith(".weight"):
-                break
-            p, e = (PROJECTIONS[v % 2], v // 2) if v < 2 * count else ("down_proj", v - 2 * count)
-            found[p][e] = key
-        if len(stored) == 3 * count and all(all(ns) for ns in found.values()):
-            names[name] = found
-        elif quantized:
+        if quantized and isinstance(module, MXFP8Experts) and name not in names:
             raise MXGemmError(
                 f"{name}: transformers does not store {type(model).__name__}'s experts one tensor per expert and "
-                f"projection ({next(iter(stored))}, ...): save_pretrained cannot write them quantized; "
-                "mxgemm.save_checkpoint(model, folder) does, or quantize with MXFP8Config(experts=False)"
+                "projection: save_pretrained cannot write them quantized; mxgemm.save_checkpoint(model, folder) "
+                "does, or quantize with MXFP8Config(experts=False)"
             )
     return names
 

@@ -9,6 +9,8 @@ with tensor parallelism over 2 CPU workers (column-parallel layers split N, row-
 `python greedy_tokens.py WORK_FOLDER --moe [--tp 2 [--ep] | --modelopt]`: each of the above for a tiny Qwen3-MoE
 (8 experts, top-2) converted into WORK_FOLDER/moe-mx, with each MoE layer's method and backend; --ep: vLLM's expert
 parallelism (4 whole experts a rank) instead of splitting each expert.
+`python greedy_tokens.py WORK_FOLDER --mixtral`: the first for a tiny Mixtral (experts stored as w1 / w3 / w2),
+Hugging Face + mxgemm's tokens through `from_pretrained(config=checkpoint_config(folder))`.
 `python greedy_tokens.py WORK_FOLDER --readme EXAMPLE.py`: run the README's vLLM example in a folder where
 `my-model-mxfp8` is the tiny Qwen3-MoE's checkpoint with a word-level tokenizer (the tiny model has none)."""
 
@@ -24,10 +26,13 @@ PROMPT = [1, 17, 42, 99, 7, 300, 12, 5]
 NEW_TOKENS = 16
 
 
-def write_checkpoint(work: Path, moe: bool = False) -> Path:
+def write_checkpoint(work: Path, moe: bool = False, mixtral: bool = False) -> Path:
     common = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     common.update(max_position_embeddings=256, tie_word_embeddings=False)
-    if moe:  # an expert width of 128: 64 per rank under tensor parallelism, a multiple of 32
+    if mixtral:  # experts stored as block_sparse_moe.experts.<e>.{w1,w3,w2}
+        config = transformers.MixtralConfig(**common, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)
+        config.architectures = ["MixtralForCausalLM"]
+    elif moe:  # an expert width of 128: 64 per rank under tensor parallelism, a multiple of 32
         config = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
         config.architectures = ["Qwen3MoeForCausalLM"]
     else:
@@ -37,22 +42,30 @@ def write_checkpoint(work: Path, moe: bool = False) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     # the MoE's weights wider (std 0.1): at 0.05 its 7th greedy token is a near tie that the order of tensor
     # parallelism's sums decides (each rank's partial rounded to bf16 before vLLM adds them; the bf16 model picks
-    # the other token too); at 0.1 the tokens are clear of such ties
+    # the other token too); at 0.1 the tokens are clear of such ties. The tiny Mixtral at 0.1 has two such ties
+    # (its 9th and 11th tokens lead the next by 0.002 in logit, where vLLM and transformers differ); at 0.2 its 16
+    # tokens match
     for p in model.parameters():
-        p.data.normal_(0, 0.1 if moe else 0.05)
-    prefix = "moe-" if moe else ""
+        p.data.normal_(0, 0.2 if mixtral else 0.1 if moe else 0.05)
+    prefix = "mixtral-" if mixtral else "moe-" if moe else ""
     model.save_pretrained(work / f"{prefix}bf16")
     cmd = [sys.executable, "-m", "mxgemm", "quantize", str(work / f"{prefix}bf16"), str(work / f"{prefix}mx")]
     subprocess.run([*cmd, "--scheme", "MXFP8", "--force"], check=True)
     return work / f"{prefix}mx"
 
 
-def hf_tokens(folder: Path) -> list[int]:
+def hf_tokens(folder: Path, mixtral: bool = False) -> list[int]:
     import mxgemm
 
-    config = transformers.AutoConfig.from_pretrained(folder)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    mxgemm.load_checkpoint(model, folder)
+    if mixtral:  # stored under Mixtral's names: transformers' loader renames them, mxgemm's quantizer takes the MX ones
+        from mxgemm.integrations import checkpoint_config
+
+        auto = transformers.AutoModelForCausalLM
+        model = auto.from_pretrained(folder, config=checkpoint_config(folder), dtype=torch.bfloat16)
+    else:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        mxgemm.load_checkpoint(model, folder)
     with torch.no_grad():
         out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, len(PROMPT) :].tolist()
@@ -144,8 +157,8 @@ def main() -> None:
     if flags[:1] == ["--readme"]:
         readme_example(work, Path(flags[1]))
         return
-    moe = "--moe" in flags
-    prefix = "moe-" if moe else ""
+    moe, mixtral = "--moe" in flags, "--mixtral" in flags
+    prefix = "mixtral-" if mixtral else "moe-" if moe else ""
     if "--tp" in flags:  # on the checkpoint a run without flags wrote
         tp = int(flags[flags.index("--tp") + 1])
         print(json.dumps({"vllm": vllm_tokens(work / f"{prefix}mx", tp=tp, ep="--ep" in flags)[0]}))
@@ -154,8 +167,8 @@ def main() -> None:
         tokens, layers = vllm_tokens(as_modelopt(work / f"{prefix}mx", work / f"{prefix}modelopt"))
         print(json.dumps({"vllm": tokens, "layers": layers}))
         return
-    folder = write_checkpoint(work, moe=moe)
-    hf = hf_tokens(folder)
+    folder = write_checkpoint(work, moe=moe, mixtral=mixtral)
+    hf = hf_tokens(folder, mixtral=mixtral)
     vllm, layers = vllm_tokens(folder)
     print(json.dumps({"hf": hf, "vllm": vllm, "layers": layers}))
 
