@@ -21,7 +21,7 @@ from ..errors import MXGemmError
 from ..grouped import prepare_grouped_weight
 from ..moe import experts_stay_in_bf16, moe_experts
 from ..resolve import resolve_backend
-from .vllm_log import say_once
+from . import vllm_log
 
 __all__ = ["METHOD", "MODELOPT_METHOD", "grouped_reason", "register"]  # and _CLASSES, built on first access
 
@@ -61,7 +61,8 @@ def _claim(method: str, is_mxfp8: bool, user_quant, hf_config, backend: str | No
         return None
     reason = grouped_reason(backend)
     if reason:
-        say_once(f"mxgemm: MoE experts run on vLLM's own MXFP8 path ({reason})")
+        vllm_log.left(f"MoE experts on vLLM's own MXFP8 path ({reason})")
+        vllm_log.say_once(f"mxgemm: MoE experts run on vLLM's own MXFP8 path ({reason})")
         return None
     return method
 
@@ -95,6 +96,7 @@ def _classes():
             CompressedTensorsMoEMethod.__init__(self, moe)  # not vLLM's kernel selection: mxgemm runs these experts
             if moe.activation.value != "silu" or not moe.is_act_and_mul:
                 raise MXGemmError(f"mxgemm runs SiLU-gated experts; this layer's activation is {moe.activation}")
+            vllm_log.taken("MoE")  # one method a layer, made as vLLM builds the model
 
         # create_weights: compressed-tensors' own (the canonical names and vLLM's loader attributes)
 
@@ -107,7 +109,7 @@ def _classes():
                 if weight.data.untyped_storage().data_ptr() not in kept:  # the backend keeps its own copy
                     delattr(layer, f"{name}_weight")
                     delattr(layer, f"{name}_weight_scale")
-            say_once(f"mxgemm: vLLM's MXFP8 MoE experts run on {prepared.backend} ({prepared.recipe})")
+            vllm_log.prepared("MoE", prepared.backend, prepared.recipe)
 
         def get_fused_moe_quant_config(self, layer):
             return None  # no vLLM kernel reads these experts

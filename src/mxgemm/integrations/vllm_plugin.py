@@ -24,7 +24,7 @@ from ..errors import MXGemmError
 from ..format import BLOCK_SIZE
 from ..resolve import resolve_backend
 from ..weights import linear, prepare_weight
-from .vllm_log import say_once
+from . import vllm_log
 
 __all__ = ["register"]  # and MxgemmMxfp8LinearKernel, built on first access (it subclasses vLLM's interface)
 
@@ -57,9 +57,13 @@ def _kernel_class():
             k = c.weight_shape[1]
             if k % BLOCK_SIZE:
                 reason = f"mxgemm needs K (this shard's in_features) a multiple of {BLOCK_SIZE}"
-                say_once(f"{reason}: such MXFP8 layers are left to vLLM's own kernels")
+                vllm_log.left(f"MXFP8 linear layers whose K is not a multiple of {BLOCK_SIZE} on vLLM's own kernels")
                 return False, f"{reason}, got {k}"
             return True, None
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            vllm_log.taken("linear")  # one kernel a layer, made as vLLM builds the model
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             weight, scale = layer.weight.data, layer.weight_scale.data
@@ -70,7 +74,7 @@ def _kernel_class():
             if weight.untyped_storage().data_ptr() not in kept:  # the backend made its own copy: drop the checkpoint's
                 del layer.weight, layer.weight_scale
             logger.debug("vLLM MXFP8 layer [%d, %d] on %s (%s)", n, k, prepared.backend, prepared.recipe)
-            say_once(f"mxgemm: vLLM's MXFP8 linear layers run on {prepared.backend} ({prepared.recipe})")
+            vllm_log.prepared("linear", prepared.backend, prepared.recipe)
 
         def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
             return linear(x, layer.mxgemm_weight, bias)
