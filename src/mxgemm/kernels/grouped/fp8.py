@@ -15,6 +15,11 @@ own FP8 MMA and added to an fp32 accumulator times its two scales.
 
 ``quantized`` configs read rows quantized apart instead (the 1x128 quantizer of :mod:`mxgemm.kernels.act_quant`;
 the same bits): with many rows per expert, quantizing in the kernel would repeat the work for every weight-row tile.
+
+The routed block's forms (:func:`grouped_gate_up`, :func:`grouped_down`) read ``src``, the token copy at each sorted
+row (:func:`mxgemm.kernels.grouped.routing.sort_by_expert`): gate/up reads row ``src // k`` of the tokens in place
+(gathers) and takes gate rows and the up rows ``N`` below them in each program, writing ``silu(gate) * up``; down
+writes each row to row ``src`` of its output (scatters), so its output is in token order.
 """
 
 from __future__ import annotations
@@ -279,7 +284,20 @@ def grouped_down(
     return _launch(x, w_bytes, block_scale, offsets, n, config, rows=x.shape[0], src=src, scatter=True)
 
 
-def _launch(x, w_bytes, block_scale, offsets, n, config, *, rows, src=None, topk=1, gated=False, scatter=False):
+def _launch(
+    x: torch.Tensor,
+    w_bytes: torch.Tensor,
+    block_scale: torch.Tensor,
+    offsets: torch.Tensor,
+    n: int,
+    config: GroupedConfig | None,
+    *,
+    rows: int,
+    src: torch.Tensor | None = None,
+    topk: int = 1,
+    gated: bool = False,
+    scatter: bool = False,
+) -> torch.Tensor:
     """One grid of :func:`_grouped_kernel` over ``rows`` rows sorted by expert (``x`` has ``rows / topk`` rows where
     ``src`` gathers them)."""
     k = x.shape[1]
