@@ -15,26 +15,31 @@ from .fp8 import _interpreting, rounded
 
 __all__ = ["combine", "sort_by_expert"]
 
-_CHUNK_ELEMENTS = 8192  # copies x groups a step of the sorting programs compares
-_PER_PROGRAM = 1024  # token copies each sorting program takes beyond the first
+_CHUNK_ELEMENTS = 8192  # copies x experts a step of the sorting programs compares
+_PER_PROGRAM = 256  # token copies each sorting program takes beyond the first's 1024
+_ONE_PROGRAM = 1024  # copies one program sorts alone
 
 
 @triton.jit
-def _groups(ids_ptr, i, S, E, GROUPS: tl.constexpr):
-    """Each copy's group: its expert, E for copies routed outside [0, E), GROUPS (no group) past S."""
+def _experts_of(ids_ptr, i, S, E):
+    """Each copy's expert; -2 for copies routed outside [0, E), -1 past S (matching no expert)."""
     ids = tl.load(ids_ptr + i, mask=i < S, other=-1).to(tl.int32)
-    return tl.where(i < S, tl.where((ids >= 0) & (ids < E), ids, E), GROUPS)
+    return tl.where(i < S, tl.where((ids >= 0) & (ids < E), ids, -2), -1)
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, S, E, PER, CHUNK: tl.constexpr, GROUPS: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, S, E, P, PER, CHUNK: tl.constexpr, GROUPS: tl.constexpr):
+    # counts [P, GROUPS] of each program's copies by expert, then [P] of those routed outside
     p = tl.program_id(0)
     g = tl.arange(0, GROUPS)
     counts = tl.zeros((GROUPS,), dtype=tl.int32)
+    outside = tl.full((), 0, tl.int32)
     for s0 in range(p * PER, tl.minimum(p * PER + PER, S), CHUNK):
-        grp = _groups(ids_ptr, s0 + tl.arange(0, CHUNK), S, E, GROUPS)
-        counts += tl.sum((grp[:, None] == g[None, :]).to(tl.int32), axis=0)
+        e = _experts_of(ids_ptr, s0 + tl.arange(0, CHUNK), S, E)
+        counts += tl.sum((e[:, None] == g[None, :]).to(tl.int32), axis=0)
+        outside += tl.sum((e == -2).to(tl.int32), axis=0)
     tl.store(counts_ptr + p * GROUPS + g, counts)
+    tl.store(counts_ptr + P * GROUPS + p, outside)
 
 
 @triton.jit
@@ -43,48 +48,53 @@ def _place_kernel(
 ):
     p = tl.program_id(0)
     g = tl.arange(0, GROUPS)
+    totals = tl.zeros((GROUPS,), dtype=tl.int32)
+    earlier = tl.zeros((GROUPS,), dtype=tl.int32)  # copies of each expert in the programs before this one
+    outside_earlier = tl.full((), 0, tl.int32)
     if ONE:  # one program: it counts every copy itself
-        totals = tl.zeros((GROUPS,), dtype=tl.int32)
         for s0 in range(0, S, CHUNK):
-            grp = _groups(ids_ptr, s0 + tl.arange(0, CHUNK), S, E, GROUPS)
-            totals += tl.sum((grp[:, None] == g[None, :]).to(tl.int32), axis=0)
-        earlier = tl.zeros((GROUPS,), dtype=tl.int32)
+            e = _experts_of(ids_ptr, s0 + tl.arange(0, CHUNK), S, E)
+            totals += tl.sum((e[:, None] == g[None, :]).to(tl.int32), axis=0)
     else:  # the programs' counts, from _count_kernel
-        totals = tl.zeros((GROUPS,), dtype=tl.int32)
-        earlier = tl.zeros((GROUPS,), dtype=tl.int32)
         for q in range(0, P):
             c = tl.load(counts_ptr + q * GROUPS + g)
             totals += c
             earlier += tl.where(q < p, c, 0)
+            outside_earlier += tl.where(q < p, tl.load(counts_ptr + P * GROUPS + q), 0)
     ends = tl.cumsum(totals, axis=0)
     tl.store(off_ptr + g, ends, mask=(g < E) & (p == 0))
-    taken = ends - totals + earlier  # each group's next row for this program's copies
+    taken = ends - totals + earlier  # each expert's next row for this program's copies
+    outside_taken = tl.sum(totals, axis=0) + outside_earlier  # copies routed outside sort after every expert's
     for s0 in range(p * PER, tl.minimum(p * PER + PER, S), CHUNK):
         i = s0 + tl.arange(0, CHUNK)
-        hit = (_groups(ids_ptr, i, S, E, GROUPS)[:, None] == g[None, :]).to(tl.int32)
-        before = tl.cumsum(hit, axis=0) - hit  # copies of the same group earlier in this step
-        tl.store(src_ptr + tl.sum(hit * (before + taken[None, :]), axis=1), i, mask=i < S)
+        e = _experts_of(ids_ptr, i, S, E)
+        hit = (e[:, None] == g[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit  # copies of the same expert earlier in this step
+        out = (e == -2).to(tl.int32)
+        row = tl.where(e == -2, outside_taken + tl.cumsum(out, axis=0) - out, tl.sum(hit * (before + taken), axis=1))
+        tl.store(src_ptr + row, i, mask=i < S)
         taken += tl.sum(hit, axis=0)
+        outside_taken += tl.sum(out, axis=0)
 
 
 def sort_by_expert(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_ids`` [T, k] (any integer dtype) -> (``offsets`` int32 [E], each expert's cumulative row end; ``src``
     int32 [T * k], the token copy ``t * k + j`` at each row sorted by expert, copies of one expert in token order).
-    Copies routed outside ``[0, E)`` sort after the last expert's rows. One program up to :data:`_PER_PROGRAM`
-    copies; beyond, one counting and one placing program per that many copies."""
+    Copies routed outside ``[0, E)`` sort after the last expert's rows. One program up to :data:`_ONE_PROGRAM`
+    copies; beyond, one counting and one placing program per :data:`_PER_PROGRAM` copies."""
     ids = topk_ids.reshape(-1)
     s = ids.numel()
     offsets = torch.empty(experts, dtype=torch.int32, device=ids.device)
     src = torch.empty(s, dtype=torch.int32, device=ids.device)
-    groups = triton.next_power_of_2(experts + 1)
+    groups = triton.next_power_of_2(experts)
     chunk = max(16, _CHUNK_ELEMENTS // groups)
-    programs = max(triton.cdiv(s, _PER_PROGRAM), 1)
+    programs = 1 if s <= _ONE_PROGRAM else triton.cdiv(s, _PER_PROGRAM)
     per = triton.cdiv(max(s, 1), programs * chunk) * chunk
     meta = {"CHUNK": chunk, "GROUPS": groups, "num_warps": 8 if groups > 128 else 4}
     counts = offsets  # not read by one program
     if programs > 1:
-        counts = torch.empty((programs, groups), dtype=torch.int32, device=ids.device)
-        _count_kernel[(programs,)](ids, counts, s, experts, per, **meta)
+        counts = torch.empty(programs * (groups + 1), dtype=torch.int32, device=ids.device)
+        _count_kernel[(programs,)](ids, counts, s, experts, programs, per, **meta)
     _place_kernel[(programs,)](ids, counts, offsets, src, s, experts, per, programs, ONE=programs == 1, **meta)
     return offsets, src
 
