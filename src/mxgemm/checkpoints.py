@@ -238,6 +238,7 @@ class TensorSource:
                     self.shapes[name] = tuple(info.get_shape())
                     self.dtypes[name] = _ST_DTYPES.get(info.get_dtype())
         self.stored: dict[str, str] = {}  # a name read under another: weight_scale -> weight_scale_inv
+        self.renamed: dict[str, str] = {}  # a model's name -> the name stored (:meth:`rename`)
         for name in [n for n in self.where if n.endswith(".weight_scale_inv")]:
             scale = name.removesuffix("_inv")
             if scale in self.where or self.dtypes.get(scale.removesuffix("_scale")) != torch.float8_e4m3fn:
@@ -247,19 +248,36 @@ class TensorSource:
             dtype = self.dtypes.pop(name)
             self.dtypes[scale] = torch.uint8 if dtype == torch.float32 else dtype
 
+    def rename(self, names: dict[str, str]) -> None:
+        """Read each stored name of ``names`` (and its ``_scale`` beside it) under the name it maps to: a model's own
+        names for a checkpoint stored under others (:func:`stored_to_model_names`). A name the files also hold is
+        refused, naming both."""
+        pairs = [(s, m) for s, m in names.items() if s in self.where]
+        pairs += [(f"{s}_scale", f"{m}_scale") for s, m in pairs if f"{s}_scale" in self.where]
+        for stored, name in pairs:
+            if name in self.where:
+                raise CheckpointError(f"{stored} is read as {name}, which the checkpoint also holds")
+            self.where[name], self.shapes[name] = self.where.pop(stored), self.shapes.pop(stored)
+            self.dtypes[name] = self.dtypes.pop(stored)
+            if stored in self.stored:  # a weight_scale read from weight_scale_inv
+                self.stored[name] = self.stored.pop(stored)
+            else:
+                self.renamed[name] = stored
+
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
     def load(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        stored = self.stored.get(name, name)
+        inverse = name in self.stored  # weight_scale_inv: float32 powers of two read as E8M0 bytes
+        stored = self.stored[name] if inverse else self.renamed.get(name, name)
         try:
             with safe_open(str(self.where[name]), framework="pt") as handle:
                 tensor = handle.get_tensor(stored)
         except Exception as exc:
             raise CheckpointError(f"{self.where[name]}: cannot read {stored} ({str(exc).splitlines()[0]})") from None
-        return _e8m0_of_powers_of_two(stored, tensor) if tensor.dtype == torch.float32 and stored != name else tensor
+        return _e8m0_of_powers_of_two(stored, tensor) if tensor.dtype == torch.float32 and inverse else tensor
 
 
 def _e8m0_of_powers_of_two(name: str, scale: torch.Tensor) -> torch.Tensor:
@@ -357,6 +375,7 @@ def load_checkpoint(
     """
     fmt = read_format(path)
     source = TensorSource(path)
+    source.rename(stored_to_model_names(model))  # a transformers model's checkpoint names, as its converters store them
     target = _target_device(model, device)
     experts, consumed, stacked = experts_in(model, source)
     kept = experts_stay_in_bf16(target, backend, recipe) if experts else ""

@@ -297,8 +297,9 @@ def test_mxgemm_quantize_of_a_moe_model_loads_as_quantize_model_computes(tmp_pat
 def test_mxgemm_quantize_of_mixtral_writes_its_experts_under_mixtrals_names(tmp_path):
     """A Mixtral folder stores experts as ``block_sparse_moe.experts.<e>.{w1,w3,w2}.weight``: `mxgemm quantize`
     quantizes them under those names (what vLLM's and transformers' Mixtral loaders read), its ``ignore`` names the
-    routers as the checkpoint names them and nothing wider, and from_pretrained(config=checkpoint_config(path)) loads
-    MXFP8Experts computing what quantize_model makes of the same weights."""
+    routers as the checkpoint names them and nothing wider, and from_pretrained(config=checkpoint_config(path)) and
+    load_checkpoint (reading the stored names as the model's) load MXFP8Experts computing what quantize_model makes
+    of the same weights."""
     import json
 
     from safetensors import safe_open
@@ -321,9 +322,13 @@ def test_mxgemm_quantize_of_mixtral_writes_its_experts_under_mixtrals_names(tmp_
     assert isinstance(loaded.model.layers[1].mlp.experts, MXFP8Experts)
     reference = auto.from_pretrained(tmp_path / "src")
     mxgemm.quantize_model(reference, experts=True)
+    fresh = auto.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "src"), dtype=torch.bfloat16)
+    report = mxgemm.load_checkpoint(fresh, tmp_path / "mx")
+    assert report.experts == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"), report
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, reference(ids).logits)
+        assert torch.equal(fresh(ids).logits, reference(ids).logits)
 
 
 def test_mxgemm_quantize_writes_compressed_tensors_own_bytes_for_each_expert(tmp_path):

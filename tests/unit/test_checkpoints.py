@@ -337,3 +337,37 @@ def test_unreadable_files_and_meta_models_are_named(llama_dir, tmp_path):
         mxgemm.load_checkpoint(transformers.LlamaForCausalLM(_tiny_llama_config()), mx, backend="emulation")
     with pytest.raises(mxgemm.CheckpointError, match="no such checkpoint folder"):
         mxgemm.load_checkpoint(transformers.LlamaForCausalLM(_tiny_llama_config()), tmp_path / "nope")
+
+
+def test_a_source_reads_stored_names_as_the_models(tmp_path):
+    """TensorSource.rename (load_checkpoint's reading of a transformers model's stored names): a weight's
+    ``weight_scale`` follows it, a scale read from ``weight_scale_inv`` is still read as E8M0 bytes, other float32
+    tensors keep their values, and a name the files also hold is refused."""
+    from safetensors.torch import save_file
+
+    from mxgemm.checkpoints import TensorSource
+
+    tensors = {
+        "m.block.experts.0.w1.weight": torch.zeros(4, 32).to(torch.float8_e4m3fn),
+        "m.block.experts.0.w1.weight_scale_inv": torch.full((4, 1), 0.25),
+        "m.block.gate.weight": torch.full((4, 32), 0.3),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    source = TensorSource(tmp_path)
+    source.rename(
+        {"m.block.experts.0.w1.weight": "m.mlp.experts.0.gate_proj.weight", "m.block.gate.weight": "m.mlp.gate.weight"}
+    )
+    assert sorted(source.where) == [
+        "m.mlp.experts.0.gate_proj.weight",
+        "m.mlp.experts.0.gate_proj.weight_scale",
+        "m.mlp.gate.weight",
+    ]
+    assert torch.equal(
+        source.load("m.mlp.experts.0.gate_proj.weight_scale"), torch.full((4, 1), 125, dtype=torch.uint8)
+    )
+    assert torch.equal(source.load("m.mlp.gate.weight"), torch.full((4, 32), 0.3))
+    assert source.load("m.mlp.experts.0.gate_proj.weight").dtype == torch.float8_e4m3fn
+    tensors["m.mlp.gate.weight"] = tensors["m.block.gate.weight"].clone()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(mxgemm.CheckpointError, match=r"m\.block\.gate\.weight is read as m\.mlp\.gate\.weight, which"):
+        TensorSource(tmp_path).rename({"m.block.gate.weight": "m.mlp.gate.weight"})

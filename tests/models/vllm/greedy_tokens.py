@@ -9,8 +9,7 @@ with tensor parallelism over 2 CPU workers (column-parallel layers split N, row-
 `python greedy_tokens.py WORK_FOLDER --moe [--tp 2 [--ep] | --modelopt]`: each of the above for a tiny Qwen3-MoE
 (8 experts, top-2) converted into WORK_FOLDER/moe-mx, with each MoE layer's method and backend; --ep: vLLM's expert
 parallelism (4 whole experts a rank) instead of splitting each expert.
-`python greedy_tokens.py WORK_FOLDER --mixtral`: the first for a tiny Mixtral (experts stored as w1 / w3 / w2),
-Hugging Face + mxgemm's tokens through `from_pretrained(config=checkpoint_config(folder))`.
+`python greedy_tokens.py WORK_FOLDER --mixtral`: the first for a tiny Mixtral (experts stored as w1 / w3 / w2).
 `python greedy_tokens.py WORK_FOLDER --readme EXAMPLE.py`: run the README's vLLM example in a folder where
 `my-model-mxfp8` is the tiny Qwen3-MoE's checkpoint with a word-level tokenizer (the tiny model has none)."""
 
@@ -54,18 +53,13 @@ def write_checkpoint(work: Path, moe: bool = False, mixtral: bool = False) -> Pa
     return work / f"{prefix}mx"
 
 
-def hf_tokens(folder: Path, mixtral: bool = False) -> list[int]:
+def hf_tokens(folder: Path) -> list[int]:
     import mxgemm
 
-    if mixtral:  # stored under Mixtral's names: transformers' loader renames them, mxgemm's quantizer takes the MX ones
-        from mxgemm.integrations import checkpoint_config
-
-        auto = transformers.AutoModelForCausalLM
-        model = auto.from_pretrained(folder, config=checkpoint_config(folder), dtype=torch.bfloat16)
-    else:
-        config = transformers.AutoConfig.from_pretrained(folder)
-        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-        mxgemm.load_checkpoint(model, folder)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    # made in bf16 (not cast to it: the rotary frequencies stay fp32, as from_pretrained and vLLM keep them)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    mxgemm.load_checkpoint(model, folder)  # Mixtral's stored names (block_sparse_moe, w1 / w3 / w2) read as the model's
     with torch.no_grad():
         out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, len(PROMPT) :].tolist()
@@ -168,7 +162,7 @@ def main() -> None:
         print(json.dumps({"vllm": tokens, "layers": layers}))
         return
     folder = write_checkpoint(work, moe=moe, mixtral=mixtral)
-    hf = hf_tokens(folder, mixtral=mixtral)
+    hf = hf_tokens(folder)
     vllm, layers = vllm_tokens(folder)
     print(json.dumps({"hf": hf, "vllm": vllm, "layers": layers}))
 
