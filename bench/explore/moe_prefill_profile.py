@@ -20,6 +20,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_e2e import build, config
 
 
+def median_ms(fn, warmup: int, rounds: int) -> float:
+    """Median wall milliseconds of ``fn``, each call synchronised, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
@@ -35,16 +49,7 @@ def main() -> None:
             def forward(model=model):
                 return model(ids, use_cache=False, logits_to_keep=1)
 
-            for _ in range(3):
-                forward()
-            times = []
-            for _ in range(7):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                forward()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            print(f"== {who}: prefill {args.tokens}, median {statistics.median(times) * 1e3:.2f} ms", flush=True)
+            print(f"== {who}: prefill {args.tokens}, median {median_ms(forward, 3, 7):.2f} ms", flush=True)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 forward()
                 torch.cuda.synchronize()
@@ -55,16 +60,7 @@ def main() -> None:
             def step(model=model, cache=cache, token=token):
                 return model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
-            for _ in range(5):
-                step()
-            times = []
-            for _ in range(20):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            print(f"== {who}: eager decode step, median {statistics.median(times) * 1e3:.2f} ms", flush=True)
+            print(f"== {who}: eager decode step, median {median_ms(step, 5, 20):.2f} ms", flush=True)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 step()
                 torch.cuda.synchronize()
