@@ -42,8 +42,8 @@ def moe_experts(
     gate_up: PreparedGroupedWeight,
     down: PreparedGroupedWeight,
 ) -> torch.Tensor:
-    """``x`` [T, H] (bf16/fp16; fp32 runs in bf16 and answers fp32), each token sent to ``topk_ids`` [T, k] (int,
-    < E) with ``topk_weights`` [T, k]: ``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for
+    """``x`` [T, H] (bf16/fp16; fp32 runs in bf16 and answers fp32), each token sent to ``topk_ids`` [T, k] (integer
+    expert ids) with ``topk_weights`` [T, k]: ``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for
     ``e = topk_ids[t, j]``, [T, H]. ``gate_up``: the experts' [E, 2I, H] (gate rows first, then up, as transformers
     stacks them); ``down``: [E, H, I], both prepared on one backend. The products round to the activations' dtype
     as transformers' experts round them, and each token's weighted copies are summed in fp32 in top-k order, rounded
