@@ -655,7 +655,8 @@ def stored_to_model_names(model: nn.Module) -> dict[str, str]:
         if is_experts_module(module)
         for t in ("gate_up_proj", "down_proj")
     }  # converters of stacked tensors would not take one element
-    keys = [k for k in model.state_dict() if k not in stacked]
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    keys = [k for k, _ in named if k not in stacked]  # names only: a state dict would export MX tensors
     coded = {k: torch.full((1,), float(i), dtype=torch.float64, device="cpu") for i, k in enumerate(keys)}
     try:
         reverted = _reverted(model, coded) or {}
