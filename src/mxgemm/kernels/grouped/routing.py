@@ -1,7 +1,8 @@
 """Triton kernels: the glue of a routed mixture-of-experts block around its two grouped GEMMs.
 
 - :func:`sort_by_expert`: the token copies of a top-k routing sorted by expert, stably, and each expert's cumulative
-  row end, in one program on the device (no host synchronisation, shapes fixed by the routing's size).
+  row end, on the device (one program up to 1024 copies, a counting and a placing launch beyond; no host
+  synchronisation, shapes fixed by the routing's size).
 - :func:`combine`: each token's copies, weighted by the router and summed in a fixed order, back in token order.
 """
 
