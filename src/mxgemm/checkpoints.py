@@ -643,12 +643,13 @@ def stored_expert_names(model: nn.Module, *, quantized: bool = False) -> dict[st
     return names
 
 
-def stored_to_model_names(model: nn.Module) -> dict[str, str]:
+def stored_to_model_names(model: nn.Module, experts: dict[str, dict[str, list[str]]] | None = None) -> dict[str, str]:
     """The names ``model``'s checkpoints store its tensors under -> its own names (transformers' renamings, such as
-    Mixtral's ``block_sparse_moe`` for ``mlp``), per-expert tensors (:func:`stored_expert_names`) -> their
-    :func:`mxgemm.moe.per_expert_names`; only the names that differ. Where the model's converters do not take
-    tensors of one element (converters of tensors other than experts), only the experts' names."""
-    experts = stored_expert_names(model)
+    Mixtral's ``block_sparse_moe`` for ``mlp``), per-expert tensors (``experts``, by default
+    :func:`stored_expert_names`) -> their :func:`mxgemm.moe.per_expert_names`; only the names that differ. Where the
+    model's converters do not take tensors of one element (converters of tensors other than experts), only the
+    experts' names."""
+    experts = stored_expert_names(model) if experts is None else experts
     stacked = {
         f"{name}.{t}".lstrip(".")
         for name, module in model.named_modules()

@@ -97,12 +97,13 @@ def _meta_model(config) -> tuple[nn.Module, dict[str, nn.Linear], dict[str, str]
     return model, {name: m for name, m in model.named_modules() if type(m) is nn.Linear}, tied
 
 
-def _experts_targets(model: nn.Module, source: TensorSource, skip, reports: list[LayerReport]) -> dict:
+def _experts_targets(
+    model: nn.Module, source: TensorSource, stored: dict[str, dict[str, list[str]]], skip, reports: list[LayerReport]
+) -> dict:
     """The per-expert tensors to quantize of each experts module of the meta model (3-D ``gate_up_proj`` /
-    ``down_proj``): ``<experts>.<e>.{gate,up,down}_proj.weight`` -> its shape; each module's report (or why it stays
-    as stored) appended to ``reports``."""
+    ``down_proj``), under the names the folder stores them under (``stored``: :func:`stored_expert_names`) -> its
+    shape; each module's report (or why it stays as stored) appended to ``reports``."""
     targets = {}
-    stored = stored_expert_names(model)
     for name, module in experts_modules(model):
         reason = "matches skip" if matches_skip(name, skip) else experts_unfit_reason(module)
         names = stored.get(name)
@@ -153,7 +154,8 @@ def quantize_folder(
         else:
             reports.append(LayerReport(name, True, "emulation", "w8a16", ""))
             targets[f"{name}.weight"] = (module.out_features, module.in_features)
-    targets.update(_experts_targets(model, source, skip, reports))
+    experts = stored_expert_names(model)  # where the folder stores each experts module's per-expert tensors
+    targets.update(_experts_targets(model, source, experts, skip, reports))
     unmatched = [p for p in skip if not any(matches_skip(r.name, (p,)) for r in reports)] if skip_must_match else []
     if unmatched:
         raise CheckpointError(f"skip pattern {unmatched[0]!r} matches no linear layer or experts module of {src}")
@@ -186,11 +188,11 @@ def quantize_folder(
         raise CheckpointError(f"{src}: no tensor for {sorted(targets)[0]} (and {len(targets) - 1} more)")
     writer.finish()
     cfg = config.to_dict()
-    own = stored_to_model_names(model)  # the source's names, as stored, -> the model's
+    own = stored_to_model_names(model, experts)  # the source's names, as stored, -> the model's
     kept = {own.get(n, n): source.shapes[n] for n in source.where if n not in quantized}  # routers, experts, ...
-    ignore = dict.fromkeys([r.name for r in reports if not r.replaced] + unquantized_owners(model, kept))
-    ignore = list(dict.fromkeys(stored_module_names(model, list(ignore)).values()))  # as the checkpoint names them
-    cfg["quantization_config"] = compressed_tensors_config(scheme, ignore)
+    owners = list(dict.fromkeys([r.name for r in reports if not r.replaced] + unquantized_owners(model, kept)))
+    ignore = dict.fromkeys(stored_module_names(model, owners).values())  # as the checkpoint names them
+    cfg["quantization_config"] = compressed_tensors_config(scheme, list(ignore))
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
     return QuantizeReport(tuple(reports))
 
