@@ -17,6 +17,8 @@ from helpers import (
 import mxgemm
 from mxgemm.backends import get_backend
 from mxgemm.kernels.grouped.fp8 import GroupedConfig, grouped_block_linear
+from mxgemm.kernels.grouped.quant import quantize_rows
+from mxgemm.kernels.grouped.wgmma import WgmmaConfig, grouped_wgmma, wgmma_status
 
 pytestmark = pytest.mark.gpu
 
@@ -79,6 +81,39 @@ def test_every_config_and_routing_matches_the_twin(n, k, routing):
         _check(y, x, q, s, counts, str(config))
 
 
+WGMMA_CONFIGS = [WgmmaConfig(tn, wn, st) for tn in (64, 128) for wn in (64, 128) for st in (2, 4, 6)]
+
+
+def _need_wgmma():
+    answer = wgmma_status(torch.cuda.get_device_capability())
+    if not answer:
+        pytest.skip(answer.reason)
+
+
+@pytest.mark.parametrize("n,k", [(130, 160), (1536, 2048), (2048, 768)])
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_wgmma_config_and_routing_matches_the_twin(n, k, routing, dtype):
+    """The TMA/wgmma kernel on rows quantized apart: each expert's rows within the tensor cores' rounding of the
+    twin, rows past the last expert zeros, every output row written; with ``dst`` each row lands at its place."""
+    _need_wgmma()
+    q, s = _experts(8, n, k)
+    w = mxgemm.prepare_grouped_weight(q, s, backend="triton")
+    counts = ROUTINGS[routing]
+    x = random_act(sum(counts) + 3, k, device="cuda", seed=n + k, dtype=dtype)
+    offsets = _offsets(counts)
+    qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
+    xq, xs = quantize_rows(x)
+    for config in WGMMA_CONFIGS:
+        poison_cuda_allocator()
+        y = grouped_wgmma(xq, xs, x.shape[0], qd, bs, offsets, n, dtype, config)
+        _check(y, x, q, s, counts, str(config))
+    dst = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(n)).to(torch.int32).cuda()
+    poison_cuda_allocator()
+    scattered = grouped_wgmma(xq, xs, x.shape[0], qd, bs, offsets, n, dtype, WGMMA_CONFIGS[-1], dst=dst)
+    assert torch.equal(scattered[dst.long()], y)
+
+
 def test_fp16_and_the_op():
     q, s = _experts(8, 256, 512)
     w = mxgemm.prepare_grouped_weight(q, s)
@@ -88,10 +123,10 @@ def test_fp16_and_the_op():
     _check(mxgemm.grouped_linear(x, w, _offsets(counts)), x, q, s, counts, "fp16")
 
 
-def test_one_graph_replays_any_routing_of_its_token_count():
+@pytest.mark.parametrize("rows", [64, 2048], ids=["triton-kernel", "wgmma-kernel-on-sm90"])
+def test_one_graph_replays_any_routing_of_its_token_count(rows):
     q, s = _experts(16, 512, 1024)
     w = mxgemm.prepare_grouped_weight(q, s)
-    rows = 64
     static_x = random_act(rows, 1024, device="cuda")
     static_off = _offsets([rows] + [0] * 15)
     eager = mxgemm.grouped_linear(static_x, w, static_off)  # compiled outside capture
@@ -210,7 +245,8 @@ def test_silu_times_up_is_pytorchs_for_every_value(dtype):
 def test_the_fused_block_is_the_composition_of_its_steps(tokens, dtype):
     """``moe_experts`` on the Triton backend (sort, gate/up with the product, down written back in token order, the
     weighted sum: four launches) bit for bit its steps run apart, on a poisoned allocator, copies routed outside
-    [0, E) adding nothing; 700 tokens take the configs that quantize rows apart."""
+    [0, E) adding nothing; 700 tokens (175 rows per expert) take the wgmma kernel on SM90, elsewhere the configs
+    that quantize rows apart."""
     from mxgemm.backends.capabilities import GroupedWeights
 
     gate_up, down = _block(16, 512, 384)
@@ -224,19 +260,20 @@ def test_the_fused_block_is_the_composition_of_its_steps(tokens, dtype):
     assert torch.isfinite(y).all() and torch.equal(y, steps)
 
 
-def test_one_graph_replays_any_routing_of_the_block():
+@pytest.mark.parametrize("tokens", [16, 1024], ids=["triton-kernel", "wgmma-kernel-on-sm90"])
+def test_one_graph_replays_any_routing_of_the_block(tokens):
     gate_up, down = _block(32, 1024, 512)
-    static_x = random_act(16, 1024, device="cuda")
-    static_ids, static_w = _top_k(16, 32, 8, seed=0)
+    static_x = random_act(tokens, 1024, device="cuda")
+    static_ids, static_w = _top_k(tokens, 32, 8, seed=0)
     mxgemm.moe_experts(static_x, static_ids, static_w, gate_up, down)  # compiled outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_y = mxgemm.moe_experts(static_x, static_ids, static_w, gate_up, down)
     for trial in range(1, 5):
-        ids, w = _top_k(16, 32, 8, seed=trial)
+        ids, w = _top_k(tokens, 32, 8, seed=trial)
         if trial == 4:
             ids[:] = 3  # every copy on one expert
-        static_x.copy_(random_act(16, 1024, device="cuda", seed=trial))
+        static_x.copy_(random_act(tokens, 1024, device="cuda", seed=trial))
         static_ids.copy_(ids)
         static_w.copy_(w)
         graph.replay()

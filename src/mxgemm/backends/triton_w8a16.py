@@ -4,7 +4,8 @@ activations) the weight is dequantized chunk by chunk into a transient bf16 buff
 
 Grouped weights of a mixture of experts (FP8 tensor cores, compute capability 8.9 and up): ``w8a8-block``, each
 expert re-encoded to 128x128 blocks once, its rows quantized per 1x128 inside the grouped GEMM
-(``kernels/grouped/fp8.py``)."""
+(``kernels/grouped/fp8.py``); on SM90, from :data:`WGMMA_FROM` rows per expert of an even routing, the rows quantized
+apart and multiplied by the TMA/wgmma kernel (``kernels/grouped/wgmma.py``) where nvcc builds it, the same recipe."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ _FP8_CAPABILITY = (8, 9)  # FP8 tensor-core dots: the grouped kernel
 # on qkv and o only); a tactic from M=64.
 DEQUANT_MIN_M = 256
 _DEQUANT_TACTIC_MIN_M = 64
+WGMMA_FROM = 8  # rows per expert of an even routing from which SM90 runs the grouped wgmma kernel
 
 
 def kernel_scales(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -135,7 +137,8 @@ class TritonBackend(Backend, GroupedWeights):
             return Availability(
                 False, f"grouped weights need FP8 tensor cores (compute capability >= 8.9); {device} is below that"
             )
-        return Availability(True, f"grouped FP8 Triton kernel on {device}")
+        wgmma = f"; from {WGMMA_FROM} rows per expert the TMA/wgmma kernel where nvcc builds it"
+        return Availability(True, f"grouped FP8 Triton kernel on {device}" + (wgmma if device.sm == 90 else ""))
 
     def prepare_grouped(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedGroupedWeight:
         """Each expert re-encoded to 128x128 blocks, unpadded; refused as a dense weight is by ``hybrid_sm90``
@@ -146,24 +149,59 @@ class TritonBackend(Backend, GroupedWeights):
 
     def run_grouped(self, x, weight, offsets, tactic=None) -> torch.Tensor:
         from ..kernels.grouped.fp8 import grouped_block_linear
+        from ..kernels.grouped.quant import quantize_rows
+        from ..kernels.grouped.wgmma import WgmmaConfig, grouped_wgmma
 
         t = weight.tensors
-        config = tactic.config if tactic is not None else None
-        return grouped_block_linear(
-            x, t["qdata"].view(torch.uint8), t["block_scale"], offsets, weight.out_features, config
-        )
+        qd, bs, n = t["qdata"].view(torch.uint8), t["block_scale"], weight.out_features
+        config = tactic.config if tactic is not None else _grouped_config(x, weight)
+        if isinstance(config, WgmmaConfig):
+            xq, xs = quantize_rows(x)
+            return grouped_wgmma(xq, xs, x.shape[0], qd, bs, offsets, n, x.dtype, config)
+        return grouped_block_linear(x, qd, bs, offsets, n, config)
 
     def run_experts(self, x, topk_ids, topk_weights, gate_up, down) -> torch.Tensor:
         """Four launches: the copies sorted by expert, gate/up on the tokens in place with ``silu(gate) * up`` in its
-        epilogue, down writing each copy back to its token's place, and the weighted sum (``kernels/grouped``)."""
+        epilogue, down writing each copy back to its token's place, and the weighted sum (``kernels/grouped``). Where
+        the wgmma kernel runs (many rows per expert), six: the rows gathered and quantized, gate/up, its product
+        quantized, down writing each copy back, around the same sort and sum."""
         from ..kernels.grouped.fp8 import grouped_down, grouped_gate_up
+        from ..kernels.grouped.quant import quantize_rows
         from ..kernels.grouped.routing import combine, sort_by_expert
+        from ..kernels.grouped.wgmma import WgmmaConfig, grouped_wgmma
 
         gu, dn = gate_up.tensors, down.tensors
+        gu_q, gu_s = gu["qdata"].view(torch.uint8), gu["block_scale"]
+        dn_q, dn_s = dn["qdata"].view(torch.uint8), dn["block_scale"]
+        topk = topk_ids.shape[1]
         offsets, src = sort_by_expert(topk_ids, gate_up.experts)
-        product = grouped_gate_up(x, gu["qdata"].view(torch.uint8), gu["block_scale"], offsets, src, topk_ids.shape[1])
-        y = grouped_down(product, dn["qdata"].view(torch.uint8), dn["block_scale"], offsets, src, down.out_features)
+        rows = src.shape[0]
+        config = _grouped_config(x, gate_up, rows)
+        if isinstance(config, WgmmaConfig):
+            xq, xs = quantize_rows(x, src, topk)
+            h = grouped_wgmma(xq, xs, rows, gu_q, gu_s, offsets, gate_up.out_features, x.dtype, config)
+            pq, ps = quantize_rows(h, gated=True)
+            y = grouped_wgmma(pq, ps, rows, dn_q, dn_s, offsets, down.out_features, x.dtype, config, dst=src)
+        else:
+            product = grouped_gate_up(x, gu_q, gu_s, offsets, src, topk)
+            y = grouped_down(product, dn_q, dn_s, offsets, src, down.out_features)
         return combine(y, topk_weights)
 
     def export_grouped_mx(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_block128_to_mx(weight.tensors["qdata"], weight.tensors["block_scale"])
+
+
+def _grouped_config(x: torch.Tensor, weight: PreparedGroupedWeight, rows: int | None = None):
+    """The grouped kernel and config for ``rows`` (default ``x``'s) rows over the weight's experts: on SM90 from
+    :data:`WGMMA_FROM` rows per expert of an even routing, the wgmma kernel where it builds (said once on logger
+    ``mxgemm`` where it does not); else the Triton kernel's default."""
+    from ..kernels.grouped.fp8 import default_config
+
+    rows = x.shape[0] if rows is None else rows
+    per = -(-rows // weight.experts)
+    if per >= WGMMA_FROM and x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0):
+        from ..kernels.grouped.wgmma import WgmmaConfig, wgmma_status
+
+        if wgmma_status((9, 0)):
+            return WgmmaConfig(tn=128 if per >= 128 else 64, wn=128, stages=4)
+    return default_config(rows, weight.experts)

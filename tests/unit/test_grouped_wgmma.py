@@ -1,0 +1,85 @@
+"""The grouped wgmma kernel's CPU side: the row quantizer it reads (gathered token rows, the gated product) bit-exact
+to the 1x128 reference under the interpreter, its configs and one-line refusals, which kernel a grouped call takes,
+and the CUDA source compiling for sm_90a where nvcc exists."""
+
+import os
+
+import pytest
+import torch
+from helpers import random_act
+
+from mxgemm.block128 import quantize_1x128
+from mxgemm.kernels import nvcc
+from mxgemm.kernels.grouped import wgmma
+from mxgemm.kernels.grouped.wgmma import WgmmaConfig, grouped_wgmma
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1")
+
+
+def _check(q, s, x):
+    rows, k = x.shape
+    ref_q, ref_s = quantize_1x128(x)
+    kp = -(-k // 128) * 128
+    assert q.shape == (-(-rows // 4) * 4, kp) and s.shape == (kp // 128, q.shape[0])
+    assert torch.equal(q[:rows, :k], ref_q.view(torch.uint8)[:rows, :k])
+    assert torch.equal(s[:, :rows], ref_s[:rows].t())
+    assert not q[rows:].any() and not q[:, k:].any()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gathered_rows_are_the_reference_quantization_of_the_gathered_tokens(dtype):
+    from mxgemm.kernels.grouped.quant import quantize_rows
+
+    x = random_act(9, 200, dtype=dtype, seed=1)
+    x[3, :128] = 0  # an all-zero block: the amax floor
+    src = torch.tensor([5, 0, 17, 3, 3, 26, 12, 8, 1, 22, 9], dtype=torch.int32)  # copies t * 3 + j
+    q, s = quantize_rows(x, src, 3)
+    _check(q, s, x[src.long() // 3])
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gated_rows_are_the_reference_quantization_of_pytorchs_product(dtype):
+    from mxgemm.kernels.grouped.quant import quantize_rows
+
+    h = random_act(6, 2 * 160, dtype=dtype, seed=2) * 4
+    q, s = quantize_rows(h, gated=True)
+    gate, up = h.chunk(2, dim=-1)
+    _check(q, s, torch.nn.functional.silu(gate) * up)
+    q, s = quantize_rows(h[:, :160])  # plain rows, a strided view
+    _check(q, s, h[:, :160])
+
+
+def test_configs_and_one_line_refusals():
+    assert WgmmaConfig().valid() and WgmmaConfig(64, 64, 2).valid() and WgmmaConfig(128, 64, 6).valid()
+    w, bs, off = torch.zeros(2, 8, 128, dtype=torch.uint8), torch.zeros(2, 1, 1), torch.zeros(2, dtype=torch.int32)
+    xq, xs = torch.zeros(4, 128, dtype=torch.uint8), torch.zeros(1, 4)
+    for bad in (WgmmaConfig(tn=32), WgmmaConfig(wn=256), WgmmaConfig(stages=3)):
+        assert not bad.valid()
+        with pytest.raises(ValueError, match="cannot run"):
+            grouped_wgmma(xq, xs, 4, w, bs, off, 8, torch.bfloat16, bad)
+    with pytest.raises(ValueError, match="quantize_rows' layout"):  # activations not padded to 128 columns
+        grouped_wgmma(torch.zeros(4, 96, dtype=torch.uint8), xs, 4, w, bs, off, 8, torch.bfloat16, WgmmaConfig())
+    with pytest.raises(ValueError, match="int32 offsets"):
+        grouped_wgmma(xq, xs, 4, w, bs, off.long(), 8, torch.bfloat16, WgmmaConfig())
+
+
+def test_a_cpu_call_takes_the_triton_kernel_and_sm90_needs_the_library():
+    from mxgemm.backends.triton_w8a16 import _grouped_config
+    from mxgemm.kernels.grouped.fp8 import GroupedConfig
+
+    weight = type("W", (), {"experts": 8})()
+    assert isinstance(_grouped_config(torch.zeros(4096, 16), weight), GroupedConfig)
+    assert not wgmma.wgmma_status((8, 9)) and "SM90" in wgmma.wgmma_status((8, 9)).reason
+
+
+@pytest.mark.skipif(nvcc.find_nvcc() is None, reason="no nvcc on this machine")
+def test_the_kernel_compiles_for_sm90_and_loads(monkeypatch, tmp_path):
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
+    wgmma.library.cache_clear()
+    try:
+        assert hasattr(wgmma.library((9, 0)), "mxgemm_grouped_fp8")
+        assert len(list((tmp_path / "kernels").glob("grouped_fp8-sm90a-*.so"))) == 1
+    finally:
+        wgmma.library.cache_clear()
