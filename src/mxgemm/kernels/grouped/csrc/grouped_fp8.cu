@@ -12,17 +12,15 @@
 // FP8); each thread loads its two rows' scales of the next block from global memory while the tensor cores work (a
 // tile starts at any row, where a TMA copy of the scales would need 16-byte alignment).
 //
-// Grouping: the tiles are (token-tile slot, weight tile) pairs, their count fixed by the row count and E alone
-// (slots that hold the tiles of any routing), and each tile's expert and first row are found from `offsets` on the
-// device (one warp scans the experts 32 at a time), so nothing is read on the host and one CUDA graph replays any
-// routing of the same row count; slots past the routing's tiles are skipped. A tile's rows start wherever its
-// expert's rows do (TMA boxes start at any row: no padded copy of the activations), and rows past the expert's end
-// are computed and not written. The rows past the last expert's end are written as zeros. Tiles go in groups of
-// SLOT_GROUP token tiles that sweep the weight tiles together, so an expert's weight tile is read from memory once
-// for its token tiles and the group's activation tiles stay in L2. The grid is persistent (as many CTAs as stay
-// resident), each CTA taking every gridDim.x-th tile: its producer loads the next tile's first stages while its
-// consumers finish and write the last. Output row i goes to row dst[i] where `dst` is given (the routed block's down
-// projection writes each copy back to its token's place). Deterministic.
+// Grouping: the grid is sized from the row count and E alone (token-tile slots that hold the tiles of any routing, x
+// the weight tiles), and each CTA finds its expert and first row from `offsets` on the device (one warp scans the
+// experts 32 at a time), so nothing is read on the host and one CUDA graph replays any routing of the same row
+// count; slots past the routing's tiles return at once. A tile's rows start wherever its expert's rows do (TMA boxes
+// start at any row: no padded copy of the activations), and rows past the expert's end are computed and not
+// written. The rows past the last expert's end are written as zeros. CTAs go in groups of SLOT_GROUP token tiles
+// that sweep the weight tiles together, so an expert's weight tile is read from memory once for its token tiles and
+// the group's activation tiles stay in L2. Output row i goes to row dst[i] where `dst` is given (the routed block's
+// down projection writes each copy back to its token's place). Deterministic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -92,124 +90,111 @@ __device__ __forceinline__ void store_pair(T* y, float v0, float v1) {
     *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
 }
 
-// the token-tile slot and first weight row of tile `id`: groups of SLOT_GROUP slots, each sweeping the weight tiles
-struct Coords {
-  int slot, n0;
-};
-template <int WN>
-__device__ __forceinline__ Coords coords(const Args& a, int id, int wtiles) {
-  const int per_group = SLOT_GROUP * wtiles, group = id / per_group, first = group * SLOT_GROUP;
-  const int size = min(SLOT_GROUP, a.slots - first), local = id - group * per_group;
-  return Coords{first + local % size, local / size * WN};
-}
-
 template <int WN, int TW, int ST, typename T>
 __global__ void __launch_bounds__(128 * TW + 32) grouped_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                 const __grid_constant__ CUtensorMap xmap,
                                                                 const Args a) {
-  constexpr int TN = 64 * TW;          // rows per tile
+  constexpr int TN = 64 * TW;          // rows per CTA
   constexpr int XB = TN * BK;          // activation bytes per stage
   constexpr int STAGE = XB + WN * BK;  // + weight bytes; a multiple of 1024, as the swizzle needs
+  constexpr int CT = 128 * TW;         // consumer threads
   static_assert(STAGE % 1024 == 0 && (WN == 64 || WN == 128), "stages must stay 1024-byte aligned");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + ST * STAGE);
   uint64_t* empty = full + ST;
+  float* wsc = reinterpret_cast<float*>(empty + ST);  // [kblocks] the weight tile's block scales
+  __shared__ Tile tile;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, wg = warp / 4;
-  if (tid == 0) {
-    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * TW);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+
+  // this CTA's token-tile slot and weight tile: groups of SLOT_GROUP slots, each sweeping the weight tiles
+  const int wtiles = (a.N + WN - 1) / WN, per_group = SLOT_GROUP * wtiles;
+  const int group = blockIdx.x / per_group, first = group * SLOT_GROUP;
+  const int size = min(SLOT_GROUP, a.slots - first), local = blockIdx.x - group * per_group;
+  const int slot = first + local % size, n0 = local / size * WN;
+  if (warp == 0) {
+    const Tile found = find_tile<TN>(a, slot, lane);
+    if (lane == 0) {
+      tile = found;
+      for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * TW);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
   }
   __syncthreads();
-  const int wtiles = (a.N + WN - 1) / WN, total = a.slots * wtiles;
+  const Tile my = tile;
+  if (my.expert < 0) return;
+  const bool active = my.expert < a.E;  // else rows past the last expert: zeros
 
-  // Persistent: each role walks the CTA's tiles (every gridDim.x-th) and finds each tile's expert itself; the ring's
-  // use count q runs on across tiles, so the producer loads the next tile's first stages while the consumers finish
-  // and write the last one.
-  if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it
-    int q = 0;
-    for (int id = blockIdx.x; id < total; id += gridDim.x) {
-      const Coords c = coords<WN>(a, id, wtiles);
-      const Tile tile = find_tile<TN>(a, c.slot, lane);
-      if (tile.expert < 0 || tile.expert == a.E) continue;
-      if (lane == 0) {
-        const int wrow = tile.expert * a.N + c.n0;
-        for (int it = 0; it < a.kblocks; ++it, ++q) {
-          const int s = q % ST;
-          if (q >= ST) mbar_wait(&empty[s], ((q / ST) & 1) ^ 1);  // the consumers are done with its last use
-          mbar_expect_tx(&full[s], STAGE);
-          uint8_t* stage = smem + s * STAGE;
-          tma_load(stage, &xmap, it * BK, tile.tok0, &full[s]);
+  float acc[WN / 2];
 #pragma unroll
-          for (int r = 0; r < WN / 64; ++r)
-            tma_load(stage + XB + r * 64 * BK, &wmap, it * BK, wrow + r * 64, &full[s]);
-        }
+  for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
+  const int trow = wg * 64 + 16 * (warp % 4) + g;  // a consumer thread's rows in the tile: trow and trow + 8
+
+  if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it
+    if (lane == 0 && active) {
+      const int wrow = my.expert * a.N + n0;
+      for (int it = 0; it < a.kblocks; ++it) {
+        const int s = it % ST;
+        if (it >= ST) mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);  // the consumers are done with its last use
+        mbar_expect_tx(&full[s], STAGE);
+        uint8_t* stage = smem + s * STAGE;
+        tma_load(stage, &xmap, it * BK, my.tok0, &full[s]);
+#pragma unroll
+        for (int r = 0; r < WN / 64; ++r) tma_load(stage + XB + r * 64 * BK, &wmap, it * BK, wrow + r * 64, &full[s]);
       }
-      __syncwarp();
     }
     return;
   }
-
-  const int trow = wg * 64 + 16 * (warp % 4) + g;  // a consumer thread's rows in the tile: trow and trow + 8
-  const uint64_t dx0 = desc_sw128(smem_u32(smem) + wg * 64 * BK), dw0 = desc_sw128(smem_u32(smem) + XB);
-  // two adjacent columns per store where the row stride and the output keep them 4-byte aligned
-  const bool paired = a.ldy % 2 == 0 && (reinterpret_cast<uintptr_t>(a.Y) & 3) == 0;
-  int q = 0;
-  for (int id = blockIdx.x; id < total; id += gridDim.x) {
-    const Coords c = coords<WN>(a, id, wtiles);
-    const Tile tile = find_tile<TN>(a, c.slot, lane);
-    if (tile.expert < 0) continue;
-    float acc[WN / 2];
+  if (active) {
+    const float* S = a.S + my.expert * a.s_expert + (long long)(n0 / 128) * a.s_stride;
+    for (int i = tid; i < a.kblocks; i += CT) wsc[i] = __ldg(S + i);
+    const uint64_t dx0 = desc_sw128(smem_u32(smem) + wg * 64 * BK), dw0 = desc_sw128(smem_u32(smem) + XB);
+    asm volatile("bar.sync 1, %0;" ::"r"(CT) : "memory");
+    // the thread's two rows' scales (rows past the activations clamped: their results are not written)
+    const float* xs0 = a.XS + min(my.tok0 + trow, a.ld_xs - 1);
+    const float* xs1 = a.XS + min(my.tok0 + trow + 8, a.ld_xs - 1);
+    float next0 = __ldg(xs0), next1 = __ldg(xs1);
+    float blk[WN / 2];
+    for (int it = 0; it < a.kblocks; ++it) {
+      const int s = it % ST;
+      mbar_wait(&full[s], (it / ST) & 1);
+      const uint64_t off = (uint64_t)(s * (STAGE / 16));
+      wgmma_fence();
 #pragma unroll
-    for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
-    if (tile.expert < a.E) {  // else the rows past the last expert: zeros
-      // the weight block scales and the thread's two rows' scales, each block's loaded while the one before
-      // multiplies (rows past the activations clamped: their results are not written)
-      const float* ws = a.S + tile.expert * a.s_expert + (long long)(c.n0 / 128) * a.s_stride;
-      const float* xs0 = a.XS + min(tile.tok0 + trow, a.ld_xs - 1);
-      const float* xs1 = a.XS + min(tile.tok0 + trow + 8, a.ld_xs - 1);
-      float next_w = __ldg(ws), next0 = __ldg(xs0), next1 = __ldg(xs1);
-      float blk[WN / 2];
-      for (int it = 0; it < a.kblocks; ++it, ++q) {
-        const int s = q % ST;
-        mbar_wait(&full[s], (q / ST) & 1);
-        const uint64_t off = (uint64_t)(s * (STAGE / 16));
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(blk, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
-        wgmma_commit();
-        const float x0 = next0 * next_w, x1 = next1 * next_w;
-        if (it + 1 < a.kblocks) {
-          const size_t row = (size_t)(it + 1) * a.ld_xs;
-          next_w = __ldg(ws + it + 1), next0 = __ldg(xs0 + row), next1 = __ldg(xs1 + row);
-        }
-        wgmma_wait0();
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);
-#pragma unroll
-        for (int j = 0; j < WN / 8; ++j) {
-          acc[4 * j + 0] = fmaf(blk[4 * j + 0], x0, acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(blk[4 * j + 1], x0, acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(blk[4 * j + 2], x1, acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(blk[4 * j + 3], x1, acc[4 * j + 3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = tile.tok0 + trow + 8 * h;
-      if (m >= tile.end) continue;
-      T* y = static_cast<T*>(a.Y) + (size_t)(a.dst ? __ldg(a.dst + m) : m) * a.ldy;
+      for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(blk, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
+      wgmma_commit();
+      const float sw = lds(wsc + it);
+      const float x0 = next0 * sw, x1 = next1 * sw;
+      if (it + 1 < a.kblocks) next0 = __ldg(xs0 + (size_t)(it + 1) * a.ld_xs), next1 = __ldg(xs1 + (size_t)(it + 1) * a.ld_xs);
+      wgmma_wait0();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[s]);
 #pragma unroll
       for (int j = 0; j < WN / 8; ++j) {
-        const int col = c.n0 + 8 * j + 2 * t;
-        const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-        if (paired && col + 1 < a.N) {
-          store_pair(y + col, v0, v1);
-        } else {
-          if (col < a.N) y[col] = static_cast<T>(v0);
-          if (col + 1 < a.N) y[col + 1] = static_cast<T>(v1);
-        }
+        acc[4 * j + 0] = fmaf(blk[4 * j + 0], x0, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(blk[4 * j + 1], x0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(blk[4 * j + 2], x1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(blk[4 * j + 3], x1, acc[4 * j + 3]);
+      }
+    }
+  }
+
+  // two adjacent columns per store where the row stride and the output keep them 4-byte aligned
+  const bool paired = a.ldy % 2 == 0 && (reinterpret_cast<uintptr_t>(a.Y) & 3) == 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = my.tok0 + trow + 8 * h;
+    if (m >= my.end) continue;
+    T* y = static_cast<T*>(a.Y) + (size_t)(a.dst ? __ldg(a.dst + m) : m) * a.ldy;
+#pragma unroll
+    for (int j = 0; j < WN / 8; ++j) {
+      const int col = n0 + 8 * j + 2 * t;
+      const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+      if (paired && col + 1 < a.N) {
+        store_pair(y + col, v0, v1);
+      } else {
+        if (col < a.N) y[col] = static_cast<T>(v0);
+        if (col + 1 < a.N) y[col + 1] = static_cast<T>(v1);
       }
     }
   }
@@ -217,21 +202,19 @@ __global__ void __launch_bounds__(128 * TW + 32) grouped_kernel(const __grid_con
 
 template <int WN, int TW, int ST, typename T>
 int launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const Args& a, cudaStream_t stream) {
-  constexpr int STAGE = (64 * TW + WN) * BK, THREADS = 128 * TW + 32;
-  const int smem = ST * STAGE + 2 * ST * 8 + 1024;
-  auto kernel = grouped_kernel<WN, TW, ST, T>;
-  int device = 0, limit = 0, sms = 0, per_sm = 0;
+  constexpr int TN = 64 * TW, STAGE = (TN + WN) * BK;
+  const int smem = ST * STAGE + 2 * ST * 8 + a.kblocks * 4 + 1024;
+  int device = 0, limit = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err == cudaSuccess && smem > limit) return (int)cudaErrorInvalidValue;
-  if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem);
   if (err != cudaSuccess) return (int)err;
-  const long long tiles = (long long)a.slots * ((a.N + WN - 1) / WN), resident = (long long)sms * (per_sm > 0 ? per_sm : 1);
+  if (smem > limit) return (int)cudaErrorInvalidValue;
+  auto kernel = grouped_kernel<WN, TW, ST, T>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return (int)err;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)(tiles < resident ? tiles : resident));  // persistent: as many CTAs as stay resident
-  config.blockDim = dim3(THREADS);
+  config.gridDim = dim3((unsigned)((long long)a.slots * ((a.N + WN - 1) / WN)));
+  config.blockDim = dim3(128 * TW + 32);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   err = cudaLaunchKernelEx(&config, kernel, wmap, xmap, a);

@@ -40,6 +40,12 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int 
       "l"(map), "r"(x), "r"(y), "r"(smem_u32(bar))
       : "memory");
 }
+__device__ __forceinline__ float lds(const float* p) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_u32(p)));
+  return v;
+}
+
 // shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128-byte swizzle (8-row groups 1024
 // bytes apart); the address sits in the low 14 bits in 16-byte units, so moving the tile by d bytes adds d / 16
 __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
