@@ -65,13 +65,36 @@ def test_configs_and_one_line_refusals():
         grouped_wgmma(xq, xs, 4, w, bs, off.long(), 8, torch.bfloat16, WgmmaConfig())
 
 
-def test_a_cpu_call_takes_the_triton_kernel_and_sm90_needs_the_library():
-    from mxgemm.backends.triton_w8a16 import _grouped_config
-    from mxgemm.kernels.grouped.fp8 import GroupedConfig
+def test_which_kernel_a_grouped_call_takes(monkeypatch):
+    """On SM90 with the library built: the wgmma kernel from WGMMA_FROM rows per expert of an even routing, 64-row
+    tiles below 128 rows per expert and 128-row ones from there; the Triton kernel below that, on other GPUs, on a
+    CPU, and where the library does not build."""
+    from types import SimpleNamespace
 
-    weight = type("W", (), {"experts": 8})()
-    assert isinstance(_grouped_config(torch.zeros(4096, 16), weight), GroupedConfig)
+    from mxgemm.backends import triton_w8a16
+    from mxgemm.backends.triton_w8a16 import WGMMA_FROM, _grouped_config
+    from mxgemm.kernels.grouped.fp8 import GroupedConfig
+    from mxgemm.kernels.grouped.wgmma import Availability
+
+    weight = SimpleNamespace(experts=128)
+    assert isinstance(_grouped_config(torch.zeros(4096, 16), weight), GroupedConfig)  # a CPU tensor
     assert not wgmma.wgmma_status((8, 9)) and "SM90" in wgmma.wgmma_status((8, 9)).reason
+
+    capability, built = [(9, 0)], [Availability(True, "built")]
+    monkeypatch.setattr(triton_w8a16.torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(wgmma, "wgmma_status", lambda cap: built[0])
+
+    def chosen(rows):
+        return _grouped_config(SimpleNamespace(shape=(rows, 16), is_cuda=True, device="cuda:0"), weight)
+
+    assert isinstance(chosen(128 * WGMMA_FROM - 128), GroupedConfig)
+    assert chosen(128 * WGMMA_FROM) == WgmmaConfig(tn=64, wn=128, stages=4)
+    assert chosen(128 * 127) == WgmmaConfig(tn=64, wn=128, stages=4)
+    assert chosen(128 * 128) == WgmmaConfig(tn=128, wn=128, stages=4)
+    capability[0] = (10, 0)
+    assert isinstance(chosen(128 * 128), GroupedConfig)
+    capability[0], built[0] = (9, 0), Availability(False, "nvcc was not found")
+    assert isinstance(chosen(128 * 128), GroupedConfig)
 
 
 @pytest.mark.skipif(nvcc.find_nvcc() is None, reason="no nvcc on this machine")
