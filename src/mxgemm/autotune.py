@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 from . import settings, tuning
-from .backends import Backend, PreparedWeight
+from .backends import Backend, PreparedGroupedWeight, PreparedWeight
 from .backends.base import PlanCache, tactic_json
+from .backends.capabilities import GroupedWeights
 from .device import DeviceInfo, describe_device
 from .tuning import TuneKey, TuningCache, bucket, default_cache_path, environment_metadata, shipped_cache_path
 
-__all__ = ["DEFAULT_MARGIN", "Autotuner", "TuneResult", "tactic_for_call", "tuner_for"]
+__all__ = ["DEFAULT_MARGIN", "Autotuner", "TuneResult", "tactic_for_call", "tactic_for_grouped_call", "tuner_for"]
 
 logger = logging.getLogger("mxgemm")
 DEFAULT_MARGIN = 0.03  # a tactic must be 3% faster than the default: above the spread of repeated timings
@@ -83,16 +84,41 @@ class Autotuner:
         memoized, as calls ask every time."""
         if not backend.tunable:
             return None, "default"
-        memo_key = (backend.name, weight.op_meta, bucket(m), x_dtype)
+        m_bucket = bucket(m)
+        return self._recorded(
+            (backend.name, weight.op_meta, m_bucket, x_dtype),
+            lambda: TuneKey.of(backend.name, weight, m, x_dtype),
+            lambda: backend.tactics(m_bucket, weight),
+            backend.name,
+        )
+
+    def grouped_choice(
+        self, backend: Backend, weight: PreparedGroupedWeight, rows: int, x_dtype: torch.dtype
+    ) -> tuple[Any, str]:
+        """:meth:`choice` for grouped weights at ``rows`` rows sorted by expert (:meth:`TuneKey.grouped`)."""
+        if not backend.tunable or not isinstance(backend, GroupedWeights):
+            return None, "default"
+        key = TuneKey.grouped(backend.name, weight, rows, x_dtype)
+        return self._recorded(
+            ("grouped", backend.name, weight.op_meta, key.m_bucket, x_dtype),
+            lambda: key,
+            lambda: backend.grouped_tactics(key.m_bucket, weight),
+            backend.name,
+        )
+
+    def _recorded(
+        self, memo_key: tuple, make_key: Callable[[], TuneKey], offered: Callable[[], list[Any]], backend: str
+    ) -> tuple[Any, str]:
+        """The first file's (user's, then shipped) tactic for the key that the backend offers now, memoized."""
         if memo_key not in self._memo:
-            key = TuneKey.of(backend.name, weight, m, x_dtype)
+            key = make_key()
             files = [(c, src) for c, src in ((self.cache, "cache"), (self.shipped, "shipped")) if c is not None]
             choice = None, "default"
             for cache, src in files:
                 record = cache.get(key)
                 if record is None:
                     continue
-                tactic = self._known(backend, weight, key.m_bucket, record["tactic"])
+                tactic = self._known(offered, record["tactic"])
                 if tactic is not None:
                     choice = tactic, src
                     break
@@ -101,17 +127,17 @@ class Autotuner:
                     cache.path,
                     record["tactic"],
                     key,
-                    backend.name,
+                    backend,
                 )
             self._memo[memo_key] = choice
         return self._memo[memo_key]
 
     @staticmethod
-    def _known(backend: Backend, weight: PreparedWeight, m_bucket: int, recorded: Any) -> Any:
-        """The tactic the backend offers for this bucket now that a file records as ``recorded``, or None (a file
-        edited by hand, or from kernels whose tactics differ, may hold others)."""
+    def _known(offered: Callable[[], list[Any]], recorded: Any) -> Any:
+        """The tactic the backend offers now that a file records as ``recorded``, or None (a file edited by hand, or
+        from kernels whose tactics differ, may hold others)."""
         try:
-            return next((t for t in backend.tactics(m_bucket, weight) if tactic_json(t) == recorded), None)
+            return next((t for t in offered() if tactic_json(t) == recorded), None)
         except Exception:  # a tactic list that cannot be made: follow nothing from the file
             return None
 
@@ -129,12 +155,9 @@ class Autotuner:
         if not backend.tunable or _capturing():
             return None
         key = TuneKey.of(backend.name, weight, m, x_dtype)
-        mb = key.m_bucket
-        x = torch.randn(mb, weight.in_features, device=weight.device).to(x_dtype)
-        tactics: Sequence[Any] = backend.tactics(mb, weight)
-        timer = self.timer or _default_timer
+        x = torch.randn(key.m_bucket, weight.in_features, device=weight.device).to(x_dtype)
+        tactics: Sequence[Any] = backend.tactics(key.m_bucket, weight)
         copies = _cold_copies(weight)
-        failed = 0
         if self.timer is None and weight.device.type == "cuda":  # the copies were just written: let them settle
             from .timing import settle
 
@@ -142,26 +165,50 @@ class Autotuner:
                 settle(lambda: [backend.run(x, w, None, tactic=tactics[0]) for w in copies])
             except Exception as exc:  # the default tactic failing is reported by its measurement below
                 logger.debug("mxgemm: settling %s failed: %s", key, exc)
+        with backend.tuning_context(weight):
+            return self._decide(
+                key, tactics, lambda t: [backend.run(x, w, None, tactic=t) for w in copies], len(copies), write
+            )
+
+    def tune_grouped(
+        self, backend: Backend, weight: PreparedGroupedWeight, rows: int, x_dtype: torch.dtype, *, write: bool = True
+    ) -> TuneResult | None:
+        """:meth:`tune` for grouped weights at ``rows`` rows sorted by expert: each tactic timed on an even routing
+        of the key's bucket (that many rows on every expert; the weights of all experts are read, as at prefill)."""
+        if not backend.tunable or not isinstance(backend, GroupedWeights) or _capturing():
+            return None
+        key = TuneKey.grouped(backend.name, weight, rows, x_dtype)
+        per, e = key.m_bucket, weight.experts
+        x = torch.randn(per * e, weight.in_features, device=weight.device).to(x_dtype)
+        offsets = torch.arange(1, e + 1, dtype=torch.int32, device=weight.device) * per
+        tactics = backend.grouped_tactics(per, weight)
+        return self._decide(key, tactics, lambda t: [backend.run_grouped(x, weight, offsets, t)], 1, write)
+
+    def _decide(
+        self, key: TuneKey, tactics: Sequence[Any], calls: Callable[[Any], list], per_round: int, write: bool
+    ) -> TuneResult:
+        """Time ``calls(tactic)`` (a round of ``per_round`` calls) for each tactic; the fastest replaces the default
+        (the first) only by the margin in two timings of both; recorded under ``key`` when ``write``."""
+        timer = self.timer or _default_timer
+        failed = 0
 
         def measure(tactic: Any) -> float:
             nonlocal failed
             try:
-                calls = lambda: [backend.run(x, w, None, tactic=tactic) for w in copies]  # noqa: E731
-                return timer(calls) / len(copies)
+                return timer(lambda: calls(tactic)) / per_round
             except Exception as exc:  # an invalid tactic scores infinity and is counted, never chosen
                 logger.debug("mxgemm: tactic %s failed for %s: %s", tactic, key, exc)
                 failed += 1
                 return math.inf
 
-        with backend.tuning_context(weight):
-            times = [measure(tactic) for tactic in tactics]
-            best = min(range(len(times)), key=lambda i: (times[i], i))
-            chosen = 0
-            if best and times[best] < times[0] * (1 - self.margin):
-                # confirmed by a second timing of both: one slow reading of the default must not replace it (the
-                # first shipped H200 file's default timings were 4-14% above later ones)
-                times[0], times[best] = measure(tactics[0]), measure(tactics[best])
-                chosen = best if times[best] < times[0] * (1 - self.margin) else 0
+        times = [measure(tactic) for tactic in tactics]
+        best = min(range(len(times)), key=lambda i: (times[i], i))
+        chosen = 0
+        if best and times[best] < times[0] * (1 - self.margin):
+            # confirmed by a second timing of both: one slow reading of the default must not replace it (the first
+            # shipped H200 file's default timings were 4-14% above later ones)
+            times[0], times[best] = measure(tactics[0]), measure(tactics[best])
+            chosen = best if times[best] < times[0] * (1 - self.margin) else 0
         result = TuneResult(key, tactics[chosen], times[0], times[chosen], failed, len(tactics), chosen == 0)
         if write:
             record = {
@@ -220,5 +267,17 @@ def tactic_for_call(backend: Backend, weight: PreparedWeight, x: torch.Tensor) -
     tactic = tuner.lookup(backend, weight, x.shape[0], x.dtype)
     if tactic is None and settings.autotune_enabled() and not _capturing():
         result = tuner.tune(backend, weight, x.shape[0], x.dtype)
+        tactic = result.tactic if result else None
+    return tactic
+
+
+def tactic_for_grouped_call(backend: Backend, weight: PreparedGroupedWeight, rows: int, x: torch.Tensor) -> Any:
+    """:func:`tactic_for_call` for grouped weights at ``rows`` rows sorted by expert of ``x``'s dtype."""
+    if not backend.tunable or not isinstance(backend, GroupedWeights):
+        return None
+    tuner = tuner_for(x.device)
+    tactic = tuner.grouped_choice(backend, weight, rows, x.dtype)[0]
+    if tactic is None and settings.autotune_enabled() and not _capturing():
+        result = tuner.tune_grouped(backend, weight, rows, x.dtype)
         tactic = result.tactic if result else None
     return tactic

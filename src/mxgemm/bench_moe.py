@@ -25,11 +25,20 @@ from functools import partial
 import torch
 
 from .device import describe_device
-from .format import dequantize, quantize
+from .format import MXTensor, dequantize, quantize
 from .grouped import grouped_linear, prepare_grouped_weight
 from .timing import time_cpu, time_cuda
 
-__all__ = ["MOE_MODELS", "MOE_TOKENS", "MoeRow", "bench_record", "markdown_table", "run_moe_bench", "table_rows"]
+__all__ = [
+    "MOE_MODELS",
+    "MOE_TOKENS",
+    "MoeRow",
+    "bench_record",
+    "markdown_table",
+    "random_experts",
+    "run_moe_bench",
+    "table_rows",
+]
 
 # (experts, hidden, expert width, top-k)
 MOE_MODELS: dict[str, tuple[int, int, int, int]] = {
@@ -59,15 +68,23 @@ class MoeRow:
     rel_err_vs_bf16: float = 0.0
 
 
-def _experts(e: int, n: int, k: int, seed: int, device: torch.device):
-    """Random MX experts ``[E, N, K]`` and their bf16 values, made one expert at a time."""
+def random_experts(e: int, n: int, k: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MX experts ``[E, N, K]`` (float8 elements, uint8 E8M0 scales), made one expert at a time."""
     q = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=device)
     s = torch.empty((e, n, k // 32), dtype=torch.uint8, device=device)
-    w = torch.empty((e, n, k), dtype=torch.bfloat16, device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     for i in range(e):
         t = quantize(torch.randn(n, k, generator=g, device=device) * 0.02)
-        q[i], s[i], w[i] = t.qdata, t.scale, dequantize(t).to(torch.bfloat16)
+        q[i], s[i] = t.qdata, t.scale
+    return q, s
+
+
+def _experts(e: int, n: int, k: int, seed: int, device: torch.device):
+    """:func:`random_experts` and their bf16 values."""
+    q, s = random_experts(e, n, k, seed, device)
+    w = torch.empty((e, n, k), dtype=torch.bfloat16, device=device)
+    for i in range(e):
+        w[i] = dequantize(MXTensor(q[i], s[i])).to(torch.bfloat16)
     return q, s, w
 
 

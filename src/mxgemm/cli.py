@@ -344,6 +344,8 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             for n, k, _ in MODELS[model]:
                 problems.setdefault((n, k), set()).update(bucket(m) for m in (args.m or BUCKETS))
     tuner = Autotuner.for_device(device)
+    if args.moe is not None:
+        return _tune_moe(args, console, device, tuner)
     rows, skipped, cached = [], set(), 0
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("tuning", total=sum(len(v) for v in problems.values()))
@@ -362,13 +364,53 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                 else:
                     rows.append((m, n, k, backend.name, result))
                 progress.advance(task)
+    _tuned_table(console, device, tuner, rows, skipped, cached, "M")
+    return 0
+
+
+def _tune_moe(args: argparse.Namespace, console: Console, device, tuner) -> int:
+    """Tune the grouped weights of the experts of ``--moe`` models (random MX experts on this device) at ``--m``
+    tokens (their top-k copies sorted by expert, keyed by rows per expert)."""
+    from .backends import get_backend
+    from .bench_moe import MOE_MODELS, MOE_TOKENS, random_experts
+    from .grouped import prepare_grouped_weight
+    from .tuning import TuneKey
+
+    rows, skipped, cached = [], set(), 0
+    probe = get_backend(prepare_grouped_weight(*random_experts(1, 32, 32, seed=0, device=device.torch_device)).backend)
+    if not probe.tunable:  # before any expert of size is made
+        _tuned_table(console, device, tuner, rows, {probe.name}, cached, "tokens")
+        return 0
+    for model in args.moe or sorted(MOE_MODELS):
+        e, hidden, width, topk = MOE_MODELS[model]
+        for n, k in ((2 * width, hidden), (hidden, width)):
+            weight = prepare_grouped_weight(*random_experts(e, n, k, seed=n + k, device=device.torch_device))
+            backend = get_backend(weight.backend)
+            for tokens in args.m or MOE_TOKENS:
+                key = TuneKey.grouped(backend.name, weight, tokens * topk, torch.bfloat16)
+                if not args.force and tuner.cache.get(key):
+                    cached += 1
+                    continue
+                result = tuner.tune_grouped(backend, weight, tokens * topk, torch.bfloat16)
+                if result is None:
+                    skipped.add(backend.name)
+                else:
+                    rows.append((tokens, n, k, backend.name, result))
+                    console.print(f"[dim]{model} [{e}, {n}, {k}] at {tokens} tokens: {result.best_us:.1f} µs[/dim]")
+            del weight
+    _tuned_table(console, device, tuner, rows, skipped, cached, "tokens")
+    return 0
+
+
+def _tuned_table(console: Console, device, tuner, rows: list, skipped: set, cached: int, first: str) -> None:
+    """What tuning did: the backends without tactics, the problems the cache had, a row per problem tuned."""
     if skipped:
         console.print(f"nothing to tune for {', '.join(sorted(skipped))}: no tactics (or capturing)")
     if cached:
         console.print(f"{cached} problems already tuned in {tuner.cache.path} (--force re-tunes them)")
     if rows:
         table = Table(title=f"tuned on {device} -> {tuner.cache.path}")
-        for col in ("M", "N", "K", "backend", "default µs", "tuned µs", "speedup", "failed", "tactic"):
+        for col in (first, "N", "K", "backend", "default µs", "tuned µs", "speedup", "failed", "tactic"):
             table.add_column(col, justify="right")
         for m, n, k, name, r in rows:
             tactic = "default" if r.is_default else json.dumps(tactic_json(r.tactic), separators=(",", ":"))
@@ -384,7 +426,6 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                 tactic,
             )
         console.print(table)
-    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -446,6 +487,13 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--model-dir", help="a Hugging Face model folder: tune its linear layers (overrides --model)")
     tune.add_argument("--skip", nargs="*", default=["lm_head"], help="with --model-dir: linear layers to leave out")
     tune.add_argument("--force", action="store_true", help="re-tune problems the cache already has")
+    tune.add_argument(
+        "--moe",
+        nargs="*",
+        choices=sorted(MOE_MODELS),
+        help="the experts' grouped weights of these mixtures of experts instead (none named: all), at --m tokens "
+        "(default: mxgemm bench --moe's)",
+    )
     return parser
 
 

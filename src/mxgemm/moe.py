@@ -4,8 +4,8 @@ that takes the place of transformers' 3-D experts modules).
 A call is one op, ``mxgemm::moe_experts``, on the experts' backend: the token copies sorted by expert, the gate/up
 projection, ``silu(gate) * up``, the down projection, and each token's copies weighted by the router and summed in a
 fixed order (:meth:`mxgemm.backends.capabilities.GroupedWeights.run_experts`; the Triton backend does it in four
-launches, six where SM90's wgmma kernel runs). Deterministic, no host synchronisation and no shape that depends on the routing, so that a decode step
-captures in a CUDA graph and compiles with ``fullgraph=True``.
+launches, six where SM90's wgmma kernel runs). Deterministic, no host synchronisation and no shape that depends on
+the routing, so that a decode step captures in a CUDA graph and compiles with ``fullgraph=True``.
 """
 
 from __future__ import annotations

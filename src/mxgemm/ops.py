@@ -150,7 +150,8 @@ else computed first: the same bits either way."""
 
 def _grouped_linear(x: Tensor, offsets: Tensor, tensors: list[Tensor], backend: str, meta: str) -> Tensor:
     weight = PreparedGroupedWeight.from_op_args(backend, tensors, meta)
-    return get_backend(backend).run_grouped(x, weight, offsets)
+    b = get_backend(backend)
+    return b.run_grouped(x, weight, offsets, autotune.tactic_for_grouped_call(b, weight, x.shape[0], x))
 
 
 def _grouped_linear_fake(x: Tensor, offsets: Tensor, tensors: list[Tensor], backend: str, meta: str) -> Tensor:
@@ -177,13 +178,14 @@ def _moe_experts(
     gate_up_meta: str,
     down_meta: str,
 ) -> Tensor:
-    return get_backend(backend).run_experts(
-        x,
-        topk_ids,
-        topk_weights,
+    b = get_backend(backend)
+    weights = (
         PreparedGroupedWeight.from_op_args(backend, gate_up, gate_up_meta),
         PreparedGroupedWeight.from_op_args(backend, down, down_meta),
     )
+    rows = topk_ids.numel()  # the token copies, sorted by expert
+    tactics = tuple(autotune.tactic_for_grouped_call(b, w, rows, x) for w in weights)
+    return b.run_experts(x, topk_ids, topk_weights, *weights, tactics)
 
 
 def _moe_experts_fake(

@@ -16,6 +16,7 @@ backends, times tactics and writes here.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata as md
 import json
@@ -84,6 +85,14 @@ class TuneKey:
             layout,
             weight.recipe,
         )
+
+    @classmethod
+    def grouped(cls, backend: str, weight, rows: int, x_dtype: torch.dtype) -> TuneKey:
+        """The key of grouped weights (``PreparedGroupedWeight``) at ``rows`` rows sorted by expert, bucketed by the
+        rows per expert of an even routing (which experts a routing makes active, and how many rows each gets, are
+        not known on the host); the expert count is part of the layout."""
+        key = cls.of(backend, weight, -(-rows // weight.experts), x_dtype)
+        return dataclasses.replace(key, op="grouped", layout=f"{key.layout},experts:{weight.experts}")
 
     def __str__(self) -> str:
         return "|".join(

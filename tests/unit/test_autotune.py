@@ -393,3 +393,84 @@ def test_each_environment_keeps_its_own_file_and_says_how_each_file_is_used(tmp_
     assert TuningCache(here, meta).describe().endswith("not used: not a tuning file")
     here.write_text("{")
     assert "not used: unreadable" in TuningCache(here, meta).describe()
+
+
+class FakeGroupedTunable(EmulationBackend):
+    """Grouped tactics with known costs (µs), on the emulation's grouped twin."""
+
+    name = "fake_grouped_tunable"
+    tunable = True
+    COSTS: ClassVar[dict] = {"default": 10.0, "fast": 6.0, "broken": None}
+
+    def __init__(self):
+        self.calls = []
+
+    def grouped_tactics(self, per_expert, weight):
+        return [{"name": n} for n in self.COSTS]
+
+    def run_grouped(self, x, weight, offsets, tactic=None):
+        name = (tactic or {"name": "default"})["name"]
+        self.calls.append((name, x.shape[0], offsets.tolist()))
+        if self.COSTS[name] is None:
+            raise RuntimeError("invalid config for this bucket")
+        self.last_cost = self.COSTS[name]
+        return super().run_grouped(x, weight, offsets)
+
+
+@pytest.fixture
+def grouped():
+    pairs = [random_mx_weight(64, 128, seed=i) for i in range(4)]
+    q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    return mxgemm.prepare_grouped_weight(q, s, backend="emulation", recipe="w8a8-block")
+
+
+def test_grouped_weights_are_tuned_by_rows_per_expert_on_an_even_routing(tmp_path, grouped):
+    """The key buckets the rows per expert of an even routing and names the expert count; each tactic is timed on
+    that bucket's rows on every expert; the choice is recorded and read back from the file."""
+    b = FakeGroupedTunable()
+    tuner = _tuner(tmp_path, b)
+    result = tuner.tune_grouped(b, grouped, 9, torch.bfloat16)  # 9 rows over 4 experts: 3 an expert -> bucket 4
+    assert result.tactic == {"name": "fast"} and result.failed == 1 and result.key.m_bucket == 4
+    assert str(result.key).startswith("grouped|fake_grouped_tunable|m4|n64|k128|bfloat16|")
+    assert str(result.key).endswith(",experts:4|w8a8-block")
+    assert {(rows, tuple(offs)) for _, rows, offs in b.calls} == {(16, (4, 8, 12, 16))}
+    fresh = Autotuner(TuningCache(tmp_path / "tuning.json", META))
+    assert fresh.grouped_choice(b, grouped, 13, torch.bfloat16) == ({"name": "fast"}, "cache")
+    assert fresh.grouped_choice(b, grouped, 17, torch.bfloat16) == (None, "default")  # 5 an expert: bucket 8
+    assert fresh.choice(b, grouped, 4, torch.bfloat16) == (None, "default")  # a dense key is another problem
+
+
+def test_grouped_calls_take_the_tuned_tactic_of_each_projection(tmp_path, grouped, monkeypatch):
+    """``grouped_linear`` and ``moe_experts`` look their tactics up above the backend (tuning on a miss only with
+    MXGEMM_AUTOTUNE=1) and hand them down: the block's two projections each their own."""
+    from mxgemm.backends import _REGISTRY
+
+    b = FakeGroupedTunable()
+    monkeypatch.setitem(_REGISTRY, b.name, b)
+    monkeypatch.setattr(autotune, "_TUNERS", {})
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
+    w = mxgemm.PreparedGroupedWeight(b.name, grouped.recipe, 64, 128, grouped.tensors, {}, experts=4)
+    x, offsets = torch.randn(6, 128, dtype=torch.bfloat16), torch.tensor([2, 2, 5, 6], dtype=torch.int32)
+    mxgemm.grouped_linear(x, w, offsets)
+    assert [c[0] for c in b.calls] == ["default"]
+    monkeypatch.setenv("MXGEMM_AUTOTUNE", "1")
+    autotune.tuner_for(x.device).timer = lambda fn: (fn(), b.last_cost)[1]
+    b.calls.clear()
+    y = mxgemm.grouped_linear(x, w, offsets)
+    assert [c[0] for c in b.calls] == ["default", "fast", "broken", "default", "fast", "fast"]  # tuned, then run
+    assert torch.equal(y, b.run_grouped(x, w, offsets))
+
+    pairs = [random_mx_weight(128, 32, seed=10 + i) for i in range(4)]
+    dq, ds = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    down_tensors = mxgemm.prepare_grouped_weight(dq, ds, backend="emulation", recipe="w8a8-block").tensors
+    down = mxgemm.PreparedGroupedWeight(b.name, grouped.recipe, 128, 32, down_tensors, {}, experts=4)
+    picked = []
+
+    def run_experts(self, x, ids, weights, gate_up, down, tactics):
+        picked.append(tactics)
+        return x.clone()
+
+    monkeypatch.setattr(FakeGroupedTunable, "run_experts", run_experts)
+    ids, weights = torch.tensor([[0, 2], [2, 3], [1, 2]]), torch.full((3, 2), 0.5, dtype=torch.bfloat16)
+    mxgemm.moe_experts(torch.randn(3, 128, dtype=torch.bfloat16), ids, weights, w, down)
+    assert picked == [({"name": "fast"}, {"name": "fast"})]

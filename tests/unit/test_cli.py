@@ -66,6 +66,34 @@ def test_tune_writes_the_cache_and_a_second_run_profiles_nothing(capsys, monkeyp
     assert json.loads(path.read_text()) == data
 
 
+def test_tune_moe_tunes_the_experts_by_rows_per_expert(capsys, monkeypatch, tmp_path):
+    """`mxgemm tune --moe`: both projections of each model's experts, keyed by the rows per expert of the token
+    count's top-k copies; a second run finds them in the file."""
+    import os
+
+    import pytest
+
+    from mxgemm import bench_moe, cli
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("tunes the triton backend's grouped weights under the interpreter")
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
+    tiny = {"tiny-moe": (4, 64, 32, 2)}  # experts, hidden, width, top-k
+    monkeypatch.setattr(bench_moe, "MOE_MODELS", tiny)
+    monkeypatch.setattr(cli, "MOE_MODELS", tiny)
+    assert main(["tune", "--moe", "tiny-moe", "--m", "3"]) == 0
+    assert "tokens" in capsys.readouterr().out
+    (path,) = tmp_path.glob("tuning-*.json")
+    keys = sorted(json.loads(path.read_text())["entries"])
+    assert [k.split("|")[:5] for k in keys] == [
+        ["grouped", "triton", "m2", "n64", "k32"],
+        ["grouped", "triton", "m2", "n64", "k64"],
+    ]
+    assert all(k.endswith(",experts:4|w8a8-block") for k in keys)
+    assert main(["tune", "--moe", "tiny-moe", "--m", "3"]) == 0
+    assert "2 problems already tuned" in capsys.readouterr().out
+
+
 def test_info_prints_reasons_verbatim(capsys, monkeypatch):
     """Reasons hold brackets (pip extras): the table must not eat them as markup."""
     from helpers import hide_package

@@ -108,3 +108,17 @@ def test_every_config_shape_of_the_fused_projections():
         y = grouped_down(product, dn["qdata"].view(torch.uint8), dn["block_scale"], offsets, src, H, config)
         plain = grouped_block_linear(product, dn["qdata"].view(torch.uint8), dn["block_scale"], offsets, H, config)
         assert torch.equal(y[src.long()], plain), config
+
+
+@pytest.mark.parametrize("per_expert", [4, 64])
+def test_every_grouped_tactic_gives_the_same_bits(per_expert):
+    """The autotuner's grouped tactics (the Triton kernel's configs of each regime; the wgmma kernel's on SM90) trade
+    speed only: on CPU every one the backend offers answers the default's bits."""
+    backend = get_backend("triton")
+    gate_up, _ = _experts()
+    tactics = backend.grouped_tactics(per_expert, gate_up)
+    assert len(tactics) >= 3
+    x = random_act(per_expert * E + 3, H, seed=per_expert)
+    offsets = torch.arange(1, E + 1, dtype=torch.int32) * per_expert
+    ys = [backend.run_grouped(x, gate_up, offsets, t) for t in tactics]
+    assert all(torch.equal(y, ys[0]) for y in ys[1:]) and torch.equal(ys[0][-3:], torch.zeros_like(ys[0][-3:]))

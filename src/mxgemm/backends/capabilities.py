@@ -106,6 +106,11 @@ class GroupedWeights(ABC):
         """Turn checkpoint tensors (float8 ``[E, N, K]``, uint8 E8M0 ``[E, N, K/32]``) into this backend's prepared
         grouped weight, once."""
 
+    def grouped_tactics(self, per_expert: int, weight: PreparedGroupedWeight) -> list[Any]:
+        """Tactics the autotuner may try for ``per_expert`` rows an expert (a bucket of an even routing); the first
+        is the default :meth:`run_grouped` takes for them and always valid. This default: that one alone."""
+        return [None]
+
     @abstractmethod
     def run_grouped(
         self, x: torch.Tensor, weight: PreparedGroupedWeight, offsets: torch.Tensor, tactic: Any = None
@@ -122,20 +127,22 @@ class GroupedWeights(ABC):
         topk_weights: torch.Tensor,
         gate_up: PreparedGroupedWeight,
         down: PreparedGroupedWeight,
+        tactics: tuple[Any, Any] = (None, None),
     ) -> torch.Tensor:
         """The routed block of :func:`mxgemm.moe_experts` (inputs validated; ``x`` bf16/fp16 [T, H], ``topk_weights``
         in its dtype): each token copy ``t * k + j`` through expert ``topk_ids[t, j]``'s ``gate_up``, ``silu(gate) *
         up`` in ``x``'s dtype, ``down``, then ``sum_j round(y_j * topk_weights[t, j])`` in fp32 over j in turn,
-        rounded to ``x``'s dtype; a copy routed outside ``[0, E)`` adds zero. This default: the copies sorted by
-        expert and gathered, two :meth:`run_grouped` calls, the product between them, and the copies put back."""
+        rounded to ``x``'s dtype; a copy routed outside ``[0, E)`` adds zero. ``tactics``: the two projections' (the
+        caller's, for the ``T * k`` rows). This default: the copies sorted by expert and gathered, two
+        :meth:`run_grouped` calls, the product between them, and the copies put back."""
         tokens, k = topk_ids.shape
         groups = torch.where((topk_ids >= 0) & (topk_ids < gate_up.experts), topk_ids, gate_up.experts).reshape(-1)
         order = torch.argsort(groups, stable=True)  # each expert's copies in token order, then the unrouted ones
         counts = torch.zeros(gate_up.experts + 1, dtype=torch.int64, device=x.device)
         counts.index_add_(0, groups.long(), torch.ones_like(groups, dtype=torch.int64))
         offsets = counts.cumsum(0)[:-1].to(torch.int32)
-        gate, up = self.run_grouped(x[order // k], gate_up, offsets).chunk(2, dim=-1)
-        y = self.run_grouped(torch.nn.functional.silu(gate) * up, down, offsets)
+        gate, up = self.run_grouped(x[order // k], gate_up, offsets, tactics[0]).chunk(2, dim=-1)
+        y = self.run_grouped(torch.nn.functional.silu(gate) * up, down, offsets, tactics[1])
         copies = torch.empty_like(y).index_copy_(0, order, y).reshape(tokens, k, -1)
         out = torch.zeros(tokens, y.shape[1], dtype=torch.float32, device=x.device)
         for j in range(k):

@@ -51,6 +51,8 @@ class Path(StrEnum):
 
     KERNEL = "kernel"  # the Triton w8a16 kernel
     DEQUANT = "dequant"  # the weight dequantized in chunks (kernels/dequant.py), then cuBLAS bf16
+    GROUPED = "grouped"  # grouped weights: the Triton grouped kernel (kernels/grouped/fp8.py)
+    WGMMA = "wgmma"  # grouped weights: SM90's TMA/wgmma kernel (kernels/grouped/wgmma.py)
 
 
 def _default(m: int, weight: PreparedWeight):
@@ -147,28 +149,47 @@ class TritonBackend(Backend, GroupedWeights):
         tensors, info = check_reencoding(qdata, lambda: prepare_grouped_block128(qdata, scale))
         return PreparedGroupedWeight(self.name, recipe, n, k, tensors, info, experts=e)
 
+    def grouped_tactics(self, per_expert: int, weight: PreparedGroupedWeight) -> list[Tactic]:
+        """The default for ``per_expert`` rows an expert, then the Triton kernel's configs of that regime (in-kernel
+        quantization below 64 rows an expert, rows quantized apart from there) and, on SM90 where it builds, the
+        wgmma kernel's tiles and ring depths. Same numerics (the kernels give the same bits)."""
+        from ..kernels.grouped.fp8 import GroupedConfig as C
+        from ..kernels.grouped.wgmma import WgmmaConfig
+
+        out = [_default_grouped(per_expert, weight.device)]
+        if per_expert < 64:
+            configs = [C(128, 16), C(64, 16), C(64, 16, 8, 3), C(64, 32), C(128, 32)]
+        else:
+            configs = [C(128, 64, 4, 3, True), C(256, 64, 8, 3, True), C(128, 128, 8, 3, True)]
+        out += [Tactic(Path.GROUPED, c) for c in configs]
+        if _wgmma_runs(weight.device):
+            out += [
+                Tactic(Path.WGMMA, WgmmaConfig(tn, wn, st)) for tn in (64, 128) for wn in (64, 128) for st in (4, 6)
+            ]
+        return list(dict.fromkeys(out))
+
     def run_grouped(self, x, weight, offsets, tactic=None) -> torch.Tensor:
         from ..kernels.grouped.fp8 import grouped_block_linear
-        from ..kernels.grouped.quant import quantize_rows
-        from ..kernels.grouped.wgmma import WgmmaConfig, grouped_wgmma
 
         t = weight.tensors
         qd, bs, n = t["qdata"].view(torch.uint8), t["block_scale"], weight.out_features
-        config = tactic.config if tactic is not None else _grouped_config(x, weight)
-        if isinstance(config, WgmmaConfig):
-            xq, xs = quantize_rows(x)
-            return grouped_wgmma(xq, xs, x.shape[0], qd, bs, offsets, n, x.dtype, config)
-        return grouped_block_linear(x, qd, bs, offsets, n, config)
+        tactic = tactic or _default_grouped(-(-x.shape[0] // weight.experts), x.device)
+        if tactic.path == Path.WGMMA:
+            from ..kernels.grouped.quant import quantize_rows
+            from ..kernels.grouped.wgmma import grouped_wgmma
 
-    def run_experts(self, x, topk_ids, topk_weights, gate_up, down) -> torch.Tensor:
+            xq, xs = quantize_rows(x)
+            return grouped_wgmma(xq, xs, x.shape[0], qd, bs, offsets, n, x.dtype, tactic.config)
+        return grouped_block_linear(x, qd, bs, offsets, n, tactic.config)
+
+    def run_experts(self, x, topk_ids, topk_weights, gate_up, down, tactics=(None, None)) -> torch.Tensor:
         """Four launches: the copies sorted by expert, gate/up on the tokens in place with ``silu(gate) * up`` in its
         epilogue, down writing each copy back to its token's place, and the weighted sum (``kernels/grouped``). Where
-        the wgmma kernel runs (many rows per expert), six: the rows gathered and quantized, gate/up, its product
-        quantized, down writing each copy back, around the same sort and sum."""
+        gate/up's tactic is the wgmma kernel, six: the rows gathered and quantized, gate/up, its product quantized,
+        down writing each copy back, around the same sort and sum. Down takes its own tactic where it is of gate/up's
+        kernel, else that kernel's default."""
         from ..kernels.grouped.fp8 import grouped_down, grouped_gate_up
-        from ..kernels.grouped.quant import quantize_rows
         from ..kernels.grouped.routing import combine, sort_by_expert
-        from ..kernels.grouped.wgmma import WgmmaConfig, grouped_wgmma
 
         gu, dn = gate_up.tensors, down.tensors
         gu_q, gu_s = gu["qdata"].view(torch.uint8), gu["block_scale"]
@@ -176,32 +197,45 @@ class TritonBackend(Backend, GroupedWeights):
         topk = topk_ids.shape[1]
         offsets, src = sort_by_expert(topk_ids, gate_up.experts)
         rows = src.shape[0]
-        config = _grouped_config(x, gate_up, rows)
-        if isinstance(config, WgmmaConfig):
+        default = _default_grouped(-(-rows // gate_up.experts), x.device)
+        first = tactics[0] or default
+        second = tactics[1] if tactics[1] is not None and tactics[1].path == first.path else None
+        if first.path == Path.WGMMA:
+            from ..kernels.grouped.quant import quantize_rows
+            from ..kernels.grouped.wgmma import grouped_wgmma
+
+            second = second or (default if default.path == Path.WGMMA else first)
             xq, xs = quantize_rows(x, src, topk)
-            h = grouped_wgmma(xq, xs, rows, gu_q, gu_s, offsets, gate_up.out_features, x.dtype, config)
+            h = grouped_wgmma(xq, xs, rows, gu_q, gu_s, offsets, gate_up.out_features, x.dtype, first.config)
             pq, ps = quantize_rows(h, gated=True)
-            y = grouped_wgmma(pq, ps, rows, dn_q, dn_s, offsets, down.out_features, x.dtype, config, dst=src)
+            y = grouped_wgmma(pq, ps, rows, dn_q, dn_s, offsets, down.out_features, x.dtype, second.config, dst=src)
         else:
-            product = grouped_gate_up(x, gu_q, gu_s, offsets, src, topk)
-            y = grouped_down(product, dn_q, dn_s, offsets, src, down.out_features)
+            product = grouped_gate_up(x, gu_q, gu_s, offsets, src, topk, first.config)
+            y = grouped_down(product, dn_q, dn_s, offsets, src, down.out_features, second and second.config)
         return combine(y, topk_weights)
 
     def export_grouped_mx(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_block128_to_mx(weight.tensors["qdata"], weight.tensors["block_scale"])
 
 
-def _grouped_config(x: torch.Tensor, weight: PreparedGroupedWeight, rows: int | None = None):
-    """The grouped kernel and config for ``rows`` (default ``x``'s) rows over the weight's experts: on SM90 from
-    :data:`WGMMA_FROM` rows per expert of an even routing, the wgmma kernel where it builds (said once on logger
-    ``mxgemm`` where it does not); else the Triton kernel's default."""
+def _wgmma_runs(device: torch.device) -> bool:
+    """Whether the grouped wgmma kernel runs on ``device``: SM90, the library built (said once on logger ``mxgemm``
+    where it does not)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    from ..kernels.grouped.wgmma import wgmma_status
+
+    return bool(wgmma_status((9, 0)))
+
+
+def _default_grouped(per_expert: int, device: torch.device) -> Tactic:
+    """The grouped kernel and config for ``per_expert`` rows an expert (of an even routing): on SM90 from
+    :data:`WGMMA_FROM` rows, the wgmma kernel where it builds (64-row tiles below 128 rows an expert, 128 from there);
+    else the Triton kernel's default."""
+    if per_expert >= WGMMA_FROM and _wgmma_runs(device):
+        from ..kernels.grouped.wgmma import WgmmaConfig
+
+        return Tactic(Path.WGMMA, WgmmaConfig(tn=128 if per_expert >= 128 else 64, wn=128, stages=4))
     from ..kernels.grouped.fp8 import default_config
 
-    rows = x.shape[0] if rows is None else rows
-    per = -(-rows // weight.experts)
-    if per >= WGMMA_FROM and x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0):
-        from ..kernels.grouped.wgmma import WgmmaConfig, wgmma_status
-
-        if wgmma_status((9, 0)):
-            return WgmmaConfig(tn=128 if per >= 128 else 64, wn=128, stages=4)
-    return default_config(rows, weight.experts)
+    return Tactic(Path.GROUPED, default_config(per_expert, 1))
