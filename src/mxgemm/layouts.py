@@ -24,6 +24,7 @@ __all__ = [
     "finish_output",
     "from_8x4",
     "from_128x4",
+    "grouped_128x4",
     "pad_rows",
     "padded_size_8x4",
     "padded_size_128x4",
@@ -91,6 +92,29 @@ def from_128x4(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     _check_flat(flat, padded_size_128x4(rows, cols), "from_128x4")
     r, c = round_up(rows, 128), round_up(cols, 4)
     return flat.reshape(r // 128, c // 4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(r, c)[:rows, :cols].contiguous()
+
+
+def grouped_128x4(scale: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The scales ``[S, C]`` of rows sorted by group (``offsets`` int32 ``[E]``, cumulative row ends, non-decreasing)
+    in the layout of PyTorch's MXFP8 grouped GEMM: each group's rows padded to a multiple of 128 and swizzled as
+    :func:`to_128x4`, the groups one after another (group g from row ``sum(round_up(M_j, 128) for j < g)``), as a
+    ``[Sp, round_up(C, 4)]`` matrix whose ``Sp`` (``S`` rounded up to 128, plus 128 rows a group) depends on S and E
+    alone; rows past the last group's end are left out. On the device, without reading the offsets on the host."""
+    _check_scale(scale)
+    rows, cols = scale.shape
+    groups = offsets.numel()
+    padded_rows = round_up(rows, 128) + 128 * groups
+    ends = offsets.to(torch.int64).clamp(0, rows)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    padded = (ends - starts).clamp_min(0).add(127).div(128, rounding_mode="floor").mul(128)
+    first = padded.cumsum(0) - padded  # each group's first row in the padded layout
+    i = torch.arange(rows, device=scale.device)
+    group = torch.searchsorted(ends, i, right=True)  # E past the last group's end
+    g = group.clamp(max=groups - 1)
+    dest = torch.where(group < groups, first[g] + i - starts[g], padded_rows)  # a spare row takes the rest
+    out = scale.new_zeros(padded_rows + 1, round_up(cols, 4))
+    out.index_copy_(0, dest, F.pad(scale, (0, out.shape[1] - cols)))
+    return to_128x4(out[:padded_rows]).view(padded_rows, -1)
 
 
 def to_8x4(scale: torch.Tensor) -> torch.Tensor:

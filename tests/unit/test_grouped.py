@@ -75,7 +75,9 @@ def test_auto_takes_a_backend_that_runs_grouped_weights_and_a_named_one_that_doe
     assert mxgemm.prepare_grouped_weight(q, s).backend == "triton"  # the Triton interpreter (tests set it)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert mxgemm.prepare_grouped_weight(q, s).backend == "emulation"  # a plain CPU
-    with pytest.raises(mxgemm.BackendUnavailableError, match=r"cublas_mx.*runs dense weights only"):
+    with pytest.raises(mxgemm.BackendUnavailableError, match=r"cublas_block.*runs dense weights only"):
+        mxgemm.prepare_grouped_weight(q, s, backend="cublas_block")
+    with pytest.raises(mxgemm.BackendUnavailableError, match=r"cublas_mx.*needs a CUDA GPU"):
         mxgemm.prepare_grouped_weight(q, s, backend="cublas_mx")
     with pytest.raises(mxgemm.BackendUnavailableError, match="computes grouped weights in w8a16/w8a8-mx/w8a8-block"):
         mxgemm.prepare_grouped_weight(q, s, backend="emulation", recipe="hybrid-block128")
