@@ -10,7 +10,7 @@
 // The consumers run 4 wgmma.m64nNk32 per block into a block accumulator, free the stage, and add the block's product
 // times the weight block's scale and each row's scale into the fp32 result (the two-level accumulation of blockwise
 // FP8); each thread loads its two rows' scales of the next block from global memory while the tensor cores work (a
-// tile starts at any row, where a TMA copy of the scales would need 16-byte alignment).
+// tile starts at any row; a TMA copy of the scales from such rows stopped the kernel: docs/performance.md).
 //
 // Grouping: the grid is sized from the row count and E alone (token-tile slots that hold the tiles of any routing, x
 // the weight tiles), and each CTA finds its expert and first row from `offsets` on the device (one warp scans the
