@@ -98,11 +98,11 @@ class Autotuner:
         """:meth:`choice` for grouped weights at ``rows`` rows sorted by expert (:meth:`TuneKey.grouped`)."""
         if not backend.tunable or not isinstance(backend, GroupedWeights):
             return None, "default"
-        key = TuneKey.grouped(backend.name, weight, rows, x_dtype)
+        per_bucket = bucket(-(-rows // weight.experts))  # TuneKey.grouped's, without building the key every call
         return self._recorded(
-            ("grouped", backend.name, weight.op_meta, key.m_bucket, x_dtype),
-            lambda: key,
-            lambda: backend.grouped_tactics(key.m_bucket, weight),
+            ("grouped", backend.name, weight.op_meta, per_bucket, x_dtype),
+            lambda: TuneKey.grouped(backend.name, weight, rows, x_dtype),
+            lambda: backend.grouped_tactics(per_bucket, weight),
             backend.name,
         )
 
