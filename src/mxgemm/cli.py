@@ -322,6 +322,8 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     from .weights import prepare_weight
 
     device = describe_device()
+    if args.moe is not None:
+        return _tune_moe(args, console, device, Autotuner.for_device(device))
     problems: dict[tuple[int, int], set[int]] = {}
     if args.shapes:
         for m, n, k in parse_shapes(args.shapes):
@@ -344,8 +346,6 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             for n, k, _ in MODELS[model]:
                 problems.setdefault((n, k), set()).update(bucket(m) for m in (args.m or BUCKETS))
     tuner = Autotuner.for_device(device)
-    if args.moe is not None:
-        return _tune_moe(args, console, device, tuner)
     rows, skipped, cached = [], set(), 0
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("tuning", total=sum(len(v) for v in problems.values()))
