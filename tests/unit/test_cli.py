@@ -92,6 +92,16 @@ def test_tune_moe_tunes_the_experts_by_rows_per_expert(capsys, monkeypatch, tmp_
     assert all(k.endswith(",experts:4|w8a8-block") for k in keys)
     assert main(["tune", "--moe", "tiny-moe", "--m", "3"]) == 0
     assert "2 problems already tuned" in capsys.readouterr().out
+    # what the file records (the default too, where nothing beat it) is a tactic the backend offers: a fresh tuner
+    # follows it
+    from mxgemm.autotune import Autotuner
+    from mxgemm.backends import get_backend
+
+    weight = mxgemm.prepare_grouped_weight(*bench_moe.random_experts(4, 64, 64, seed=128, device=torch.device("cpu")))
+    tactic, source = Autotuner.for_device(mxgemm.describe_device()).grouped_choice(
+        get_backend("triton"), weight, 6, torch.bfloat16
+    )
+    assert source == "cache" and tactic in get_backend("triton").grouped_tactics(2, weight)
 
 
 def test_info_prints_reasons_verbatim(capsys, monkeypatch):
