@@ -6,6 +6,10 @@ each), so that the active experts change from call to call and their weights do 
 * ``mxgemm``: ``grouped_linear`` on the experts prepared by ``auto``, activation quantization included;
 * ``bf16``: ``torch._grouped_mm`` on the dequantized experts (what engines run for bf16 experts);
 * ``fp8_rowwise``: ``torch._scaled_grouped_mm`` with row/column scales, GEMM only (activations quantized beforehand);
+* ``deepgemm_masked`` / ``deepgemm_contiguous``, where ``deep_gemm`` imports (the SM90 kernels of the w8a8-block recipe,
+  on the very experts ``auto`` prepared where they are 128x128-block ones): GEMM only, activations quantized
+  beforehand; masked with each expert's rows in a slot of the most rows any expert gets, contiguous with each expert's
+  rows padded to DeepGEMM's alignment (128) as its layout asks;
 * the floor: the active experts' FP8 and scale bytes over the copy bandwidth, measured first (a 1 GiB
   device-to-device copy, bytes read plus written).
 
@@ -34,6 +38,7 @@ __all__ = [
     "MOE_TOKENS",
     "MoeRow",
     "bench_record",
+    "deepgemm_calls",
     "markdown_table",
     "random_experts",
     "run_moe_bench",
@@ -90,8 +95,7 @@ def _experts(e: int, n: int, k: int, seed: int, device: torch.device):
 
 def _routing(tokens: int, e: int, topk: int, seed: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """int32 cumulative row ends of :func:`_top_k`'s routing, and how many experts it makes active."""
-    ids, _ = _top_k(tokens, e, topk, seed, torch.device("cpu"))
-    counts = torch.bincount(ids.reshape(-1), minlength=e)
+    counts = torch.tensor(_counts(tokens, e, topk, seed))
     return counts.cumsum(0).to(torch.int32).to(device), int((counts > 0).sum())
 
 
@@ -123,6 +127,57 @@ def _hf_experts(e: int, hidden: int, width: int, topk: int, gate_up: torch.Tenso
     module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
     module.down_proj = torch.nn.Parameter(down, requires_grad=False)
     return module
+
+
+def deepgemm_calls(
+    weight, counts: Sequence[list[int]], k: int, device: torch.device, deep_gemm=None
+) -> dict[str, list[Callable]]:
+    """DeepGEMM's grouped GEMMs on ``weight``'s experts (its ``qdata`` E4M3 ``[E, N, K]`` and fp32 ``block_scale``
+    ``[E, ceil(N/128), ceil(K/128)]``: DeepGEMM's own RHS format) for each routing's rows per expert ``counts``, the
+    activations random and quantized per 1x128 beforehand; {} where ``deep_gemm`` does not import or the experts are
+    in another format."""
+    if deep_gemm is None:
+        try:
+            import deep_gemm
+        except ImportError:
+            return {}
+    from .block128 import quantize_1x128
+
+    t = weight.tensors
+    if "block_scale" not in t or t["qdata"].dtype != torch.float8_e4m3fn:
+        return {}
+    rhs = (t["qdata"], t["block_scale"])
+    n = weight.out_features
+    align = deep_gemm.get_m_alignment_for_contiguous_layout()
+    calls: dict[str, list[Callable]] = {"deepgemm_masked": [], "deepgemm_contiguous": []}
+    for per_expert in counts:
+        slot = max(-(-max(per_expert) // align) * align, align)
+        xq, xs = quantize_1x128(torch.randn(len(per_expert) * slot, k, device=device).bfloat16())
+        xq, xs = xq.view(len(per_expert), slot, k), xs.view(len(per_expert), slot, -1)
+        masked_m = torch.tensor(per_expert, dtype=torch.int32, device=device)
+        expected_m = max(1, round(sum(per_expert) / max(1, sum(c > 0 for c in per_expert))))
+        masked_lhs = (xq, deep_gemm.get_col_major_tma_aligned_tensor(xs))
+        out = torch.empty(len(per_expert), slot, n, dtype=torch.bfloat16, device=device)
+        calls["deepgemm_masked"].append(
+            partial(deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked, masked_lhs, rhs, out, masked_m, expected_m)
+        )
+        padded = [-(-c // align) * align for c in per_expert]
+        rows = torch.cat([torch.arange(c, device=device) + i * slot for i, c in enumerate(padded)])
+        lhs = (xq.reshape(-1, k)[rows].contiguous(), xs.reshape(-1, xs.shape[-1])[rows].contiguous())
+        m_indices = torch.repeat_interleave(
+            torch.arange(len(padded), dtype=torch.int32, device=device), torch.tensor(padded, device=device)
+        )
+        flat_out = torch.empty(rows.numel(), n, dtype=torch.bfloat16, device=device)
+        calls["deepgemm_contiguous"].append(
+            partial(deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous, lhs, rhs, flat_out, m_indices)
+        )
+    return calls
+
+
+def _counts(tokens: int, e: int, topk: int, seed: int) -> list[int]:
+    """The rows per expert of :func:`_top_k`'s routing."""
+    ids, _ = _top_k(tokens, e, topk, seed, torch.device("cpu"))
+    return torch.bincount(ids.reshape(-1), minlength=e).tolist()
 
 
 def _top_k(tokens: int, e: int, topk: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,6 +243,8 @@ def run_moe_bench(
                         partial(torch._scaled_grouped_mm, xq, w8, xs_, scale_b, offs=o, out_dtype=torch.bfloat16)
                         for (xq, xs_), o in zip(quantized, offs, strict=True)
                     ]
+                    counts = [_counts(t, e, topk, seed=r) for r in range(len(routings))]
+                    calls |= deepgemm_calls(prepared[proj], counts, k, dev)
                 timed(row, calls)
             del w16_t, w8
         hf = _hf_experts(e, hidden, width, topk, bf16_weights["gate_up"], bf16_weights["down"])
@@ -214,7 +271,7 @@ def run_moe_bench(
 
 
 COLUMNS = ["model", "proj", "tokens", "active experts", "backend", "floor µs", "mxgemm µs", "bf16 µs"]
-COLUMNS += ["FP8 rowwise µs", "/ floor", "bf16 / mxgemm"]
+COLUMNS += ["FP8 rowwise µs", "DeepGEMM masked µs", "DeepGEMM contiguous µs", "/ floor", "bf16 / mxgemm"]
 
 
 def table_rows(rows: Sequence[MoeRow]) -> tuple[list[str], list[list[str]]]:
@@ -230,7 +287,8 @@ def table_rows(rows: Sequence[MoeRow]) -> tuple[list[str], list[list[str]]]:
         over_floor = f"{ours / r.floor_us:.2f}" if ours and r.floor_us else "-"
         speedup = f"{bf16 / ours:.2f}" if ours and bf16 else "-"
         cells = [r.model, r.proj, str(r.tokens), f"{r.active:.1f}", r.backend, us(r.floor_us), us(ours), us(bf16)]
-        out.append([*cells, us(r.us.get("fp8_rowwise")), over_floor, speedup])
+        anchors = [us(r.us.get(name)) for name in ("fp8_rowwise", "deepgemm_masked", "deepgemm_contiguous")]
+        out.append([*cells, *anchors, over_floor, speedup])
     keep = [i for i in range(len(COLUMNS)) if any(c[i] != "-" for c in out)] if out else range(len(COLUMNS))
     return [COLUMNS[i] for i in keep], [[c[i] for i in keep] for c in out]
 

@@ -334,3 +334,71 @@ def test_a_run_stopped_by_sigterm_leaves_nothing_and_the_next_removes_what_a_kil
     assert f"removed .out.{dead}.abc.tmp, left beside the output by an interrupted run" in said
     assert not (tmp_path / f".out.{dead}.abc.tmp").exists() and (tmp_path / f".out.{alive}.def.tmp").is_dir()
     assert (out / "model.safetensors").is_file()
+
+
+class _DeepGemmStandIn:
+    """DeepGEMM's grouped API as documented at the commit the anchors carry (d374456): its argument checks, its
+    alignment, and the product in fp32 (the real one needs an SM90 GPU)."""
+
+    @staticmethod
+    def get_m_alignment_for_contiguous_layout():
+        return 128
+
+    @staticmethod
+    def get_col_major_tma_aligned_tensor(x):
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    @staticmethod
+    def _product(xq, xs, wq, ws):
+        k = xq.shape[-1]
+        x = xq.float() * xs.repeat_interleave(128, -1)[..., :k]
+        w = wq.float() * ws.repeat_interleave(128, -2)[: wq.shape[0]].repeat_interleave(128, -1)[:, :k]
+        return (x[:, None, :] * w[None]).sum(-1).bfloat16()  # each row's sums alike in any batch
+
+    def m_grouped_gemm_fp8_fp8_bf16_nt_masked(self, lhs, rhs, out, masked_m, expected_m):
+        (xq, xs), (wq, ws) = lhs, rhs
+        g, m, k = xq.shape
+        assert wq.shape[0] == g == out.shape[0] == masked_m.numel() and out.shape[1] == m and wq.shape[2] == k
+        assert expected_m > 0 and xs.shape == (g, m, -(-k // 128)) and m % 4 == 0
+        assert ws.shape == (g, -(-wq.shape[1] // 128), -(-k // 128)) and masked_m.dtype == torch.int32
+        assert xq.dtype == wq.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16
+        for i in range(g):
+            rows = int(masked_m[i])
+            out[i, :rows] = self._product(xq[i, :rows], xs[i, :rows], wq[i], ws[i])
+
+    def m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(self, lhs, rhs, out, m_indices):
+        (xq, xs), (wq, ws) = lhs, rhs
+        m, k = xq.shape
+        assert out.shape == (m, wq.shape[1]) and m_indices.numel() == m and m_indices.dtype == torch.int32
+        assert xs.shape == (m, -(-k // 128)) and xq.is_contiguous() and out.is_contiguous()
+        blocks = m_indices.view(-1, 128)  # every 128-row block of one group
+        assert torch.equal(blocks, blocks[:, :1].expand_as(blocks))
+        for i in range(m):
+            g = int(m_indices[i])
+            out[i] = self._product(xq[i : i + 1], xs[i : i + 1], wq[g], ws[g])[0]
+
+
+def test_deepgemm_anchors_lay_out_the_same_routing_both_ways():
+    """`mxgemm bench --moe`'s DeepGEMM columns, against a stand-in that holds DeepGEMM's documented argument checks:
+    masked (each expert's rows in a slot) and contiguous (each expert's rows padded to 128) compute every expert's
+    rows alike, empty experts included; experts that are not 128x128-block ones get no DeepGEMM column."""
+    from mxgemm import bench_moe
+
+    q, s = bench_moe.random_experts(4, 64, 256, seed=0, device=torch.device("cpu"))
+    weight = mxgemm.prepare_grouped_weight(q, s, backend="triton")
+    counts = [[3, 0, 130, 1], [0, 0, 0, 5]]
+    calls = bench_moe.deepgemm_calls(weight, counts, 256, torch.device("cpu"), deep_gemm=_DeepGemmStandIn())
+    assert set(calls) == {"deepgemm_masked", "deepgemm_contiguous"}
+    for per_expert, masked, contiguous in zip(
+        counts, calls["deepgemm_masked"], calls["deepgemm_contiguous"], strict=True
+    ):
+        masked()
+        contiguous()
+        out, flat = masked.args[2], contiguous.args[2]
+        start = 0
+        for i, c in enumerate(per_expert):
+            assert torch.equal(out[i, :c], flat[start : start + c]) and (c == 0 or out[i, :c].abs().sum() > 0)
+            start += -(-c // 128) * 128
+        assert flat.shape[0] == start
+    emulated = mxgemm.prepare_grouped_weight(q, s, backend="emulation", recipe="w8a16")
+    assert bench_moe.deepgemm_calls(emulated, counts, 256, torch.device("cpu"), deep_gemm=_DeepGemmStandIn()) == {}
