@@ -604,6 +604,15 @@ def _reverted(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, tor
     return revert_weight_conversion(model, state) if isinstance(model, PreTrainedModel) else None
 
 
+def _stored_under(model: nn.Module, names: Sequence[str]) -> dict[str, str]:
+    """The names transformers stores ``names`` (names of ``model``'s tensors) under -> the name each comes from: the
+    model's converters reverted on a tensor of one element per name that carries which it is; what those converters
+    give back as more than one element is left out (everything, for models that are not transformers models)."""
+    coded = {n: torch.full((1,), float(i), dtype=torch.float64, device="cpu") for i, n in enumerate(names)}
+    reverted = _reverted(model, coded) or {}
+    return {key: names[int(v.item())] for key, v in reverted.items() if v.numel() == 1}
+
+
 def stored_expert_names(model: nn.Module, *, quantized: bool = False) -> dict[str, dict[str, list[str]]]:
     """For each experts module of ``model`` (transformers' 3-D experts, or an :class:`MXFP8Experts`; ``quantized``:
     those only), the names its checkpoints store its experts' weights under, by projection and expert:
@@ -658,15 +667,11 @@ def stored_to_model_names(model: nn.Module, experts: dict[str, dict[str, list[st
     }  # converters of stacked tensors would not take one element
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     keys = [k for k, _ in named if k not in stacked]  # names only: a state dict would export MX tensors
-    coded = {k: torch.full((1,), float(i), dtype=torch.float64, device="cpu") for i, k in enumerate(keys)}
     try:
-        reverted = _reverted(model, coded) or {}
+        stored = _stored_under(model, keys)
     except (RuntimeError, ValueError, IndexError):  # a converter of other tensors that does not take one element
-        reverted = {}
-    names = {}
-    for key, value in reverted.items():
-        if value.numel() == 1 and key != keys[int(value.item())]:
-            names[key] = keys[int(value.item())]
+        stored = {}
+    names = {s: k for s, k in stored.items() if s != k}
     for name, by_projection in experts.items():
         own = per_expert_names(name, len(by_projection["gate_proj"]))
         for p, stored in by_projection.items():
@@ -677,12 +682,9 @@ def stored_to_model_names(model: nn.Module, experts: dict[str, dict[str, list[st
 def stored_module_names(model: nn.Module, modules: Sequence[str]) -> dict[str, str]:
     """Module names of ``model`` -> the names its checkpoints store them under (transformers' renamings, such as
     Mixtral's ``mlp`` stored as ``block_sparse_moe``, reverted); the same names for other models."""
-    mark = "__mxgemm_module__"
-    coded = {f"{m}.{mark}": torch.full((1,), float(i), device="cpu") for i, m in enumerate(modules)}
-    named = {}
-    for key, value in (_reverted(model, coded) or {}).items():
-        if key.endswith(f".{mark}") and value.numel() == 1:
-            named[modules[int(value.item())]] = key.removesuffix(f".{mark}")
+    mark = ".__mxgemm_module__"
+    stored = _stored_under(model, [m + mark for m in modules])
+    named = {m.removesuffix(mark): s.removesuffix(mark) for s, m in stored.items() if s.endswith(mark)}
     return {m: named.get(m, m) for m in modules}
 
 
