@@ -29,17 +29,24 @@ def _experts_of(ids_ptr, i, S, E):
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, S, E, P, PER, CHUNK: tl.constexpr, GROUPS: tl.constexpr):
-    # counts [P, GROUPS] of each program's copies by expert, then [P] of those routed outside
-    p = tl.program_id(0)
+def _count(ids_ptr, lo, hi, S, E, CHUNK: tl.constexpr, GROUPS: tl.constexpr):
+    """The copies ``lo`` to ``hi`` by expert ([GROUPS]), and how many of them are routed outside [0, E)."""
     g = tl.arange(0, GROUPS)
     counts = tl.zeros((GROUPS,), dtype=tl.int32)
     outside = tl.full((), 0, tl.int32)
-    for s0 in range(p * PER, tl.minimum(p * PER + PER, S), CHUNK):
+    for s0 in range(lo, hi, CHUNK):
         e = _experts_of(ids_ptr, s0 + tl.arange(0, CHUNK), S, E)
         counts += tl.sum((e[:, None] == g[None, :]).to(tl.int32), axis=0)
         outside += tl.sum((e == -2).to(tl.int32), axis=0)
-    tl.store(counts_ptr + p * GROUPS + g, counts)
+    return counts, outside
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, S, E, P, PER, CHUNK: tl.constexpr, GROUPS: tl.constexpr):
+    # counts [P, GROUPS] of each program's copies by expert, then [P] of those routed outside
+    p = tl.program_id(0)
+    counts, outside = _count(ids_ptr, p * PER, tl.minimum(p * PER + PER, S), S, E, CHUNK, GROUPS)
+    tl.store(counts_ptr + p * GROUPS + tl.arange(0, GROUPS), counts)
     tl.store(counts_ptr + P * GROUPS + p, outside)
 
 
@@ -53,9 +60,7 @@ def _place_kernel(
     earlier = tl.zeros((GROUPS,), dtype=tl.int32)  # copies of each expert in the programs before this one
     outside_earlier = tl.full((), 0, tl.int32)
     if ONE:  # one program: it counts every copy itself
-        for s0 in range(0, S, CHUNK):
-            e = _experts_of(ids_ptr, s0 + tl.arange(0, CHUNK), S, E)
-            totals += tl.sum((e[:, None] == g[None, :]).to(tl.int32), axis=0)
+        totals, _ = _count(ids_ptr, 0, S, S, E, CHUNK, GROUPS)
     else:  # the programs' counts, from _count_kernel
         for q in range(0, P):
             c = tl.load(counts_ptr + q * GROUPS + g)
