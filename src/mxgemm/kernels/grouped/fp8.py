@@ -137,14 +137,7 @@ def _grouped_kernel(
                         xq = xq.to(tl.float32)
                 else:
                     x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
-                    full = tl.full(amax.shape, _FP8_MAX, tl.float32)
-                    v = tl.clamp(x * tl.math.div_rn(full, amax)[:, None], -_FP8_MAX, _FP8_MAX)
-                    x_scale = tl.math.div_rn(amax, full)
-                    if INTERPRET:
-                        xq = _nearest_e4m3(v)
-                    else:
-                        xq = _to_e4m3_bits(v).to(tl.float8e4nv, bitcast=True)
+                    xq, x_scale = quantized_1x128(x, INTERPRET)
                 w_ptrs = w_base + (k0 + rk)[None, :]
                 part = _fp8_dot(tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0), xq, INTERPRET)
                 w_scale = tl.load(s_base + k0 // 128, mask=n_ok, other=0.0)
@@ -159,6 +152,21 @@ def _grouped_kernel(
             acc = _silu_times(gate, rounded(acc_up, out_ty, INTERPRET), out_ty, INTERPRET)
         y_ptrs = y_ptr + ym[None, :] * stride_ys + rn[:, None]
         tl.store(y_ptrs, rounded(acc, out_ty, INTERPRET).to(out_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def quantized_1x128(x, INTERPRET: tl.constexpr):
+    """fp32 rows of one 128-wide group [R, 128] by the 1x128 rule (``amax`` floored at 2^-64, IEEE divisions, one
+    round-to-nearest-even): (their E4M3 values, as float8e4nv; as fp32 under the interpreter, whose own cast rounds
+    twice), and each row's scale ``amax / 448``."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+    full = tl.full(amax.shape, _FP8_MAX, tl.float32)
+    v = tl.clamp(x * tl.math.div_rn(full, amax)[:, None], -_FP8_MAX, _FP8_MAX)
+    if INTERPRET:
+        q = _nearest_e4m3(v)
+    else:
+        q = _to_e4m3_bits(v).to(tl.float8e4nv, bitcast=True)
+    return q, tl.math.div_rn(amax, full)
 
 
 @triton.jit

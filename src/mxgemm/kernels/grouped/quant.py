@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..act_quant import _to_e4m3_bits
-from .fp8 import _AMAX_FLOOR, _FP8_MAX, _interpreting, _nearest_e4m3, _silu_times, rounded
+from .fp8 import _interpreting, _silu_times, quantized_1x128, rounded
 
 __all__ = ["quantize_rows"]
 
@@ -53,16 +52,12 @@ def _rows_kernel(
         out_ty = x_ptr.dtype.element_ty
         up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
         x = rounded(_silu_times(x, up, out_ty, INTERPRET), out_ty, INTERPRET)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
-    full = tl.full(amax.shape, _FP8_MAX, tl.float32)
-    v = tl.clamp(x * tl.math.div_rn(full, amax)[:, None], -_FP8_MAX, _FP8_MAX)
-    if INTERPRET:  # the interpreter's fp8 cast rounds twice: cast the E4M3 value itself
-        q = _nearest_e4m3(v).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        q = _to_e4m3_bits(v)
+    q, scale = quantized_1x128(x, INTERPRET)
+    if INTERPRET:  # E4M3 values held in fp32: their own fp8 cast is exact
+        q = q.to(tl.float8e4nv)
     keep = rm < Sp
-    tl.store(q_ptr + rm.to(tl.int64)[:, None] * Kp + rk[None, :], q, mask=keep[:, None])
-    tl.store(s_ptr + tl.program_id(1) * Sp + rm, tl.math.div_rn(amax, full), mask=keep)
+    tl.store(q_ptr + rm.to(tl.int64)[:, None] * Kp + rk[None, :], q.to(tl.uint8, bitcast=True), mask=keep[:, None])
+    tl.store(s_ptr + tl.program_id(1) * Sp + rm, scale, mask=keep)
 
 
 def quantize_rows(
