@@ -27,7 +27,15 @@ from .backends import Backend, PreparedGroupedWeight, PreparedWeight
 from .backends.base import PlanCache, tactic_json
 from .backends.capabilities import GroupedWeights
 from .device import DeviceInfo, describe_device
-from .tuning import TuneKey, TuningCache, bucket, default_cache_path, environment_metadata, shipped_cache_path
+from .tuning import (
+    TuneKey,
+    TuningCache,
+    bucket,
+    default_cache_path,
+    environment_metadata,
+    grouped_buckets,
+    shipped_cache_path,
+)
 
 __all__ = ["DEFAULT_MARGIN", "Autotuner", "TuneResult", "tactic_for_call", "tactic_for_grouped_call", "tuner_for"]
 
@@ -98,9 +106,9 @@ class Autotuner:
         """:meth:`choice` for grouped weights at ``rows`` rows sorted by expert (:meth:`TuneKey.grouped`)."""
         if not backend.tunable or not isinstance(backend, GroupedWeights):
             return None, "default"
-        per_bucket = bucket(-(-rows // weight.experts))  # TuneKey.grouped's, without building the key every call
+        per_bucket, active = grouped_buckets(rows, weight.experts)  # TuneKey.grouped's, without building the key
         return self._recorded(
-            ("grouped", backend.name, weight.op_meta, per_bucket, x_dtype),
+            ("grouped", backend.name, weight.op_meta, per_bucket, active, x_dtype),
             lambda: TuneKey.grouped(backend.name, weight, rows, x_dtype),
             lambda: backend.grouped_tactics(per_bucket, weight),
             backend.name,
@@ -173,14 +181,14 @@ class Autotuner:
     def tune_grouped(
         self, backend: Backend, weight: PreparedGroupedWeight, rows: int, x_dtype: torch.dtype, *, write: bool = True
     ) -> TuneResult | None:
-        """:meth:`tune` for grouped weights at ``rows`` rows sorted by expert: each tactic timed on an even routing
-        of the key's bucket (that many rows on every expert; the weights of all experts are read, as at prefill)."""
+        """:meth:`tune` for grouped weights at ``rows`` rows sorted by expert: each tactic timed on the even routing
+        of the key's buckets (its rows per expert on each of its active experts, spread over the E)."""
         if not backend.tunable or not isinstance(backend, GroupedWeights) or _capturing():
             return None
         key = TuneKey.grouped(backend.name, weight, rows, x_dtype)
-        per, e = key.m_bucket, weight.experts
-        x = torch.randn(per * e, weight.in_features, device=weight.device).to(x_dtype)
-        offsets = torch.arange(1, e + 1, dtype=torch.int32, device=weight.device) * per
+        per, active = grouped_buckets(rows, weight.experts)
+        offsets = even_offsets(per, active, weight.experts, weight.device)
+        x = torch.randn(per * active, weight.in_features, device=weight.device).to(x_dtype)
         tactics = backend.grouped_tactics(per, weight)
         return self._decide(key, tactics, lambda t: [backend.run_grouped(x, weight, offsets, t)], 1, write)
 
@@ -269,6 +277,14 @@ def tactic_for_call(backend: Backend, weight: PreparedWeight, x: torch.Tensor) -
         result = tuner.tune(backend, weight, x.shape[0], x.dtype)
         tactic = result.tactic if result else None
     return tactic
+
+
+def even_offsets(per: int, active: int, experts: int, device: torch.device) -> torch.Tensor:
+    """The offsets (int32 [E], cumulative row ends) of ``per`` rows on each of ``active`` experts spread evenly over
+    ``experts`` (expert ``i * E // active`` for each i), the others empty."""
+    counts = torch.zeros(experts, dtype=torch.int32)
+    counts[torch.arange(active) * experts // active] = per
+    return counts.cumsum(0, dtype=torch.int32).to(device)
 
 
 def tactic_for_grouped_call(backend: Backend, weight: PreparedGroupedWeight, rows: int, x: torch.Tensor) -> Any:

@@ -22,6 +22,8 @@ labelled as such, not a measure of GPU speed.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -39,6 +41,7 @@ __all__ = [
     "MoeRow",
     "bench_record",
     "deepgemm_calls",
+    "deepgemm_prebuild",
     "markdown_table",
     "random_experts",
     "run_moe_bench",
@@ -129,6 +132,16 @@ def _hf_experts(e: int, hidden: int, width: int, topk: int, gate_up: torch.Tenso
     return module
 
 
+def _deepgemm_layout(per_expert: list[int], align: int) -> tuple[int, list[int], int]:
+    """DeepGEMM's layouts of one routing's rows per expert: the masked slot (the most rows any expert gets, rounded up
+    to 256, the largest row block the masked kernel picks, of which its slot must be a multiple), each expert's rows
+    padded to ``align`` for the contiguous layout, and the masked kernel's hint of rows per active expert."""
+    slot = max(-(-max(per_expert) // 256) * 256, 256)
+    padded = [-(-c // align) * align for c in per_expert]
+    expected_m = max(1, round(sum(per_expert) / max(1, sum(c > 0 for c in per_expert))))
+    return slot, padded, expected_m
+
+
 def deepgemm_calls(
     weight, counts: Sequence[list[int]], k: int, device: torch.device, deep_gemm=None
 ) -> dict[str, list[Callable]]:
@@ -137,9 +150,8 @@ def deepgemm_calls(
     activations random and quantized per 1x128 beforehand; {} where ``deep_gemm`` does not import or the experts are
     in another format."""
     if deep_gemm is None:
-        try:
-            import deep_gemm
-        except ImportError:
+        deep_gemm = _import_deepgemm()
+        if deep_gemm is None:
             return {}
     from .block128 import quantize_1x128
 
@@ -151,17 +163,15 @@ def deepgemm_calls(
     align = deep_gemm.get_m_alignment_for_contiguous_layout()
     calls: dict[str, list[Callable]] = {"deepgemm_masked": [], "deepgemm_contiguous": []}
     for per_expert in counts:
-        slot = max(-(-max(per_expert) // align) * align, align)
+        slot, padded, expected_m = _deepgemm_layout(per_expert, align)
         xq, xs = quantize_1x128(torch.randn(len(per_expert) * slot, k, device=device).bfloat16())
         xq, xs = xq.view(len(per_expert), slot, k), xs.view(len(per_expert), slot, -1)
         masked_m = torch.tensor(per_expert, dtype=torch.int32, device=device)
-        expected_m = max(1, round(sum(per_expert) / max(1, sum(c > 0 for c in per_expert))))
         masked_lhs = (xq, deep_gemm.get_col_major_tma_aligned_tensor(xs))
         out = torch.empty(len(per_expert), slot, n, dtype=torch.bfloat16, device=device)
         calls["deepgemm_masked"].append(
             partial(deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked, masked_lhs, rhs, out, masked_m, expected_m)
         )
-        padded = [-(-c // align) * align for c in per_expert]
         rows = torch.cat([torch.arange(c, device=device) + i * slot for i, c in enumerate(padded)])
         lhs = (xq.reshape(-1, k)[rows].contiguous(), xs.reshape(-1, xs.shape[-1])[rows].contiguous())
         m_indices = torch.repeat_interleave(
@@ -172,6 +182,66 @@ def deepgemm_calls(
             partial(deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous, lhs, rhs, flat_out, m_indices)
         )
     return calls
+
+
+def _import_deepgemm():
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    return deep_gemm
+
+
+def deepgemm_prebuild(problems: Sequence[tuple[int, int, int, list[int]]], jobs: int, deep_gemm=None) -> int:
+    """Build, ``jobs`` compilers at once, every kernel that :func:`deepgemm_calls` would make DeepGEMM's JIT compile one
+    after another on first use, for these (E, N, K, rows per expert) problems: the same calls run on meta tensors
+    while DeepGEMM's tuner records each kernel's code instead of building it. Returns how many kernels there are;
+    0 where ``deep_gemm`` does not import or has no such JIT (other versions than the anchors' d374456)."""
+    deep_gemm = deep_gemm or _import_deepgemm()
+    try:
+        from deep_gemm.jit import build, cpp_format, generate
+        from deep_gemm.jit_kernels.tuner import jit_tuner
+    except ImportError:
+        return 0
+    from concurrent.futures import ThreadPoolExecutor
+
+    wanted: dict[str, tuple[str, tuple]] = {}
+
+    def record(name, keys, space, includes, arg_defs, template, args):
+        code = generate(includes, arg_defs, cpp_format(template, {k: keys[k] for k in sorted(keys)}))
+        wanted[code] = (name, arg_defs)
+        return lambda *a: 0
+
+    meta = torch.device("meta")
+    align = deep_gemm.get_m_alignment_for_contiguous_layout()
+    jit_tuner.compile_and_tune = record  # the instance's attribute shadows the method until deleted
+    try:
+        for e, n, k, per_expert in problems:
+            slot, padded, expected_m = _deepgemm_layout(per_expert, align)
+            kb = -(-k // 128)
+            fp8 = torch.float8_e4m3fn
+            rhs = (torch.empty(e, n, k, dtype=fp8, device=meta), torch.empty(e, -(-n // 128), kb, device=meta))
+            lhs = (torch.empty(e, slot, k, dtype=fp8, device=meta), torch.empty(e, slot, kb, device=meta))
+            deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked(
+                lhs,
+                rhs,
+                torch.empty(e, slot, n, dtype=torch.bfloat16, device=meta),
+                torch.empty(e, dtype=torch.int32, device=meta),
+                expected_m,
+            )
+            m = sum(padded)
+            lhs = (torch.empty(m, k, dtype=fp8, device=meta), torch.empty(m, kb, device=meta))
+            deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(
+                lhs,
+                rhs,
+                torch.empty(m, n, dtype=torch.bfloat16, device=meta),
+                torch.empty(m, dtype=torch.int32, device=meta),
+            )
+    finally:
+        del jit_tuner.compile_and_tune
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(lambda item: build(item[1][0], item[1][1], item[0]), wanted.items()))
+    return len(wanted)
 
 
 def _counts(tokens: int, e: int, topk: int, seed: int) -> list[int]:
@@ -209,6 +279,17 @@ def run_moe_bench(
     env = {**environment(device), "copy_bytes_per_s": bandwidth, "routings_per_graph": ROUTINGS}
     dev = torch.device("cuda" if gpu else "cpu")
     rows = []
+    if gpu and _import_deepgemm() is not None:
+        start = time.perf_counter()
+        problems = [
+            (e, n, k, _counts(t, e, topk, seed=r))
+            for _, (e, hidden, width, topk) in chosen
+            for n, k in ((2 * width, hidden), (hidden, width))
+            for t in counts
+            for r in range(ROUTINGS)
+        ]
+        built = deepgemm_prebuild(problems, jobs=os.cpu_count() or 1)
+        progress(f"DeepGEMM: {built} kernels built in {time.perf_counter() - start:.0f} s")
 
     def timed(row: MoeRow, calls: dict[str, list[Callable]]) -> None:
         for name, fns in calls.items():
@@ -243,8 +324,8 @@ def run_moe_bench(
                         partial(torch._scaled_grouped_mm, xq, w8, xs_, scale_b, offs=o, out_dtype=torch.bfloat16)
                         for (xq, xs_), o in zip(quantized, offs, strict=True)
                     ]
-                    counts = [_counts(t, e, topk, seed=r) for r in range(len(routings))]
-                    calls |= deepgemm_calls(prepared[proj], counts, k, dev)
+                    per_expert = [_counts(t, e, topk, seed=r) for r in range(len(routings))]
+                    calls |= deepgemm_calls(prepared[proj], per_expert, k, dev)
                 timed(row, calls)
             del w16_t, w8
         hf = _hf_experts(e, hidden, width, topk, bf16_weights["gate_up"], bf16_weights["down"])

@@ -370,7 +370,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
 
 def _tune_moe(args: argparse.Namespace, console: Console, device, tuner) -> int:
     """Tune the grouped weights of the experts of ``--moe`` models (random MX experts on this device) at ``--m``
-    tokens (their top-k copies sorted by expert, keyed by rows per expert)."""
+    tokens (their top-k copies sorted by expert, keyed by rows per expert and active experts)."""
     from .backends import get_backend
     from .bench_moe import MOE_MODELS, MOE_TOKENS, random_experts
     from .grouped import prepare_grouped_weight

@@ -13,14 +13,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import tuning
 from .backends import get_backend
 from .device import DeviceInfo
 from .format import quantize
+from .graphs import EagerGraphs, graphable
 from .grouped import PreparedGroupedWeight, prepare_grouped_weight
 from .ops import moe_experts_op
 from .resolve import explain_auto
 
 __all__ = [
+    "GRAPHED_TOKENS",
     "PROJECTIONS",
     "MXFP8Experts",
     "experts_modules",
@@ -33,6 +36,9 @@ __all__ = [
 ]
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # each expert's, as checkpoints store experts
+# Eager calls of up to this many tokens (decode batches) replay CUDA graphs; a graph keeps a static copy of the
+# tokens and its output ([T, H] each), so longer calls (prompts of any length) run directly.
+GRAPHED_TOKENS = 64
 
 
 def moe_experts(
@@ -154,6 +160,7 @@ class MXFP8Experts(nn.Module):
             raise ValueError("gate_up and down are not one layer's experts ([E, 2I, H] and [E, H, I])")
         self.gate_up, self.down = gate_up, down
         self.num_experts = gate_up.experts
+        self._graphs = EagerGraphs()
 
     @classmethod
     def from_experts(
@@ -232,6 +239,15 @@ class MXFP8Experts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        """:func:`moe_experts`; with ``MXGEMM_EAGER_GRAPHS=1``, eager calls of up to :data:`GRAPHED_TOKENS` tokens
+        replay a CUDA graph of the call for their shapes (:class:`mxgemm.graphs.EagerGraphs`: the same launches, a
+        fraction of their host time)."""
+        args = (hidden_states, top_k_index, top_k_weights)
+        if not torch.compiler.is_compiling() and hidden_states.shape[0] <= GRAPHED_TOKENS and graphable(*args):
+            return self._graphs(self._run, *args, key=tuning.generation())
+        return self._run(*args)
+
+    def _run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up, self.down)
 
     def extra_repr(self) -> str:

@@ -62,6 +62,11 @@ def fast_calls_enabled() -> bool:
     return not os.environ.get("MXGEMM_FAST_CALLS", "").strip() or _flag("MXGEMM_FAST_CALLS")
 
 
+def eager_graphs_enabled() -> bool:
+    """``MXGEMM_EAGER_GRAPHS``: whether eager calls of the experts' routed block replay CUDA graphs (default off)."""
+    return bool(os.environ.get("MXGEMM_EAGER_GRAPHS", "").strip()) and _flag("MXGEMM_EAGER_GRAPHS")
+
+
 def reencode_max_error() -> float:
     """``MXGEMM_REENCODE_MAX_ERROR``: the largest relative error of a 128x128 re-encoding accepted (default 1e-5)."""
     raw = os.environ.get("MXGEMM_REENCODE_MAX_ERROR", "").strip()

@@ -60,6 +60,13 @@ def bucket(m: int) -> int:
     return min(1 << max(m - 1, 0).bit_length(), BUCKETS[-1])  # the buckets are the powers of two
 
 
+def grouped_buckets(rows: int, experts: int) -> tuple[int, int]:
+    """The tuned buckets of ``rows`` rows over ``experts`` experts, spread evenly: (rows per expert, active experts),
+    each the smallest power of two at or above it, the active experts at most ``experts``. Below one row an expert
+    the experts a call reads vary with the rows; from there all are read and the rows per expert vary."""
+    return bucket(-(-rows // max(experts, 1))), min(bucket(min(rows, experts)), experts)
+
+
 @dataclass(frozen=True)
 class TuneKey:
     op: str
@@ -88,11 +95,14 @@ class TuneKey:
 
     @classmethod
     def grouped(cls, backend: str, weight, rows: int, x_dtype: torch.dtype) -> TuneKey:
-        """The key of grouped weights (``PreparedGroupedWeight``) at ``rows`` rows sorted by expert, bucketed by the
-        rows per expert of an even routing (which experts a routing makes active, and how many rows each gets, are
-        not known on the host); the expert count is part of the layout."""
-        key = cls.of(backend, weight, -(-rows // weight.experts), x_dtype)
-        return dataclasses.replace(key, op="grouped", layout=f"{key.layout},experts:{weight.experts}")
+        """The key of grouped weights (``PreparedGroupedWeight``) at ``rows`` rows sorted by expert, by what a
+        routing spread evenly would be (which experts a routing makes active, and how many rows each gets, are not
+        known on the host): the rows per expert, bucketed, and in the layout the expert count and the active experts,
+        bucketed (:func:`grouped_buckets`)."""
+        per, active = grouped_buckets(rows, weight.experts)
+        key = cls.of(backend, weight, per, x_dtype)
+        layout = f"{key.layout},experts:{weight.experts},active:{active}"
+        return dataclasses.replace(key, op="grouped", layout=layout)
 
     def __str__(self) -> str:
         return "|".join(

@@ -278,3 +278,53 @@ def test_one_graph_replays_any_routing_of_the_block(tokens):
         static_w.copy_(w)
         graph.replay()
         assert torch.equal(static_y, mxgemm.moe_experts(static_x, static_ids, static_w, gate_up, down)), trial
+
+
+def test_eager_experts_calls_replay_graphs_with_the_direct_calls_bits(monkeypatch):
+    """``MXFP8Experts``' eager calls of up to GRAPHED_TOKENS tokens with MXGEMM_EAGER_GRAPHS=1: the first of a shape
+    runs directly, the second captures, every later one replays; each answers the bits of a direct ``moe_experts``
+    call for its own routing, the outputs held from earlier calls unchanged. Longer calls, gradients asked for, a side
+    stream, a caller's own capture and MXGEMM_EAGER_GRAPHS=0 run directly."""
+    from mxgemm.moe import GRAPHED_TOKENS, MXFP8Experts
+
+    monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
+    gate_up, down = _block(32, 1024, 512)
+    experts = MXFP8Experts(gate_up, down)
+    held = []
+    for trial in range(5):
+        for tokens in (1, 5):
+            x = random_act(tokens, 1024, device="cuda", seed=trial)
+            ids, w = _top_k(tokens, 32, 8, seed=trial * 7 + tokens)
+            y = experts(x, ids, w)
+            assert torch.equal(y, mxgemm.moe_experts(x, ids, w, gate_up, down)), (trial, tokens)
+            held.append((y, y.clone()))
+    assert len(experts._graphs) == 2
+    assert all(torch.equal(y, copy) for y, copy in held)
+
+    long = random_act(GRAPHED_TOKENS + 1, 1024, device="cuda")
+    ids, w = _top_k(GRAPHED_TOKENS + 1, 32, 8, seed=1)
+    for _ in range(3):
+        assert torch.equal(experts(long, ids, w), mxgemm.moe_experts(long, ids, w, gate_up, down))
+    x = random_act(3, 1024, device="cuda").requires_grad_()
+    ids, w = _top_k(3, 32, 8, seed=2)
+    for _ in range(3):
+        experts(x, ids, w)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for _ in range(3):
+            experts(x.detach(), ids, w)
+    torch.cuda.synchronize()
+    monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "0")
+    for _ in range(3):
+        experts(x.detach(), ids, w)
+    assert len(experts._graphs) == 2
+
+    monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
+    static_x, (static_ids, static_w) = random_act(2, 1024, device="cuda"), _top_k(2, 32, 8, seed=3)
+    experts(static_x, static_ids, static_w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the caller's capture: the call is captured directly, no graph of ours
+        static_y = experts(static_x, static_ids, static_w)
+    graph.replay()
+    assert torch.equal(static_y, mxgemm.moe_experts(static_x, static_ids, static_w, gate_up, down))
+    assert len(experts._graphs) == 2

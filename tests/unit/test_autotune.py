@@ -291,6 +291,32 @@ def test_shipped_h200_file_is_found_and_names_tactics_the_backends_offer():
         assert record["us"] <= record["default_us"] and record["failed"] == 0
 
 
+def test_shipped_h100_file_holds_grouped_tactics_the_backend_offers(monkeypatch):
+    """The H100 file in the package (`mxgemm tune --moe`): found for an H100 80GB HBM3, tuned on these kernels, its
+    entries grouped keys of the three bench models' experts at 1-4096 tokens, each a tactic the triton backend
+    offers on SM90 for its bucket."""
+    from types import SimpleNamespace
+
+    from mxgemm.backends import triton_w8a16
+    from mxgemm.backends.base import tactic_json
+    from mxgemm.device import DeviceInfo
+    from mxgemm.kernels import source_digest
+
+    h100 = DeviceInfo(type="cuda", name="NVIDIA H100 80GB HBM3", capability=(9, 0), index=0)
+    data = json.loads(tuning.shipped_cache_path(h100).read_text())
+    assert data["metadata"]["gpu"] == h100.name and data["metadata"]["kernels"] == source_digest()
+    assert len(data["entries"]) == 42  # 3 models x 2 projections x 7 token counts
+    monkeypatch.setattr(triton_w8a16, "_wgmma_runs", lambda device: True)
+    b = mxgemm.backends.get_backend("triton")
+    for key, record in data["entries"].items():
+        op, backend, m, _, k, dtype, layout, recipe = key.split("|")
+        assert (op, backend, dtype, recipe) == ("grouped", "triton", "bfloat16", "w8a8-block"), key
+        experts = int(layout.split("experts:")[1].split(",")[0])
+        weight = SimpleNamespace(experts=experts, device=torch.device("cuda", 0), in_features=int(k[1:]))
+        assert record["tactic"] in [tactic_json(t) for t in b.grouped_tactics(int(m[1:]), weight)], key
+        assert record["us"] <= record["default_us"] and record["failed"] == 0
+
+
 @pytest.mark.parametrize(
     "content",
     [
@@ -424,20 +450,30 @@ def grouped():
     return mxgemm.prepare_grouped_weight(q, s, backend="emulation", recipe="w8a8-block")
 
 
-def test_grouped_weights_are_tuned_by_rows_per_expert_on_an_even_routing(tmp_path, grouped):
-    """The key buckets the rows per expert of an even routing and names the expert count; each tactic is timed on
-    that bucket's rows on every expert; the choice is recorded and read back from the file."""
+def test_grouped_weights_are_tuned_by_rows_per_expert_and_active_experts_on_an_even_routing(tmp_path, grouped):
+    """The key buckets the rows per expert and the active experts of an even routing and names the expert count;
+    each tactic is timed on those buckets' rows on that many experts spread over all; the choice is recorded and
+    read back from the file. Fewer rows than experts: one row on each of so many experts as the bucket holds."""
     b = FakeGroupedTunable()
     tuner = _tuner(tmp_path, b)
     result = tuner.tune_grouped(b, grouped, 9, torch.bfloat16)  # 9 rows over 4 experts: 3 an expert -> bucket 4
     assert result.tactic == {"name": "fast"} and result.failed == 1 and result.key.m_bucket == 4
     assert str(result.key).startswith("grouped|fake_grouped_tunable|m4|n64|k128|bfloat16|")
-    assert str(result.key).endswith(",experts:4|w8a8-block")
+    assert str(result.key).endswith(",experts:4,active:4|w8a8-block")
     assert {(rows, tuple(offs)) for _, rows, offs in b.calls} == {(16, (4, 8, 12, 16))}
     fresh = Autotuner(TuningCache(tmp_path / "tuning.json", META))
     assert fresh.grouped_choice(b, grouped, 13, torch.bfloat16) == ({"name": "fast"}, "cache")
     assert fresh.grouped_choice(b, grouped, 17, torch.bfloat16) == (None, "default")  # 5 an expert: bucket 8
     assert fresh.choice(b, grouped, 4, torch.bfloat16) == (None, "default")  # a dense key is another problem
+    assert fresh.grouped_choice(b, grouped, 2, torch.bfloat16) == (None, "default")  # 2 rows: 2 active, not 4
+
+    b.calls.clear()
+    result = tuner.tune_grouped(b, grouped, 2, torch.bfloat16)  # one row on each of 2 experts: 0 and 2
+    assert result.key.m_bucket == 1 and str(result.key).endswith(",experts:4,active:2|w8a8-block")
+    assert {(rows, tuple(offs)) for _, rows, offs in b.calls} == {(2, (1, 1, 2, 2))}
+    again = Autotuner(TuningCache(tmp_path / "tuning.json", META))
+    assert again.grouped_choice(b, grouped, 2, torch.bfloat16) == ({"name": "fast"}, "cache")
+    assert again.grouped_choice(b, grouped, 3, torch.bfloat16) == (None, "default")  # 3 active: bucket 4
 
 
 def test_grouped_calls_take_the_tuned_tactic_of_each_projection(tmp_path, grouped, monkeypatch):

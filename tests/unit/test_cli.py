@@ -67,8 +67,8 @@ def test_tune_writes_the_cache_and_a_second_run_profiles_nothing(capsys, monkeyp
 
 
 def test_tune_moe_tunes_the_experts_by_rows_per_expert(capsys, monkeypatch, tmp_path):
-    """`mxgemm tune --moe`: both projections of each model's experts, keyed by the rows per expert of the token
-    count's top-k copies; a second run finds them in the file."""
+    """`mxgemm tune --moe`: both projections of each model's experts, keyed by the rows per expert and the active
+    experts of the token count's top-k copies; a second run finds them in the file."""
     import os
 
     import pytest
@@ -89,7 +89,7 @@ def test_tune_moe_tunes_the_experts_by_rows_per_expert(capsys, monkeypatch, tmp_
         ["grouped", "triton", "m2", "n64", "k32"],
         ["grouped", "triton", "m2", "n64", "k64"],
     ]
-    assert all(k.endswith(",experts:4|w8a8-block") for k in keys)
+    assert all(k.endswith(",experts:4,active:4|w8a8-block") for k in keys)  # 3 tokens of top-2: 6 rows
     assert main(["tune", "--moe", "tiny-moe", "--m", "3"]) == 0
     assert "2 problems already tuned" in capsys.readouterr().out
     # what the file records (the default too, where nothing beat it) is a tactic the backend offers: a fresh tuner

@@ -66,37 +66,40 @@ def test_configs_and_one_line_refusals():
 
 
 def test_which_kernel_a_grouped_call_takes(monkeypatch):
-    """On SM90 with the library built: the wgmma kernel from WGMMA_FROM rows per expert of an even routing, 64-row
-    tiles below 128 rows per expert and 128-row ones from there; the Triton kernel below that, on other GPUs, on a
-    CPU, and where the library does not build. The tactics offered start with that default; the wgmma kernel's only
-    where it runs."""
+    """On SM90 with the library built: the wgmma kernel from WGMMA_FROM rows per expert of an even routing (at any
+    rows from K = WGMMA_DEEP_K), 64-row tiles below 128 rows per expert and 128-row ones from there; the Triton kernel
+    below that, on other GPUs, on a CPU, and where the library does not build. The tactics offered start with that
+    default; the wgmma kernel's only where it runs."""
     from types import SimpleNamespace
 
     from mxgemm.backends import get_backend, triton_w8a16
-    from mxgemm.backends.triton_w8a16 import WGMMA_FROM, Path, _default_grouped
+    from mxgemm.backends.triton_w8a16 import WGMMA_DEEP_K, WGMMA_FROM, Path, _default_grouped
     from mxgemm.kernels.grouped.fp8 import GroupedConfig
     from mxgemm.kernels.grouped.wgmma import Availability
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert _default_grouped(4096, cpu) == triton_w8a16.Tactic(Path.GROUPED, GroupedConfig(256, 64, 8, 3, True))
+    assert _default_grouped(4096, cpu, 2048) == triton_w8a16.Tactic(Path.GROUPED, GroupedConfig(256, 64, 8, 3, True))
     assert not wgmma.wgmma_status((8, 9)) and "SM90" in wgmma.wgmma_status((8, 9)).reason
-    weight = SimpleNamespace(experts=8, device=cpu)
+    weight = SimpleNamespace(experts=8, device=cpu, in_features=2048)
     assert {t.path for t in get_backend("triton").grouped_tactics(256, weight)} == {Path.GROUPED}
 
     capability, built = [(9, 0)], [Availability(True, "built")]
     monkeypatch.setattr(triton_w8a16.torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setattr(wgmma, "wgmma_status", lambda cap: built[0])
-    assert _default_grouped(WGMMA_FROM - 1, gpu).path == Path.GROUPED
-    assert _default_grouped(WGMMA_FROM, gpu).config == WgmmaConfig(tn=64, wn=128, stages=4)
-    assert _default_grouped(127, gpu).config == WgmmaConfig(tn=64, wn=128, stages=4)
-    assert _default_grouped(128, gpu).config == WgmmaConfig(tn=128, wn=128, stages=4)
-    tactics = get_backend("triton").grouped_tactics(128, SimpleNamespace(experts=8, device=gpu))
-    assert tactics[0] == _default_grouped(128, gpu) and len(set(tactics)) == len(tactics)
+    assert _default_grouped(WGMMA_FROM - 1, gpu, 2048).path == Path.GROUPED
+    assert _default_grouped(WGMMA_FROM, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4)
+    assert _default_grouped(127, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4)
+    assert _default_grouped(128, gpu, 2048).config == WgmmaConfig(tn=128, wn=128, stages=4)
+    assert _default_grouped(1, gpu, WGMMA_DEEP_K).config == WgmmaConfig(tn=64, wn=128, stages=4)
+    assert _default_grouped(1, gpu, WGMMA_DEEP_K - 128).path == Path.GROUPED
+    assert _default_grouped(1, cpu, WGMMA_DEEP_K).path == Path.GROUPED
+    tactics = get_backend("triton").grouped_tactics(128, SimpleNamespace(experts=8, device=gpu, in_features=2048))
+    assert tactics[0] == _default_grouped(128, gpu, 2048) and len(set(tactics)) == len(tactics)
     assert sum(t.path == Path.WGMMA for t in tactics) == 8 and sum(t.path == Path.GROUPED for t in tactics) == 3
     capability[0] = (10, 0)
-    assert _default_grouped(128, gpu).path == Path.GROUPED
+    assert _default_grouped(128, gpu, 2048).path == Path.GROUPED
     capability[0], built[0] = (9, 0), Availability(False, "nvcc was not found")
-    assert _default_grouped(128, gpu).path == Path.GROUPED
+    assert _default_grouped(128, gpu, 2048).path == Path.GROUPED
 
 
 @pytest.mark.skipif(nvcc.find_nvcc() is None, reason="no nvcc on this machine")

@@ -4,8 +4,9 @@ activations) the weight is dequantized chunk by chunk into a transient bf16 buff
 
 Grouped weights of a mixture of experts (FP8 tensor cores, compute capability 8.9 and up): ``w8a8-block``, each
 expert re-encoded to 128x128 blocks once, its rows quantized per 1x128 inside the grouped GEMM
-(``kernels/grouped/fp8.py``); on SM90, from :data:`WGMMA_FROM` rows per expert of an even routing, the rows quantized
-apart and multiplied by the TMA/wgmma kernel (``kernels/grouped/wgmma.py``) where nvcc builds it, the same recipe."""
+(``kernels/grouped/fp8.py``); on SM90, from :data:`WGMMA_FROM` rows per expert of an even routing (at any rows from
+K = :data:`WGMMA_DEEP_K`), the rows quantized apart and multiplied by the TMA/wgmma kernel
+(``kernels/grouped/wgmma.py``) where nvcc builds it, the same recipe."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ _FP8_CAPABILITY = (8, 9)  # FP8 tensor-core dots: the grouped kernel
 DEQUANT_MIN_M = 256
 _DEQUANT_TACTIC_MIN_M = 64
 WGMMA_FROM = 8  # rows per expert of an even routing from which SM90 runs the grouped wgmma kernel
+# From this K SM90 runs the grouped wgmma kernel at any rows per expert: at 1-16 tokens on the H100 its 64-row tiles
+# beat the Triton kernel on DeepSeek-V3's gate/up (K 7168) and Mixtral's projections (K 4096, 14336) by 4-67%
+# (`mxgemm tune --moe`, bench/results/tune-moe-h100.txt); on Qwen3's (K 768, 2048) the Triton kernel stays ahead.
+WGMMA_DEEP_K = 4096
 
 
 def kernel_scales(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -139,7 +144,7 @@ class TritonBackend(Backend, GroupedWeights):
             return Availability(
                 False, f"grouped weights need FP8 tensor cores (compute capability >= 8.9); {device} is below that"
             )
-        wgmma = f"; from {WGMMA_FROM} rows per expert the TMA/wgmma kernel where nvcc builds it"
+        wgmma = f"; from {WGMMA_FROM} rows per expert (any from K = {WGMMA_DEEP_K}) the TMA/wgmma kernel"
         return Availability(True, f"grouped FP8 Triton kernel on {device}" + (wgmma if device.sm == 90 else ""))
 
     def prepare_grouped(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedGroupedWeight:
@@ -156,9 +161,10 @@ class TritonBackend(Backend, GroupedWeights):
         from ..kernels.grouped.fp8 import GroupedConfig as C
         from ..kernels.grouped.wgmma import WgmmaConfig
 
-        out = [_default_grouped(per_expert, weight.device)]
+        out = [_default_grouped(per_expert, weight.device, weight.in_features)]
         if per_expert < 64:
-            configs = [C(128, 16), C(64, 16), C(64, 16, 8, 3), C(64, 32), C(128, 32)]
+            configs = [C(128, 16), C(64, 16), C(64, 16, 8, 3), C(64, 32), C(128, 32), C(32, 16), C(32, 16, 4, 4)]
+            configs += [C(16, 16)]  # narrow: more programs where a few experts are active
         else:
             configs = [C(128, 64, 4, 3, True), C(256, 64, 8, 3, True), C(128, 128, 8, 3, True)]
         out += [Tactic(Path.GROUPED, c) for c in configs]
@@ -173,7 +179,7 @@ class TritonBackend(Backend, GroupedWeights):
 
         t = weight.tensors
         qd, bs, n = t["qdata"].view(torch.uint8), t["block_scale"], weight.out_features
-        tactic = tactic or _default_grouped(-(-x.shape[0] // weight.experts), x.device)
+        tactic = tactic or _default_grouped(-(-x.shape[0] // weight.experts), x.device, weight.in_features)
         if tactic.path == Path.WGMMA:
             from ..kernels.grouped.quant import quantize_rows
             from ..kernels.grouped.wgmma import grouped_wgmma
@@ -197,7 +203,7 @@ class TritonBackend(Backend, GroupedWeights):
         topk = topk_ids.shape[1]
         offsets, src = sort_by_expert(topk_ids, gate_up.experts)
         rows = src.shape[0]
-        default = _default_grouped(-(-rows // gate_up.experts), x.device)
+        default = _default_grouped(-(-rows // gate_up.experts), x.device, gate_up.in_features)
         first = tactics[0] or default
         second = tactics[1] if tactics[1] is not None and tactics[1].path == first.path else None
         if first.path == Path.WGMMA:
@@ -228,11 +234,11 @@ def _wgmma_runs(device: torch.device) -> bool:
     return bool(wgmma_status((9, 0)))
 
 
-def _default_grouped(per_expert: int, device: torch.device) -> Tactic:
-    """The grouped kernel and config for ``per_expert`` rows an expert (of an even routing): on SM90 from
-    :data:`WGMMA_FROM` rows, the wgmma kernel where it builds (64-row tiles below 128 rows an expert, 128 from there);
-    else the Triton kernel's default."""
-    if per_expert >= WGMMA_FROM and _wgmma_runs(device):
+def _default_grouped(per_expert: int, device: torch.device, k: int) -> Tactic:
+    """The grouped kernel and config for ``per_expert`` rows an expert (of an even routing) of ``k`` columns: on SM90
+    from :data:`WGMMA_FROM` rows, or at any rows from K = :data:`WGMMA_DEEP_K`, the wgmma kernel where it builds
+    (64-row tiles below 128 rows an expert, 128 from there); else the Triton kernel's default."""
+    if (per_expert >= WGMMA_FROM or k >= WGMMA_DEEP_K) and _wgmma_runs(device):
         from ..kernels.grouped.wgmma import WgmmaConfig
 
         return Tactic(Path.WGMMA, WgmmaConfig(tn=128 if per_expert >= 128 else 64, wn=128, stages=4))

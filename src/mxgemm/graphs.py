@@ -1,0 +1,137 @@
+"""Eager calls replayed as CUDA graphs.
+
+An eager call of many launches pays each launch's host time (the routed block of a mixture of experts: four to six
+Triton launches and their Python, a few hundred µs a call, where its GPU work at decode takes tens). An
+:class:`EagerGraphs` keeps, for each signature of a callable's tensor arguments (shapes, strides, dtypes, device,
+and a key its owner adds), a CUDA graph of the callable's launches and static copies of its arguments: the first call
+of a signature runs directly (kernels built, tactics looked up), the second captures the graph, and every call from
+there copies its arguments into the static ones, replays the graph and answers a copy of the graph's output (a
+caller keeping an output across calls never sees it change). The same launches run on the same bytes, so the bits are
+those of a direct call.
+
+All graphs of a device capture into one memory pool: a graph's intermediates are dead once it has replayed and its
+output has been copied out, so graphs replayed in any order never read each other's memory. Calls that cannot be
+graphed run directly (:func:`graphable`): tensors not on a GPU, or subclasses, gradients asked for, a stream being
+captured already (the caller's own CUDA graph), ``torch.compile`` tracing, a dispatch mode, a stream other than the
+device's default one (calls on several streams at once would share the graphs' static tensors and memory), or
+``MXGEMM_EAGER_GRAPHS`` not set to 1 (off by default).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+from . import settings
+
+__all__ = ["EagerGraphs", "graphable"]
+
+logger = logging.getLogger("mxgemm")
+
+_POOLS: dict[int, tuple] = {}  # a device's graph memory pool, shared by every EagerGraphs
+
+
+def graphable(*tensors: torch.Tensor) -> bool:
+    """Whether a call on ``tensors`` may replay a graph: plain CUDA tensors of one device, no gradient asked for, no
+    capture, tracing or dispatch mode under way, the device's default stream current, ``MXGEMM_EAGER_GRAPHS=1``."""
+    if torch.compiler.is_compiling() or not all(type(t) is torch.Tensor and t.is_cuda for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if not settings.eager_graphs_enabled() or torch.cuda.is_current_stream_capturing():
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None or len({t.device for t in tensors}) != 1:
+        return False
+    device = tensors[0].device if tensors else None
+    return device is not None and torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]
+    output: torch.Tensor
+
+
+class EagerGraphs:
+    """Graphs of one callable's eager calls, by the signature of their tensor arguments; at most ``limit`` kept (the
+    least recently replayed dropped first). Copies (``copy.deepcopy``, pickling) start empty."""
+
+    def __init__(self, limit: int = 8):
+        self.limit = limit
+        self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+        self._seen: set[Hashable] = set()  # signatures called once, to capture on their next call
+        self._refused: set[Hashable] = set()  # signatures whose capture failed: they run directly
+
+    def __deepcopy__(self, memo) -> EagerGraphs:
+        return EagerGraphs(self.limit)
+
+    def __getstate__(self) -> dict:
+        return {"limit": self.limit}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["limit"])
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def __call__(self, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, key: Hashable = ()) -> torch.Tensor:
+        """``fn(*tensors)``, from a graph where this signature has one (call :func:`graphable` first)."""
+        sig = (key, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+        entry = self._graphs.get(sig)
+        if entry is None:
+            if sig in self._refused or sig not in self._seen:
+                self._seen.add(sig)
+                return fn(*tensors)
+            entry = self._capture(sig, fn, tensors)
+            if entry is None:
+                return fn(*tensors)
+        else:
+            self._graphs.move_to_end(sig)
+            for static, t in zip(entry.inputs, tensors, strict=True):
+                static.copy_(t)
+        entry.graph.replay()
+        return entry.output.clone()
+
+    def _capture(self, sig: Hashable, fn: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...]):
+        device = tensors[0].device
+        current = torch.cuda.current_stream(device)
+        inputs = [t.clone() for t in tensors]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(side):
+                graph.capture_begin(pool=_pool(device))
+                try:
+                    output = fn(*inputs)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # a launch that cannot be captured: this signature runs directly from now on
+            logger.info("mxgemm: eager calls of %s run without a graph: capture failed (%s)", sig, exc)
+            self._refused.add(sig)
+            current.wait_stream(side)
+            return None
+        current.wait_stream(side)
+        if not isinstance(output, torch.Tensor):
+            self._refused.add(sig)
+            return None
+        entry = _Graph(graph, inputs, output)
+        self._graphs[sig] = entry
+        self._seen.discard(sig)
+        while len(self._graphs) > self.limit:
+            self._graphs.popitem(last=False)
+        return entry
+
+
+def _pool(device: torch.device) -> tuple:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _POOLS:
+        _POOLS[index] = torch.cuda.graph_pool_handle()
+    return _POOLS[index]
