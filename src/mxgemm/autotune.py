@@ -187,7 +187,7 @@ class Autotuner:
             return None
         key = TuneKey.grouped(backend.name, weight, rows, x_dtype)
         per, active = grouped_buckets(rows, weight.experts)
-        offsets = even_offsets(per, active, weight.experts, weight.device)
+        offsets = _even_offsets(per, active, weight.experts, weight.device)
         x = torch.randn(per * active, weight.in_features, device=weight.device).to(x_dtype)
         tactics = backend.grouped_tactics(per, weight)
         return self._decide(key, tactics, lambda t: [backend.run_grouped(x, weight, offsets, t)], 1, write)
@@ -279,7 +279,7 @@ def tactic_for_call(backend: Backend, weight: PreparedWeight, x: torch.Tensor) -
     return tactic
 
 
-def even_offsets(per: int, active: int, experts: int, device: torch.device) -> torch.Tensor:
+def _even_offsets(per: int, active: int, experts: int, device: torch.device) -> torch.Tensor:
     """The offsets (int32 [E], cumulative row ends) of ``per`` rows on each of ``active`` experts spread evenly over
     ``experts`` (expert ``i * E // active`` for each i), the others empty."""
     counts = torch.zeros(experts, dtype=torch.int32)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .errors import MXGemmError
-from .format import BLOCK_SIZE, SCALE_DTYPES, MXTensor, dequantize, e8m0_bytes, nonfinite_reason
+from .format import BLOCK_SIZE, MXFP8, SCALE_DTYPES, MXTensor, dequantize, e8m0_bytes, nonfinite_reason
 from .fusion import fuse as fuse_model
 from .fusion import tally
 from .linear import MXFP8Linear
@@ -67,7 +67,7 @@ def _mx_args(dynamic: bool) -> dict:
         "num_bits": 8,
         "type": "float",
         "symmetric": True,
-        "group_size": BLOCK_SIZE,
+        "group_size": MXFP8.block_size,
         "strategy": "group",
         "dynamic": dynamic,
         "scale_dtype": "torch.uint8",
@@ -88,7 +88,7 @@ def compressed_tensors_config(scheme: str, ignore: Sequence[str]) -> dict:
     group = {"targets": ["Linear"], **SCHEMES[scheme], "output_activations": None, "format": None}
     return {
         "quant_method": "compressed-tensors",
-        "format": "mxfp8-quantized",
+        "format": MXFP8.compressed_tensors,
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
         "ignore": list(ignore),
@@ -117,20 +117,22 @@ def read_format(path: str | Path) -> CheckpointFormat:
         return _modelopt_format(qc, path / "config.json")
     if qc.get("quant_method") == "fp8":  # DeepSeek-V3-style block-FP8 configs, MX when the blocks are 1x32
         where = path / "config.json"
-        if qc.get("weight_block_size") != [1, BLOCK_SIZE]:
+        if qc.get("weight_block_size") != [1, MXFP8.block_size]:
             raise CheckpointError(
-                f"{where}: fp8 weight_block_size {qc.get('weight_block_size')!r} is not MXFP8's [1, {BLOCK_SIZE}]"
+                f"{where}: fp8 weight_block_size {qc.get('weight_block_size')!r} is not MXFP8's [1, {MXFP8.block_size}]"
             )
         return CheckpointFormat("fp8", "MXFP8", _names(qc.get("modules_to_not_convert"), where, "ignore"))
     if qc.get("quant_method") == "compressed-tensors":
         where = path / "config.json"
-        if qc.get("format") != "mxfp8-quantized":
-            raise CheckpointError(f"{where}: compressed-tensors format {qc.get('format')!r} is not mxfp8-quantized")
+        if qc.get("format") != MXFP8.compressed_tensors:
+            raise CheckpointError(
+                f"{where}: compressed-tensors format {qc.get('format')!r} is not {MXFP8.compressed_tensors}"
+            )
         groups = list(_object(qc.get("config_groups") or {}, where).values())
         if not groups:
             raise CheckpointError(f"{where}: quantization_config has no config_groups")
         acts = _object(_object(groups[0], where).get("input_activations") or {}, where)
-        scheme = "MXFP8" if acts.get("dynamic") and acts.get("group_size") == BLOCK_SIZE else "MXFP8A16"
+        scheme = "MXFP8" if acts.get("dynamic") and acts.get("group_size") == MXFP8.block_size else "MXFP8A16"
         return CheckpointFormat("compressed-tensors", scheme, _names(qc.get("ignore"), where, "ignore"))
     raise CheckpointError(
         f"{path}: no MXFP8 quantization config (config.json quantization_config or hf_quant_config.json)"
@@ -148,8 +150,8 @@ def _read_json(path: Path) -> dict:
 
 
 def _modelopt_format(q: dict, where: Path) -> CheckpointFormat:
-    if q.get("quant_algo") != "MXFP8":
-        raise CheckpointError(f"{where}: ModelOpt quant_algo {q.get('quant_algo')!r} is not MXFP8")
+    if q.get("quant_algo") != MXFP8.modelopt:
+        raise CheckpointError(f"{where}: ModelOpt quant_algo {q.get('quant_algo')!r} is not {MXFP8.modelopt}")
     return CheckpointFormat("modelopt", "MXFP8", _names(q.get("exclude_modules"), where, "exclude_modules"))
 
 

@@ -29,8 +29,11 @@ __all__ = [
     "E8M0_BIAS",
     "E8M0_NAN",
     "ELEM_DTYPES",
+    "MXFP8",
     "SCALE_DTYPES",
     "SCALE_MODES",
+    "ElementType",
+    "Format",
     "MXTensor",
     "ScaleMode",
     "dequantize",
@@ -40,18 +43,89 @@ __all__ = [
     "quantize",
 ]
 
-BLOCK_SIZE = 32
-E8M0_BIAS = 127
-E8M0_NAN = 255
 ScaleMode = Literal["floor", "rceil", "compressed-tensors"]
 SCALE_MODES = ("floor", "rceil", "compressed-tensors")
-
-# element dtype -> (largest finite value, exponent of the largest power of two below it)
-ELEM_DTYPES: dict[torch.dtype, tuple[float, int]] = {
-    torch.float8_e4m3fn: (448.0, 8),
-    torch.float8_e5m2: (57344.0, 15),
-}
+SCALE_DTYPES = (torch.uint8, *([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else []))
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class ElementType:
+    """An element encoding: its dtype, its largest finite magnitude, the exponent of the largest power of two at or
+    below that, and its mantissa bits."""
+
+    dtype: torch.dtype
+    max: float
+    emax: int
+    mantissa_bits: int
+
+
+@dataclass(frozen=True)
+class Format:
+    """A block-scaled format: each run of ``block_size`` consecutive elements along the last dimension shares one
+    scale, a biased power-of-two exponent byte (``scale_bias`` is 2^0, ``scale_nan`` NaN) stored as one of
+    ``scale_dtypes``, computed by one of ``scale_modes``; elements of one of ``elements``. ``compressed_tensors`` and
+    ``modelopt`` are the names compressed-tensors' ``format`` and ModelOpt's ``quant_algo`` give its checkpoints."""
+
+    name: str
+    block_size: int
+    elements: tuple[ElementType, ...]
+    scale_dtypes: tuple[torch.dtype, ...]
+    scale_bias: int
+    scale_nan: int
+    scale_modes: tuple[str, ...]
+    compressed_tensors: str
+    modelopt: str
+
+    def element(self, dtype: torch.dtype) -> ElementType:
+        """The element encoding of ``dtype``; TypeError naming the format's where it has none."""
+        for e in self.elements:
+            if e.dtype == dtype:
+                return e
+        names = " or ".join(str(e.dtype).removeprefix("torch.") for e in self.elements)
+        raise TypeError(f"{self.name} elements must be {names}, got {dtype}")
+
+    def check_pair(self, qdata: torch.Tensor, scale: torch.Tensor) -> None:
+        """Raise TypeError/ValueError unless ``(qdata, scale)`` is a well-formed pair of this format: elements
+        ``[..., K]``, scales ``[..., K / block_size]`` on the same device."""
+        self.element(qdata.dtype)
+        if scale.dtype not in self.scale_dtypes:
+            names = " or ".join(str(d).removeprefix("torch.") for d in self.scale_dtypes)
+            raise TypeError(f"{self.name} scales must be {names} (E8M0 biased exponents), got {scale.dtype}")
+        if qdata.dim() == 0 or qdata.shape[-1] % self.block_size:
+            raise ValueError(
+                f"the last dimension of MX data must be a multiple of {self.block_size}, got shape {tuple(qdata.shape)}"
+            )
+        want = (*qdata.shape[:-1], qdata.shape[-1] // self.block_size)
+        if tuple(scale.shape) != want:
+            raise ValueError(
+                f"scale shape {tuple(scale.shape)} does not match data shape {tuple(qdata.shape)}: expected {want}"
+            )
+        if qdata.device != scale.device:
+            raise ValueError(f"data is on {qdata.device} but scale is on {scale.device}")
+
+
+E4M3 = ElementType(torch.float8_e4m3fn, 448.0, 8, 3)
+E5M2 = ElementType(torch.float8_e5m2, 57344.0, 15, 2)
+MXFP8 = Format(
+    "MXFP8",
+    32,
+    (E4M3, E5M2),
+    SCALE_DTYPES,
+    127,
+    255,
+    SCALE_MODES,
+    compressed_tensors="mxfp8-quantized",
+    modelopt="MXFP8",
+)
+"""MX FP8 (OCP Microscaling v1.0), the format mxgemm implements: blocks of 32, E8M0 scales, E4M3 or E5M2 elements."""
+
+# MXFP8's description as the constants its kernels and callers read
+BLOCK_SIZE = MXFP8.block_size
+E8M0_BIAS = MXFP8.scale_bias
+E8M0_NAN = MXFP8.scale_nan
+# element dtype -> (largest finite value, exponent of the largest power of two below it)
+ELEM_DTYPES: dict[torch.dtype, tuple[float, int]] = {e.dtype: (e.max, e.emax) for e in MXFP8.elements}
 
 
 @dataclass(frozen=True)
@@ -78,25 +152,8 @@ class MXTensor:
 
 
 def check_mx_pair(qdata: torch.Tensor, scale: torch.Tensor) -> None:
-    """Raise TypeError/ValueError unless ``(qdata, scale)`` is a well-formed MX pair."""
-    if qdata.dtype not in ELEM_DTYPES:
-        raise TypeError(f"MX elements must be float8_e4m3fn or float8_e5m2, got {qdata.dtype}")
-    if scale.dtype not in SCALE_DTYPES:
-        raise TypeError(f"MX scales must be uint8 or float8_e8m0fnu (E8M0 biased exponents), got {scale.dtype}")
-    if qdata.dim() == 0 or qdata.shape[-1] % BLOCK_SIZE:
-        raise ValueError(
-            f"the last dimension of MX data must be a multiple of {BLOCK_SIZE}, got shape {tuple(qdata.shape)}"
-        )
-    want = (*qdata.shape[:-1], qdata.shape[-1] // BLOCK_SIZE)
-    if tuple(scale.shape) != want:
-        raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not match data shape {tuple(qdata.shape)}: expected {want}"
-        )
-    if qdata.device != scale.device:
-        raise ValueError(f"data is on {qdata.device} but scale is on {scale.device}")
-
-
-SCALE_DTYPES = (torch.uint8, *([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else []))
+    """Raise TypeError/ValueError unless ``(qdata, scale)`` is a well-formed MX pair (:meth:`Format.check_pair`)."""
+    MXFP8.check_pair(qdata, scale)
 
 
 def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
@@ -163,6 +220,7 @@ def quantize(
         raise TypeError(f"quantize takes a float32, bfloat16 or float16 tensor, got {got}")
     if elem_dtype not in ELEM_DTYPES:
         raise TypeError(f"elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem_dtype}")
+    element = MXFP8.element(elem_dtype)
     if x.dim() == 0 or x.shape[-1] % BLOCK_SIZE:
         raise ValueError(
             f"the last dimension must be a multiple of {BLOCK_SIZE} to quantize, got shape {tuple(x.shape)}"
@@ -171,7 +229,7 @@ def quantize(
         raise ValueError(f"scale_mode must be one of {', '.join(SCALE_MODES)}, got {scale_mode!r}")
     if scale_mode == "compressed-tensors" and elem_dtype != torch.float8_e4m3fn:
         raise ValueError("scale_mode 'compressed-tensors' is defined for E4M3 elements (MXFP8) only")
-    max_elem, emax = ELEM_DTYPES[elem_dtype]
+    max_elem, emax = element.max, element.emax
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
     amax = blocks.abs().amax(dim=-1)
     if scale_mode == "floor":
@@ -182,12 +240,9 @@ def quantize(
         biased = _biased_exponent_compressed_tensors(amax, emax)
     biased = torch.where(torch.isfinite(amax), biased, E8M0_NAN)
     scale = biased.to(torch.uint8)
-    limit = element_limit(biased, max_elem, _MANTISSA_BITS[elem_dtype]).unsqueeze(-1)
+    limit = element_limit(biased, max_elem, element.mantissa_bits).unsqueeze(-1)
     q = torch.minimum(torch.maximum(blocks / e8m0_to_float32(scale).unsqueeze(-1), -limit), limit)
     return MXTensor(q.to(elem_dtype).reshape(x.shape), scale)
-
-
-_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
 
 def element_limit(biased: torch.Tensor, max_elem: float, mbits: int) -> torch.Tensor:

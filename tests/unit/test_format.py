@@ -244,3 +244,25 @@ def test_compressed_tensors_rule_writes_compressed_tensors_bytes():
     assert 0 < int((rceil.scale != t.scale).sum()) < 100  # only where the mantissa is exactly 1.75
     with pytest.raises(ValueError, match="E4M3"):
         mxgemm.quantize(w, scale_mode="compressed-tensors", elem_dtype=E5M2)
+
+
+def test_mxfp8_is_described_once_and_read_from_its_description():
+    """MX FP8 is a ``Format`` description (blocks of 32, E8M0 scales, E4M3 and E5M2 elements, its checkpoint names);
+    the module's constants, pair checks and quantizer read it, and a checkpoint config is recognised by its names."""
+    from mxgemm import checkpoints
+    from mxgemm.format import BLOCK_SIZE, E8M0_BIAS, E8M0_NAN, ELEM_DTYPES, MXFP8, check_mx_pair
+
+    assert (BLOCK_SIZE, E8M0_BIAS, E8M0_NAN) == (MXFP8.block_size, MXFP8.scale_bias, MXFP8.scale_nan) == (32, 127, 255)
+    assert ELEM_DTYPES == {e.dtype: (e.max, e.emax) for e in MXFP8.elements}
+    assert MXFP8.element(torch.float8_e5m2).mantissa_bits == 2 and MXFP8.element(torch.float8_e4m3fn).max == 448.0
+    with pytest.raises(TypeError, match=r"MXFP8 elements must be float8_e4m3fn or float8_e5m2, got torch\.int8"):
+        MXFP8.element(torch.int8)
+    q, s = torch.zeros(2, 64, dtype=torch.float8_e4m3fn), torch.zeros(2, 2, dtype=torch.uint8)
+    check_mx_pair(q, s)
+    with pytest.raises(ValueError, match=r"expected \(2, 2\)"):
+        check_mx_pair(q, s[:, :1])
+    with pytest.raises(TypeError, match="MXFP8 scales must be uint8"):
+        check_mx_pair(q, s.float())
+    config = checkpoints.compressed_tensors_config("MXFP8", [])
+    assert config["format"] == MXFP8.compressed_tensors == "mxfp8-quantized"
+    assert config["config_groups"]["group_0"]["weights"]["group_size"] == MXFP8.block_size

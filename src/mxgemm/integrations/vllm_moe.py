@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ..device import DeviceInfo
 from ..errors import MXGemmError
+from ..format import MXFP8
 from ..grouped import prepare_grouped_weight
 from ..moe import experts_stay_in_bf16, moe_experts
 from ..resolve import resolve_backend
@@ -131,7 +132,8 @@ def _classes():
         @classmethod
         def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
             config = hf_quant_cfg if isinstance(hf_quant_cfg, dict) else {}
-            is_mxfp8 = config.get("quant_method") == "compressed-tensors" and config.get("format") == "mxfp8-quantized"
+            is_mxfp8 = config.get("quant_method") == "compressed-tensors"
+            is_mxfp8 = is_mxfp8 and config.get("format") == MXFP8.compressed_tensors
             return _claim(METHOD, is_mxfp8, user_quant, hf_config, MxgemmMxfp8MoEMethod.backend)
 
         def get_quant_method(self, layer, prefix):
@@ -153,7 +155,7 @@ def _classes():
         @classmethod
         def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
             algo = cls._extract_modelopt_quant_algo(hf_quant_cfg) if isinstance(hf_quant_cfg, dict) else None
-            is_mxfp8 = algo is not None and "MXFP8" in algo
+            is_mxfp8 = algo is not None and MXFP8.modelopt in algo
             return _claim(MODELOPT_METHOD, is_mxfp8, user_quant, hf_config, MxgemmMxfp8MoEMethod.backend)
 
         def get_quant_method(self, layer, prefix):
