@@ -5,11 +5,12 @@ The members' prepared weights become row views of one prepared weight (one copy 
 of a member on an input runs the whole weight once and keeps the other members' outputs (views of its output) until
 each takes its own, called on the same, unchanged tensor; traced (``torch.compile``), the same steps
 (``MXFP8Linear._traced_group_output``, on plain values each member holds) leave one ``mxgemm::linear`` op per group in
-the graph and no state behind. Eager inputs of more than ``MAX_ROWS`` rows (``JOINED_MAX_ROWS`` for q/k/v groups and
-the gate/up group of a gated MLP, :func:`fuse`) run each member's own GEMM (contiguous outputs), on the input quantized
+the graph and no state behind. Eager inputs of more rows than the device's threshold
+(:class:`mxgemm.thresholds.Thresholds`: ``shared_input_max_rows``, ``joined_max_rows`` for q/k/v groups and the gate/up
+group of a gated MLP, :func:`fuse`) run each member's own GEMM (contiguous outputs), on the input quantized
 once, by the first member's call, for the members called on it in turn where the backend quantizes activations apart
 from its GEMM (``SharesQuantizedInput.run_sharing``: ``hybrid_sm90``'s cuBLAS path, ``emulation``). Everything else
-runs the member alone on its view: fp32 inputs, traced inputs of more than ``MAX_ROWS`` rows, a member called on
+runs the member alone on its view: fp32 inputs, traced inputs above the threshold, a member called on
 another input (the group then stops running as one: the layers do not share their input), or a member whose bias was
 replaced or that was re-prepared.
 
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from . import thresholds
 from .backends import PreparedWeight, get_backend
 from .backends.capabilities import JoinsRows, SharesQuantizedInput
 from .gated import GATED, fuse_gated_mlps, is_gated
@@ -44,24 +46,6 @@ __all__ = ["GROUPS", "SharedInput", "fuse", "fuse_shared_inputs", "tally", "unfi
 logger = logging.getLogger("mxgemm")
 
 GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-# Inputs of more rows run each member's own GEMM (JOINED_MAX_ROWS below for the groups that read their views at full
-# speed): there each GEMM fills the GPU and the call's host time is hidden behind it, while the members' outputs, column
-# views of the group's output, make the ops that read them (SiLU and the product of an MLP not gated) run at strided
-# speed: on the H200 a 32-layer Llama at 8B dimensions, its MLPs not gated, prefilled 2048 tokens in 48.6 ms with its
-# members' own GEMMs on one shared quantization of the input against 50.7-50.8 as groups, its elementwise kernels
-# 3.2-3.3 ms faster, its GEMMs 0.3 ms slower. The group's output, whole until the layer's last member takes its view,
-# also holds more memory than the members' outputs do one by one (a Llama-3-8B layer's gate/up at 32768 rows: 1.9 GB
-# at once against 0.94 GB twice). Traced calls take the value of a group's threshold when it was set
-# (``SharedInput.max_rows``).
-MAX_ROWS = 1024
-# Groups whose outputs are read at full speed as views run as one up to this many rows (:func:`fuse`): the gate/up
-# group of a gated MLP whose product down_proj reads quantized (mxgemm.gated), where SiLU and the product would run
-# strided, and q/k/v groups, whose rotary and cache copies cost on views what the joined GEMM saves. Each call saves
-# the host a GEMM's launch (two for q/k/v). On the H200 the 32-layer prefill of 2048 tokens kept the GPU as busy with
-# gate/up joined (42.3 ms against 42.0 with members apart) and took 49.3 ms against 56.3 on a machine whose host bound
-# it; q/k/v joined as well: busy 41.6 ms against 41.7, 64 kernels fewer, 61.6 ms against 62.6 on a host-bound machine.
-JOINED_MAX_ROWS = 4096
 
 
 class SharedInput:
@@ -91,7 +75,7 @@ class SharedInput:
                 "start": sum(self.sizes[:i]),
                 "rows": sum(self.sizes),
                 "members": len(self.sizes),
-                "max_rows": MAX_ROWS,
+                "max_rows": self.default_rows(),
                 "bias": bias,
                 "bias_view": self.bias_views[i],
             }
@@ -101,21 +85,26 @@ class SharedInput:
         self._version = -1
         self._grad = False  # the grad mode the pending outputs were made in
         self._pending: dict[int, torch.Tensor] = {}
-        # above MAX_ROWS: (weak input, its version, its quantized rows, the members still to call on them)
+        # above the threshold: (weak input, its version, its quantized rows, the members still to call on them)
         self._quantized: tuple | None = None
         self.members: list[PreparedWeight] = []  # each member's row view of the weight, set by _group
 
     @property
     def max_rows(self) -> int | None:
-        """Calls of more rows run each member's own GEMM: eager ones read it (None: ``MAX_ROWS``) at each call, traced
-        ones take it (or ``MAX_ROWS``) as it was set, so compiled and eager calls run the same GEMMs."""
+        """Calls of more rows run each member's own GEMM: eager ones read it (None: :meth:`default_rows`) at each call,
+        traced ones take it (or the default) as it was set, so compiled and eager calls run the same GEMMs."""
         return self._max_rows
+
+    def default_rows(self) -> int:
+        """The rows up to which a group runs as one where nothing set :attr:`max_rows`: the weight's device's
+        ``shared_input_max_rows``."""
+        return thresholds.for_device(self.weight.device).shared_input_max_rows
 
     @max_rows.setter
     def max_rows(self, rows: int | None) -> None:
         self._max_rows = rows
         for traced in self.traced:
-            traced["max_rows"] = rows or MAX_ROWS
+            traced["max_rows"] = rows or self.default_rows()
 
     def output(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """Member ``index``'s output for ``x`` (its ``bias`` as it holds it now) in an eager call, or None where it
@@ -140,7 +129,7 @@ class SharedInput:
         if self._pending:  # a member asked for another input while others had not taken theirs
             self.disable("its members were called on different inputs")
             return None
-        if x.numel() > (self._max_rows or MAX_ROWS) * x.shape[-1]:
+        if x.numel() > (self._max_rows or self.default_rows()) * x.shape[-1]:
             return self._own_gemm(index, x, bias, version)
         # split_with_sizes: Tensor.split's Python wrapper costs 1.4 µs more on a CPU host
         ys = linear(x, self.weight, self.bias).split_with_sizes(self.sizes, -1)
@@ -149,9 +138,10 @@ class SharedInput:
         return ys[index]
 
     def _own_gemm(self, index: int, x: torch.Tensor, bias: torch.Tensor | None, version: int) -> torch.Tensor | None:
-        """Above ``MAX_ROWS``: member ``index``'s own GEMM. The first member called on a tensor runs its own call and
-        keeps the input's quantized rows that call made (:meth:`SharesQuantizedInput.run_sharing`); the others, called
-        on the same unchanged tensor in turn, run their GEMMs on those rows. None where the member runs its own call."""
+        """Above the group's threshold: member ``index``'s own GEMM. The first member called on a tensor runs its own
+        call and keeps the input's quantized rows that call made (:meth:`SharesQuantizedInput.run_sharing`); the
+        others, called on the same unchanged tensor in turn, run their GEMMs on those rows. None where the member runs
+        its own call."""
         if type(x) is not torch.Tensor or wants_grad(x, bias):
             return None
         backend = get_backend(self.weight.backend)
@@ -270,13 +260,14 @@ def fuse_shared_inputs(model: nn.Module, groups: Sequence[Sequence[str]] = GROUP
 def fuse(model: nn.Module) -> list[str]:
     """mxgemm's fusions of ``model``'s layers, in place: those that read the same input run as one
     (:func:`fuse_shared_inputs`), then gated MLPs hand ``down_proj`` their product quantized in one kernel
-    (:func:`mxgemm.gated.fuse_gated_mlps`); q/k/v groups and gated MLPs' gate/up groups run as one up to
-    ``JOINED_MAX_ROWS`` rows. Their accounts, one after the other."""
+    (:func:`mxgemm.gated.fuse_gated_mlps`); q/k/v groups and gated MLPs' gate/up groups run as one up to their
+    device's ``joined_max_rows``. Their accounts, one after the other."""
     account = fuse_shared_inputs(model) + fuse_gated_mlps(model)
     for module in model.modules():
         for layer in (getattr(module, "q_proj", None), module.gate_proj if is_gated(module) else None):
             if isinstance(layer, MXFP8Linear) and layer.shared is not None:
-                layer.shared[0].max_rows = JOINED_MAX_ROWS
+                group = layer.shared[0]
+                group.max_rows = thresholds.for_device(group.weight.device).joined_max_rows
     return account
 
 

@@ -276,8 +276,9 @@ def hf_model_class(config):
 def linear_shapes(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> list[tuple[int, int, str]]:
     """The distinct ``(out_features, in_features)`` of the ``nn.Linear`` layers :func:`quantize_model` would
     replace, then of the groups of them that read one input (:data:`mxgemm.fusion.GROUPS`: q/k/v, gate/up), whose
-    joined weight runs the calls up to ``fusion.MAX_ROWS`` rows; each with the name of its first layer (or group):
-    what ``mxgemm tune --model-dir`` tunes. Works on a model built on the meta device."""
+    joined weight runs the calls up to the device's ``shared_input_max_rows`` (:mod:`mxgemm.thresholds`) rows; each
+    with the name of its first layer (or group): what ``mxgemm tune --model-dir`` tunes. Works on a model built on
+    the meta device."""
     layers = dict(quantizable_linears(model, skip))
     shapes: dict[tuple[int, int], str] = {}
     for name, module in layers.items():

@@ -10,7 +10,7 @@ from helpers import random_act
 from torch import nn
 
 import mxgemm
-from mxgemm import fusion
+from mxgemm import fusion, thresholds
 from mxgemm.fusion import fuse_shared_inputs
 from mxgemm.linear import _TRACED_GROUPS
 
@@ -57,7 +57,8 @@ def _pair(recipe, bias=False, **kw):
 
 def _apart_above(model, rows, monkeypatch):
     """Every group of ``model`` runs its members' own GEMMs above ``rows`` rows."""
-    monkeypatch.setattr(fusion, "MAX_ROWS", rows)
+    table = dataclasses.replace(thresholds.SM90, shared_input_max_rows=rows)
+    monkeypatch.setattr(thresholds, "for_device", lambda device: table)
     for layer in model.modules():
         if getattr(layer, "shared", None) is not None:
             layer.shared[0].max_rows = None
@@ -337,14 +338,14 @@ def test_traced_calls_run_each_group_as_one_op():
 
 def test_traced_calls_take_each_groups_threshold():
     """Traced calls run a group's members apart above the group's threshold, as eager calls do: q/k/v's set to 64
-    rows here, gate/up's ``MAX_ROWS``."""
+    rows here, gate/up's ``shared_input_max_rows``."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     _, fused, _ = _pair("hybrid-block128")
-    assert fused.self_attn["q_proj"]._traced_group["max_rows"] == fusion.JOINED_MAX_ROWS  # set by fuse
+    assert fused.self_attn["q_proj"]._traced_group["max_rows"] == thresholds.SM90.joined_max_rows  # set by fuse
     fused.self_attn["q_proj"].shared[0].max_rows = 64
     assert fused.self_attn["v_proj"]._traced_group["max_rows"] == 64
-    assert fused.mlp["up_proj"]._traced_group["max_rows"] == fusion.MAX_ROWS
+    assert fused.mlp["up_proj"]._traced_group["max_rows"] == thresholds.SM90.shared_input_max_rows
     graphs = EagerAndRecordGraphs()
     compiled = torch.compile(fused, backend=graphs, fullgraph=True)
     with torch.no_grad():
@@ -408,8 +409,8 @@ def test_unfit_groups_stay_as_they_are_and_the_report_says_why():
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden,kv,ffn", [(1024, 256, 2048), (896, 128, 4864)])  # 896: views at 64-byte offsets
 def test_hybrid_sm90_groups_on_the_gpu(hidden, kv, ffn):
-    """On the H200: below the crossover (the exact regime) and above the group's threshold (``JOINED_MAX_ROWS`` for
-    q/k/v, ``MAX_ROWS`` for this gate/up group, not a gated MLP's) the same bits as each layer alone;
+    """On the H200: below the crossover (the exact regime) and above the group's threshold (``joined_max_rows`` for
+    q/k/v, ``shared_input_max_rows`` for this gate/up group, not a gated MLP's) the same bits as each layer alone;
     between them the quantized GEMM's own rounding at most, eager and replayed from a CUDA graph."""
     from helpers import skip_unless_backend_runs
 
@@ -425,7 +426,7 @@ def test_hybrid_sm90_groups_on_the_gpu(hidden, kv, ffn):
             x = torch.randn(1, m, hidden, device="cuda", dtype=torch.bfloat16)
             for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
                 ys = [getattr(fused, part)[n](x) for n in names]  # in turn on one input: one GEMM for the group
-                limit = getattr(fused, part)[names[0]].shared[0].max_rows or fusion.MAX_ROWS
+                limit = getattr(fused, part)[names[0]].shared[0].max_rows or thresholds.SM90.shared_input_max_rows
                 for y, n in zip(ys, names, strict=True):
                     ref = getattr(alone, part)[n](x)
                     # below the crossover, and above the threshold (each member's own GEMM on one quantization of x)

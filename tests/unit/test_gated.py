@@ -10,7 +10,7 @@ from helpers import random_act, random_mx_weight
 from torch import nn
 
 import mxgemm
-from mxgemm import MXFP8Linear, fusion
+from mxgemm import MXFP8Linear, thresholds
 from mxgemm.backends import hybrid_sm90
 from mxgemm.backends.base import MAX_PLANS
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
@@ -72,8 +72,8 @@ def test_gated_mlps_compute_what_the_models_steps_do(mlp_bias, gated_calls):
             assert gated_calls == [rows >= crossover] * 2, rows  # the exact regime multiplies the bf16 product
     assert fuse_gated_mlps(fused) == []  # taken once
     # its gate/up group and q/k/v: one GEMM up to 4096 rows
-    assert mlp.gate_proj.shared[0].max_rows == fusion.JOINED_MAX_ROWS
-    assert fused.model.layers[0].self_attn.q_proj.shared[0].max_rows == fusion.JOINED_MAX_ROWS
+    assert mlp.gate_proj.shared[0].max_rows == thresholds.SM90.joined_max_rows
+    assert fused.model.layers[0].self_attn.q_proj.shared[0].max_rows == thresholds.SM90.joined_max_rows
 
 
 def test_only_the_gated_expression_with_silu_is_taken():
@@ -103,9 +103,9 @@ def test_only_the_gated_expression_with_silu_is_taken():
     assert [line for line in report.fusion if line.endswith(GATED)] == [f"gated{GATED}"]  # plain's down: nn.Linear
     assert type(model["gated"]) is not Gated and isinstance(model["gated"], Gated)
     assert all(type(model[n]) is c for n, c in (("swapped", Swapped), ("gelu", Gelu), ("plain", Gated)))
-    # one GEMM up to fusion.JOINED_MAX_ROWS rows for the gated MLP's gate/up group only
+    # one GEMM up to thresholds.SM90.joined_max_rows rows for the gated MLP's gate/up group only
     assert [model[n].gate_proj.shared[0].max_rows for n in ("gated", "swapped", "gelu", "plain")] == [
-        fusion.JOINED_MAX_ROWS,
+        thresholds.SM90.joined_max_rows,
         None,
         None,
         None,

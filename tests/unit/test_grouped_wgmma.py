@@ -66,14 +66,17 @@ def test_configs_and_one_line_refusals():
 
 
 def test_which_kernel_a_grouped_call_takes(monkeypatch):
-    """On SM90 with the library built: the wgmma kernel from WGMMA_FROM rows per expert of an even routing (at any
-    rows from K = WGMMA_DEEP_K), 64-row tiles below 128 rows per expert and 128-row ones from there; the Triton kernel
-    below that, on other GPUs, on a CPU, and where the library does not build. The tactics offered start with that
-    default; the wgmma kernel's only where it runs."""
+    """On SM90 with the library built: the wgmma kernel from grouped_wgmma_from rows per expert of an even routing
+    (at any rows from K = grouped_wgmma_deep_k), 64-row tiles below 128 rows per expert and 128-row ones from there;
+    the Triton kernel below that, on other GPUs, on a CPU, and where the library does not build. The tactics offered
+    start with that default; the wgmma kernel's only where it runs."""
     from types import SimpleNamespace
 
     from mxgemm.backends import get_backend, triton_w8a16
-    from mxgemm.backends.triton_w8a16 import WGMMA_DEEP_K, WGMMA_FROM, Path, _default_grouped
+    from mxgemm.backends.triton_w8a16 import Path, _default_grouped
+    from mxgemm.thresholds import SM90
+
+    WGMMA_FROM, WGMMA_DEEP_K = SM90.grouped_wgmma_from, SM90.grouped_wgmma_deep_k
     from mxgemm.kernels.grouped.fp8 import GroupedConfig
     from mxgemm.kernels.grouped.wgmma import Availability
 

@@ -167,15 +167,16 @@ def test_dequant_path_in_chunks_matches_the_twin(with_bias):
 
 def test_triton_backend_dequantizes_from_m256_and_offers_it_from_m64():
     from mxgemm.backends.base import Tactic
-    from mxgemm.backends.triton_w8a16 import DEQUANT_MIN_M, Path
+    from mxgemm.backends.triton_w8a16 import Path
+    from mxgemm.thresholds import SM90
 
     dequant = Tactic(Path.DEQUANT)
     b = mxgemm.backends.get_backend("triton")
     q, s = random_mx_weight(64, 128)
     w = mxgemm.prepare_weight(q, s, backend="triton")
-    assert DEQUANT_MIN_M == 256 and b.tactics(256, w)[0] == dequant
+    assert SM90.dequant_min_m == 256 and b.tactics(256, w)[0] == dequant
     assert b.tactics(64, w)[-1] == dequant and dequant not in b.tactics(63, w)
-    x = random_act(DEQUANT_MIN_M, 128)
+    x = random_act(SM90.dequant_min_m, 128)
     y = b.run(x, w, None)
     assert torch.equal(y, b.run(x, w, None, tactic=dequant))
     assert sqnr_db(y, _twin(x, q, s, None)) > MIN_SQNR

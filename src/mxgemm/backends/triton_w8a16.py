@@ -4,9 +4,9 @@ activations) the weight is dequantized chunk by chunk into a transient bf16 buff
 
 Grouped weights of a mixture of experts (FP8 tensor cores, compute capability 8.9 and up): ``w8a8-block``, each
 expert re-encoded to 128x128 blocks once, its rows quantized per 1x128 inside the grouped GEMM
-(``kernels/grouped/fp8.py``); on SM90, from :data:`WGMMA_FROM` rows per expert of an even routing (at any rows from
-K = :data:`WGMMA_DEEP_K`), the rows quantized apart and multiplied by the TMA/wgmma kernel
-(``kernels/grouped/wgmma.py``) where nvcc builds it, the same recipe."""
+(``kernels/grouped/fp8.py``); on SM90, from ``grouped_wgmma_from`` rows per expert of an even routing (at any rows
+from K = ``grouped_wgmma_deep_k``; :mod:`mxgemm.thresholds`), the rows quantized apart and multiplied by the TMA/wgmma
+kernel (``kernels/grouped/wgmma.py``) where nvcc builds it, the same recipe."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from .. import thresholds
 from ..block128 import grouped_block128_to_mx, prepare_grouped_block128
 from ..device import DeviceInfo
 from ..format import BLOCK_SIZE, E8M0_NAN
@@ -27,16 +28,7 @@ __all__ = ["TritonBackend", "kernel_scales"]
 
 _MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor-core dots
 _FP8_CAPABILITY = (8, 9)  # FP8 tensor-core dots: the grouped kernel
-# From this M (bf16 activations) the default is dequantize + cuBLAS: at M=256 on the llama3-8b projections one
-# dequantizing pass plus the bf16 GEMM costs 0.55-0.72x the kernel's time (on the H200; at M=128 it wins
-# on qkv and o only); a tactic from M=64.
-DEQUANT_MIN_M = 256
-_DEQUANT_TACTIC_MIN_M = 64
-WGMMA_FROM = 8  # rows per expert of an even routing from which SM90 runs the grouped wgmma kernel
-# From this K SM90 runs the grouped wgmma kernel at any rows per expert: at 1-16 tokens on the H100 its 64-row tiles
-# beat the Triton kernel on DeepSeek-V3's gate/up (K 7168) and Mixtral's projections (K 4096, 14336) by 4-67%
-# (`mxgemm tune --moe`, bench/results/tune-moe-h100.txt); on Qwen3's (K 768, 2048) the Triton kernel stays ahead.
-WGMMA_DEEP_K = 4096
+_DEQUANT_TACTIC_MIN_M = 64  # dequantize + cuBLAS offered as a tactic from this M (the default from the threshold's)
 
 
 def kernel_scales(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -99,7 +91,7 @@ class TritonBackend(Backend, GroupedWeights):
 
     def tactics(self, m: int, weight: PreparedWeight) -> list[Tactic]:
         """Kernel configs around the measured default (tile N, tile K, split-K, pipeline depth, decoder) and, from
-        M = 64, dequantize + cuBLAS (first from ``DEQUANT_MIN_M``). Same numerics."""
+        M = 64, dequantize + cuBLAS (first from the device's ``dequant_min_m``). Same numerics."""
         base = _default(m, weight)
         out = [Tactic(Path.KERNEL, base)]
         variants = [{"bn": bn} for bn in (32, 64, 128)] + [{"bk": bk} for bk in (64, 128, 256)]
@@ -110,7 +102,7 @@ class TritonBackend(Backend, GroupedWeights):
             t = Tactic(Path.KERNEL, dataclasses.replace(base, **v))
             if t not in out and t.config.fills_splits(weight.in_features):
                 out.append(t)
-        if m >= DEQUANT_MIN_M:
+        if m >= thresholds.for_device(weight.device).dequant_min_m:
             return [Tactic(Path.DEQUANT), *out]
         return [*out, Tactic(Path.DEQUANT)] if m >= _DEQUANT_TACTIC_MIN_M else out
 
@@ -119,7 +111,7 @@ class TritonBackend(Backend, GroupedWeights):
 
         q = weight.tensors["qdata"]
         m = x.shape[0]
-        dequant = tactic.path == Path.DEQUANT if tactic else m >= DEQUANT_MIN_M
+        dequant = tactic.path == Path.DEQUANT if tactic else m >= thresholds.for_device(x.device).dequant_min_m
         if dequant and x.dtype == torch.bfloat16:
             from ..kernels.dequant import dequant_linear
 
@@ -144,7 +136,8 @@ class TritonBackend(Backend, GroupedWeights):
             return Availability(
                 False, f"grouped weights need FP8 tensor cores (compute capability >= 8.9); {device} is below that"
             )
-        wgmma = f"; from {WGMMA_FROM} rows per expert (any from K = {WGMMA_DEEP_K}) the TMA/wgmma kernel"
+        t = thresholds.for_sm(device.sm)
+        wgmma = f"; from {t.grouped_wgmma_from} rows per expert (any from K = {t.grouped_wgmma_deep_k}) the wgmma one"
         return Availability(True, f"grouped FP8 Triton kernel on {device}" + (wgmma if device.sm == 90 else ""))
 
     def prepare_grouped(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedGroupedWeight:
@@ -236,9 +229,10 @@ def _wgmma_runs(device: torch.device) -> bool:
 
 def _default_grouped(per_expert: int, device: torch.device, k: int) -> Tactic:
     """The grouped kernel and config for ``per_expert`` rows an expert (of an even routing) of ``k`` columns: on SM90
-    from :data:`WGMMA_FROM` rows, or at any rows from K = :data:`WGMMA_DEEP_K`, the wgmma kernel where it builds
-    (64-row tiles below 128 rows an expert, 128 from there); else the Triton kernel's default."""
-    if (per_expert >= WGMMA_FROM or k >= WGMMA_DEEP_K) and _wgmma_runs(device):
+    from the device's ``grouped_wgmma_from`` rows, or at any rows from K = ``grouped_wgmma_deep_k``, the wgmma kernel
+    where it builds (64-row tiles below 128 rows an expert, 128 from there); else the Triton kernel's default."""
+    t = thresholds.for_device(device)
+    if (per_expert >= t.grouped_wgmma_from or k >= t.grouped_wgmma_deep_k) and _wgmma_runs(device):
         from ..kernels.grouped.wgmma import WgmmaConfig
 
         return Tactic(Path.WGMMA, WgmmaConfig(tn=128 if per_expert >= 128 else 64, wn=128, stages=4))

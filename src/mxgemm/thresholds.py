@@ -1,0 +1,67 @@
+"""Where mxgemm's default routes switch, as measured: one table per GPU architecture.
+
+Each value is the point from which one route beats another in a measurement that docs/performance.md records (the
+section named beside the field). SM90 is the only architecture measured; a GPU of another one takes SM90's table
+(the tuner's files, keyed by GPU, are where a device's own measurements go). Tactic lists and kernel limits are not
+here: they bound what is tried, not what runs by default.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SM90", "Thresholds", "for_device", "for_sm"]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The switch points of one architecture's default routes, and the GPUs they were measured on."""
+
+    measured_on: str
+    # triton (w8a16): from this M, the weight dequantized into bf16 for cuBLAS instead of the exact kernel
+    # ("The regimes of hybrid_sm90 and what limits each": dequantize + cuBLAS against the Triton kernel)
+    dequant_min_m: int
+    # a group of layers reading one input (fusion.SharedInput) runs as one GEMM up to this many rows, each member's
+    # own GEMM above ("Eager calls and whole models": the prefill with groups and with members apart)
+    shared_input_max_rows: int
+    # ... up to this many rows for groups whose outputs are read at full speed as views: q/k/v, and the gate/up of a
+    # gated MLP whose product down_proj reads quantized (the same section: the groups at 1024 and 4096 rows)
+    joined_max_rows: int
+    # triton's grouped weights: the wgmma kernel from this many rows per expert of an even routing ("Mixtures of
+    # experts": the wgmma kernel against the Triton kernel, grouped-wgmma-h100.txt)
+    grouped_wgmma_from: int
+    # ... and at any rows from this K (the same section: `mxgemm tune --moe`, tune-moe-h100.txt)
+    grouped_wgmma_deep_k: int
+
+
+SM90 = Thresholds(
+    measured_on="NVIDIA H200 (dense routes) and H100 80GB HBM3 (grouped weights)",
+    dequant_min_m=256,
+    shared_input_max_rows=1024,
+    joined_max_rows=4096,
+    grouped_wgmma_from=8,
+    grouped_wgmma_deep_k=4096,
+)
+
+_TABLES: dict[int, Thresholds] = {90: SM90}
+
+
+def for_sm(sm: int | None) -> Thresholds:
+    """The table of architecture ``sm`` (90 for SM90), else SM90's, the only one measured."""
+    return _TABLES.get(sm, SM90) if sm is not None else SM90
+
+
+def for_device(device: torch.device) -> Thresholds:
+    """:func:`for_sm` of ``device``'s architecture (a CPU, running the kernels under Triton's interpreter: SM90's)."""
+    if device.type != "cuda":
+        return for_sm(None)
+    return for_sm(_sm(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def _sm(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
