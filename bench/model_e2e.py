@@ -36,6 +36,7 @@ import torch
 import transformers
 
 import mxgemm
+from mxgemm import settings
 from mxgemm.bench import environment
 
 WHO = ("bf16", "mxgemm")
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                         "prefill_tokens": args.prefill,
                         "skip": args.skip,
                         "fuse": not args.no_fuse,
+                        "eager_graphs": settings.eager_graphs_enabled(),
                         "order": "interleaved",
                         "quantize_report": reports,
                     }
@@ -288,7 +290,8 @@ def markdown(rows: list[dict], args, env) -> str:
         f"Face `generate` (greedy, {args.prompt}-token prompt, {args.new} new tokens; bf16 and mxgemm calls "
         f"alternating, medians of {args.eager_repeats} rounds eager, {args.repeats} with graphs); mxgemm quantizes "
         f"every linear layer{' and the experts (not the routers)' if args.moe else ''}"
-        f"{' but ' + ', '.join(args.skip) if args.skip else ''}. {env}",
+        f"{' but ' + ', '.join(args.skip) if args.skip else ''}"
+        f"{'; MXGEMM_EAGER_GRAPHS=1' if settings.eager_graphs_enabled() else ''}. {env}",
         "",
         "| mode | batch | bf16 tok/s | mxgemm tok/s | speedup | bf16 TTFT ms | mxgemm TTFT ms | bf16 prefill "
         f"{args.prefill} ms | mxgemm prefill {args.prefill} ms | prefill speedup | weights GiB bf16 / mxgemm "

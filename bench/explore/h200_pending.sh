@@ -36,6 +36,9 @@
 #   new-lengths  bench/explore/new_lengths.py: eager prefills of prompt lengths not seen before (plans made) and again
 #   prefill-host  bench/explore/prefill_host.py: the eager prefill's host time by route above fusion.MAX_ROWS
 #   bench-hf  the llama3-8b-hf set (Hugging Face's unfused projections, lm_head included)
+#   moe-gate / moe-bench / moe-tune / moe-e2e / moe-graphs  the experts: their GPU tests, mxgemm bench --moe (DeepGEMM
+#           beside where .anchors/deepgemm was carried), mxgemm tune --moe merged into the shipped tuning file, the
+#           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -170,6 +173,40 @@ for stage in "$@"; do
     bench-hf) bench h200-llama3-8b-hf 300 llama3-8b-hf ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
+    moe-gate)  # the GPU tests of the grouped kernels, the routed block and MXFP8Experts' eager graphs
+      timeout 300 python3 -m pytest tests -q -p no:warnings -m gpu --tb=short -k "grouped or moe or wgmma or routing" \
+        > "$out/moe-gate.txt" 2>&1; tail -3 "$out/moe-gate.txt" ;;
+    moe-bench)  # mxgemm bench --moe; DeepGEMM's columns where the anchors' copy was carried to .anchors/deepgemm
+      ( dg="$PWD/.anchors/deepgemm/DeepGEMM"; cd "$out" && PYTHONPATH="$PYTHONPATH:$dg" \
+          DG_CACHE_DIR="${DG_CACHE_DIR:-$dg/../../dg_cache}" timeout "${MOE_BENCH_S:-420}" python3 -m mxgemm bench \
+          --moe --json "moe-${GPU_TAG:-h200}.json" --markdown "moe-${GPU_TAG:-h200}.md" > moe-bench.log 2>&1
+        tail -4 moe-bench.log ) ;;
+    moe-tune)  # mxgemm tune --moe, its entries merged into the package's tuning file of this GPU where its
+      # environment record is this one's (else written as that file)
+      ( time MXGEMM_CACHE_DIR="$out/cache" timeout "${MOE_TUNE_S:-300}" python3 -m mxgemm tune --moe ) \
+        > "$out/tune-moe.txt" 2>&1
+      python3 - "$out"/cache/tuning-*.json <<'PY'
+import json, re, sys
+from pathlib import Path
+made = Path(sys.argv[1])
+shipped = Path("src/mxgemm/tuned") / (re.sub(r"-[0-9a-f]{12}\.json$", ".json", made.name))
+new = json.loads(made.read_text())
+old = json.loads(shipped.read_text()) if shipped.exists() else {"metadata": new["metadata"], "entries": {}}
+if old["metadata"] != new["metadata"]:
+    sys.exit(f"{shipped} was made for {old['metadata']}, not {new['metadata']}: not merged")
+old["entries"].update(new["entries"])
+shipped.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+print(f"{shipped}: {len(new['entries'])} grouped entries merged, {len(old['entries'])} in all")
+PY
+      cp src/mxgemm/tuned/tuning-*.json "$out/" ; tail -3 "$out/tune-moe.txt" ;;
+    moe-e2e)  # the Qwen3-30B-A3B-shaped model through generate: 48 layers where 2 x 61 GB fit, else 24
+      layers=$(python3 -c "import torch; print(48 if torch.cuda.get_device_properties(0).total_memory > 120e9 else 24)")
+      timeout "${MOE_E2E_S:-560}" python3 bench/model_e2e.py --moe --layers "$layers" --batches 1 16 --new 64 \
+        --repeats 2 --eager-repeats 3 --json "$out/e2e-moe-${GPU_TAG:-h200}.json" \
+        --markdown "$out/e2e-moe-${GPU_TAG:-h200}.md" > "$out/moe-e2e.log" 2>&1; tail -12 "$out/moe-e2e.log" ;;
+    moe-graphs)  # eager decode with MXFP8Experts' graphs against without (MXGEMM_EAGER_GRAPHS), 4 layers
+      for g in 0 1; do MXGEMM_EAGER_GRAPHS=$g timeout 200 python3 bench/explore/moe_layer_host.py --layers 4 \
+        --tokens 1 > "$out/moe-layer-host-graphs$g.txt" 2>&1; tail -8 "$out/moe-layer-host-graphs$g.txt"; done ;;
     *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|small-m-ncu|prefill|quant|ulp|eager|e2e|load|fused|lt-algos|bench-8b|bench-more|bench-all ..." >&2
        exit 2 ;;
   esac

@@ -3,11 +3,11 @@
 An eager call of many launches pays each launch's host time (the routed block of a mixture of experts: four to six
 Triton launches and their Python, a few hundred µs a call, where its GPU work at decode takes tens). An
 :class:`EagerGraphs` keeps, for each signature of a callable's tensor arguments (shapes, strides, dtypes, device,
-and a key its owner adds), a CUDA graph of the callable's launches and static copies of its arguments: the first call
-of a signature runs directly (kernels built, tactics looked up), the second captures the graph, and every call from
-there copies its arguments into the static ones, replays the graph and answers a copy of the graph's output (a
-caller keeping an output across calls never sees it change). The same launches run on the same bytes, so the bits are
-those of a direct call.
+inference mode, and a key its owner adds), a CUDA graph of the callable's launches and static copies of its
+arguments: the first call of a signature runs directly (kernels built, tactics looked up), the second captures the
+graph, and every call from there copies its arguments into the static ones, replays the graph and answers a copy of
+the graph's output (a caller keeping an output across calls never sees it change). The same launches run on the
+same bytes, so the bits are those of a direct call.
 
 All graphs of a device capture into one memory pool: a graph's intermediates are dead once it has replayed and its
 output has been copied out, so graphs replayed in any order never read each other's memory. Calls that cannot be
@@ -83,7 +83,8 @@ class EagerGraphs:
 
     def __call__(self, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, key: Hashable = ()) -> torch.Tensor:
         """``fn(*tensors)``, from a graph where this signature has one (call :func:`graphable` first)."""
-        sig = (key, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+        # inference mode apart: static copies made under it cannot be written outside it
+        sig = (key, torch.is_inference_mode_enabled(), *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
         entry = self._graphs.get(sig)
         if entry is None:
             if sig in self._refused or sig not in self._seen:

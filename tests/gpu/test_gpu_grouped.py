@@ -284,7 +284,7 @@ def test_eager_experts_calls_replay_graphs_with_the_direct_calls_bits(monkeypatc
     """``MXFP8Experts``' eager calls of up to GRAPHED_TOKENS tokens with MXGEMM_EAGER_GRAPHS=1: the first of a shape
     runs directly, the second captures, every later one replays; each answers the bits of a direct ``moe_experts``
     call for its own routing, the outputs held from earlier calls unchanged. Longer calls, gradients asked for, a side
-    stream, a caller's own capture and MXGEMM_EAGER_GRAPHS=0 run directly."""
+    stream, a caller's own capture and MXGEMM_EAGER_GRAPHS=0 run directly; inference mode has graphs of its own."""
     from mxgemm.moe import GRAPHED_TOKENS, MXFP8Experts
 
     monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
@@ -328,3 +328,10 @@ def test_eager_experts_calls_replay_graphs_with_the_direct_calls_bits(monkeypatc
     graph.replay()
     assert torch.equal(static_y, mxgemm.moe_experts(static_x, static_ids, static_w, gate_up, down))
     assert len(experts._graphs) == 2
+
+    x, (ids, w) = random_act(1, 1024, device="cuda"), _top_k(1, 32, 8, seed=4)
+    with torch.inference_mode():  # a graph of its own: inference tensors cannot be written outside the mode
+        for _ in range(3):
+            assert torch.equal(experts(x, ids, w), mxgemm.moe_experts(x, ids, w, gate_up, down))
+    assert len(experts._graphs) == 3
+    assert torch.equal(experts(x, ids, w), mxgemm.moe_experts(x, ids, w, gate_up, down))

@@ -297,6 +297,7 @@ def test_shipped_h100_file_holds_grouped_tactics_the_backend_offers(monkeypatch)
     offers on SM90 for its bucket."""
     from types import SimpleNamespace
 
+    from mxgemm import thresholds
     from mxgemm.backends import triton_w8a16
     from mxgemm.backends.base import tactic_json
     from mxgemm.device import DeviceInfo
@@ -307,6 +308,7 @@ def test_shipped_h100_file_holds_grouped_tactics_the_backend_offers(monkeypatch)
     assert data["metadata"]["gpu"] == h100.name and data["metadata"]["kernels"] == source_digest()
     assert len(data["entries"]) == 42  # 3 models x 2 projections x 7 token counts
     monkeypatch.setattr(triton_w8a16, "_wgmma_runs", lambda device: True)
+    monkeypatch.setattr(thresholds, "for_device", lambda device: thresholds.SM90)  # an H100's, on a CPU
     b = mxgemm.backends.get_backend("triton")
     for key, record in data["entries"].items():
         op, backend, m, _, k, dtype, layout, recipe = key.split("|")

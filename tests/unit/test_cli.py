@@ -402,3 +402,63 @@ def test_deepgemm_anchors_lay_out_the_same_routing_both_ways():
         assert flat.shape[0] == start
     emulated = mxgemm.prepare_grouped_weight(q, s, backend="emulation", recipe="w8a16")
     assert bench_moe.deepgemm_calls(emulated, counts, 256, torch.device("cpu"), deep_gemm=_DeepGemmStandIn()) == {}
+
+
+def test_deepgemm_kernels_are_built_once_each_before_the_timed_calls(monkeypatch):
+    """`mxgemm bench --moe` builds the kernels DeepGEMM's JIT would compile one by one on first use: its own calls run
+    on meta tensors while its tuner records each kernel's code (the stand-in below follows the anchors' d374456: the
+    grouped calls hand ``jit_tuner.compile_and_tune`` their keys, and ``jit.build`` compiles a generated source);
+    each distinct kernel is built once, a problem DeepGEMM refuses is skipped, and the tuner is left as it was."""
+    import sys
+    import types
+
+    from mxgemm import bench_moe
+
+    class Tuner:  # JITTuner: compile_and_tune a method of the class
+        def compile_and_tune(self, **kwargs):
+            raise AssertionError("DeepGEMM's own tuner builds one kernel at a time")
+
+    built, tuner = [], Tuner()
+    jit = types.ModuleType("deep_gemm.jit")
+    jit.cpp_format = lambda template, keys: template.format(**keys)
+    jit.generate = lambda includes, arg_defs, code: f"{includes}|{[a for a, _ in arg_defs]}|{code}"
+    jit.build = lambda name, arg_defs, code: built.append((name, code))
+    tuner_module = types.ModuleType("deep_gemm.jit_kernels.tuner")
+    tuner_module.jit_tuner = tuner
+
+    def grouped(kind, m_of):
+        def call(lhs, rhs, out, layout, *hint):
+            assert lhs[0].device.type == "meta" and rhs[0].dtype == torch.float8_e4m3fn
+            m = m_of(lhs[0], hint)
+            if kind == "contiguous" and m > 100_000:
+                raise AssertionError("refused")  # as DeepGEMM's own argument checks do
+            keys = {"N": rhs[0].shape[1], "K": rhs[0].shape[2], "BLOCK_M": 64 if m < 128 else 128, "KIND": kind}
+            tuner.compile_and_tune(
+                name="m_grouped_gemm_fp8_fp8_bf16_nt",
+                keys=keys,
+                space=(),
+                includes=("deep_gemm/fp8_gemm.cuh",),
+                arg_defs=(("lhs", torch.float8_e4m3fn), ("m", int)),
+                template="{KIND} {N}x{K} {BLOCK_M}",
+                args=(lhs, rhs, out, layout, *hint),
+            )
+
+        return call
+
+    stand_in = _DeepGemmStandIn()
+    stand_in.m_grouped_gemm_fp8_fp8_bf16_nt_masked = grouped("masked", lambda lhs, hint: hint[0])
+    stand_in.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous = grouped("contiguous", lambda lhs, hint: lhs.shape[0])
+    monkeypatch.setitem(sys.modules, "deep_gemm", types.ModuleType("deep_gemm"))
+    monkeypatch.setitem(sys.modules, "deep_gemm.jit", jit)
+    monkeypatch.setitem(sys.modules, "deep_gemm.jit_kernels", types.ModuleType("deep_gemm.jit_kernels"))
+    monkeypatch.setitem(sys.modules, "deep_gemm.jit_kernels.tuner", tuner_module)
+    problems = [(4, 256, 512, [3, 0, 130, 1]), (4, 256, 512, [3, 0, 130, 1]), (4, 256, 512, [1, 1, 1, 1])]
+    problems += [(4, 256, 512, [200_000, 0, 0, 0])]  # refused by the contiguous call
+    assert bench_moe.deepgemm_prebuild(problems, jobs=2, deep_gemm=stand_in) == 3
+    # masked: 45 and 1 rows an active expert (64-row blocks), then 200000 (128); contiguous: 512 padded rows
+    assert sorted(code.split("|")[-1] for _, code in built) == [
+        "contiguous 256x512 128",
+        "masked 256x512 128",
+        "masked 256x512 64",
+    ]
+    assert "compile_and_tune" not in vars(tuner)  # the class's method again

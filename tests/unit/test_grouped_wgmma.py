@@ -2,6 +2,7 @@
 to the 1x128 reference under the interpreter, its configs and one-line refusals, which kernel a grouped call takes,
 and the CUDA source compiling for sm_90a where nvcc exists."""
 
+import functools
 import os
 
 import pytest
@@ -72,6 +73,7 @@ def test_which_kernel_a_grouped_call_takes(monkeypatch):
     start with that default; the wgmma kernel's only where it runs."""
     from types import SimpleNamespace
 
+    from mxgemm import thresholds
     from mxgemm.backends import get_backend, triton_w8a16
     from mxgemm.backends.triton_w8a16 import Path, _default_grouped
     from mxgemm.thresholds import SM90
@@ -88,6 +90,7 @@ def test_which_kernel_a_grouped_call_takes(monkeypatch):
 
     capability, built = [(9, 0)], [Availability(True, "built")]
     monkeypatch.setattr(triton_w8a16.torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(thresholds, "_sm", functools.cache(thresholds._sm.__wrapped__))  # this test's answers only
     monkeypatch.setattr(wgmma, "wgmma_status", lambda cap: built[0])
     assert _default_grouped(WGMMA_FROM - 1, gpu, 2048).path == Path.GROUPED
     assert _default_grouped(WGMMA_FROM, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4)
