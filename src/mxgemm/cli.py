@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import settings
+from . import settings, thresholds
 from .backends import AUTO_PRIORITY, get_backend
 from .backends.base import tactic_json
 from .backends.capabilities import GroupedWeights
@@ -35,6 +35,7 @@ from .bench import (
 from .bench_moe import MOE_MODELS
 from .device import describe_device
 from .errors import MXGemmError
+from .moe import GRAPHED_TOKENS
 from .resolve import available_backends, default_request, explain_auto
 
 __all__ = ["main"]
@@ -80,6 +81,14 @@ def _info(console: Console) -> int:
         console.print(f"eager calls: {escape(status().reason)}")
     else:
         console.print("eager calls: the Python path (C++ calls the CUDA kernels' plans, on a GPU)")
+    graphs = "on" if settings.eager_graphs_enabled() else "off (MXGEMM_EAGER_GRAPHS=1 turns them on)"
+    console.print(f"experts' eager graphs (up to {GRAPHED_TOKENS} tokens): {graphs}")
+    limits = thresholds.for_sm(device.sm)
+    unmeasured = device.type == "cuda" and device.sm not in thresholds.MEASURED
+    console.print(
+        f"route thresholds: measured on {limits.measured_on}"
+        + (f"; SM{device.sm} has no table of its own and takes SM90's" if unmeasured else "")
+    )
     from .autotune import Autotuner
 
     tuner = Autotuner.for_device(device)

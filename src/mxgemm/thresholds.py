@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SM90", "Thresholds", "for_device", "for_sm"]
+__all__ = ["MEASURED", "SM90", "Thresholds", "for_device", "for_sm"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ SM90 = Thresholds(
 )
 
 _TABLES: dict[int, Thresholds] = {90: SM90}
+MEASURED = frozenset(_TABLES)  # the architectures with a table of their own
 
 
 def for_sm(sm: int | None) -> Thresholds:
