@@ -117,9 +117,9 @@ class EagerGraphs:
         except Exception as exc:  # a launch that cannot be captured: this signature runs directly from now on
             logger.info("mxgemm: eager calls of %s run without a graph: capture failed (%s)", sig, exc)
             self._refused.add(sig)
-            current.wait_stream(side)
             return None
-        current.wait_stream(side)
+        finally:
+            current.wait_stream(side)
         if not isinstance(output, torch.Tensor):
             self._refused.add(sig)
             return None

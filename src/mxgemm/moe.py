@@ -243,7 +243,8 @@ class MXFP8Experts(nn.Module):
         replay a CUDA graph of the call for their shapes (:class:`mxgemm.graphs.EagerGraphs`: the same launches, a
         fraction of their host time)."""
         args = (hidden_states, top_k_index, top_k_weights)
-        if not torch.compiler.is_compiling() and hidden_states.shape[0] <= GRAPHED_TOKENS and graphable(*args):
+        # graphable first: traced, it answers False before the token count would be guarded on
+        if graphable(*args) and hidden_states.shape[0] <= GRAPHED_TOKENS:
             return self._graphs(self._run, *args, key=tuning.generation())
         return self._run(*args)
 

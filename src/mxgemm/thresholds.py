@@ -52,7 +52,7 @@ MEASURED = frozenset(_TABLES)  # the architectures with a table of their own
 
 def for_sm(sm: int | None) -> Thresholds:
     """The table of architecture ``sm`` (90 for SM90), else SM90's, the only one measured."""
-    return _TABLES.get(sm, SM90) if sm is not None else SM90
+    return _TABLES.get(sm, SM90)
 
 
 def for_device(device: torch.device) -> Thresholds:

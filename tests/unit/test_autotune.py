@@ -34,12 +34,16 @@ class FakeTunable(EmulationBackend):
         return [{"name": n} for n in self.COSTS]
 
     def run(self, x, weight, bias, tactic=None):
+        self._charge(tactic, lambda name: name)
+        return super().run(x, weight, bias)
+
+    def _charge(self, tactic, call) -> None:
+        """Record ``call(name)`` of the tactic, then keep its cost for the timer or, a broken one, fail."""
         name = (tactic or {"name": "default"})["name"]
-        self.calls.append(name)
+        self.calls.append(call(name))
         if self.COSTS[name] is None:
             raise RuntimeError("invalid config for this bucket")
         self.last_cost = self.COSTS[name]
-        return super().run(x, weight, bias)
 
 
 def _tuner(tmp_path, backend, meta=META, **kw):
@@ -423,25 +427,17 @@ def test_each_environment_keeps_its_own_file_and_says_how_each_file_is_used(tmp_
     assert "not used: unreadable" in TuningCache(here, meta).describe()
 
 
-class FakeGroupedTunable(EmulationBackend):
+class FakeGroupedTunable(FakeTunable):
     """Grouped tactics with known costs (µs), on the emulation's grouped twin."""
 
     name = "fake_grouped_tunable"
-    tunable = True
     COSTS: ClassVar[dict] = {"default": 10.0, "fast": 6.0, "broken": None}
-
-    def __init__(self):
-        self.calls = []
 
     def grouped_tactics(self, per_expert, weight):
         return [{"name": n} for n in self.COSTS]
 
     def run_grouped(self, x, weight, offsets, tactic=None):
-        name = (tactic or {"name": "default"})["name"]
-        self.calls.append((name, x.shape[0], offsets.tolist()))
-        if self.COSTS[name] is None:
-            raise RuntimeError("invalid config for this bucket")
-        self.last_cost = self.COSTS[name]
+        self._charge(tactic, lambda name: (name, x.shape[0], offsets.tolist()))
         return super().run_grouped(x, weight, offsets)
 
 
