@@ -285,13 +285,18 @@ def model_name(args) -> str:
 
 def markdown(rows: list[dict], args, env) -> str:
     by = {(r["who"], r["mode"], r["batch"]): r for r in rows}
+    graphs_note = (
+        "; the experts' eager calls replay CUDA graphs"
+        if settings.eager_graphs_enabled()
+        else ("; the experts' eager calls launch directly (MXGEMM_EAGER_GRAPHS=0)")
+    )
     lines = [
         f"{model_name(args)}, {args.layers} layers, random weights, Hugging "
         f"Face `generate` (greedy, {args.prompt}-token prompt, {args.new} new tokens; bf16 and mxgemm calls "
         f"alternating, medians of {args.eager_repeats} rounds eager, {args.repeats} with graphs); mxgemm quantizes "
         f"every linear layer{' and the experts (not the routers)' if args.moe else ''}"
         f"{' but ' + ', '.join(args.skip) if args.skip else ''}"
-        f"{'; MXGEMM_EAGER_GRAPHS=1' if settings.eager_graphs_enabled() else ''}. {env}",
+        f"{graphs_note if args.moe else ''}. {env}",
         "",
         "| mode | batch | bf16 tok/s | mxgemm tok/s | speedup | bf16 TTFT ms | mxgemm TTFT ms | bf16 prefill "
         f"{args.prefill} ms | mxgemm prefill {args.prefill} ms | prefill speedup | weights GiB bf16 / mxgemm "

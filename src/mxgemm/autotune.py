@@ -24,7 +24,7 @@ import torch
 
 from . import settings, tuning
 from .backends import Backend, PreparedGroupedWeight, PreparedWeight
-from .backends.base import PlanCache, tactic_json
+from .backends.base import PlanCache, recorded_as, tactic_json
 from .backends.capabilities import GroupedWeights
 from .device import DeviceInfo, describe_device
 from .tuning import (
@@ -145,7 +145,7 @@ class Autotuner:
         """The tactic the backend offers now that a file records as ``recorded``, or None (a file edited by hand, or
         from kernels whose tactics differ, may hold others)."""
         try:
-            return next((t for t in offered() if tactic_json(t) == recorded), None)
+            return next((t for t in offered() if recorded_as(t, recorded)), None)
         except Exception:  # a tactic list that cannot be made: follow nothing from the file
             return None
 

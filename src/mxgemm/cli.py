@@ -81,7 +81,10 @@ def _info(console: Console) -> int:
         console.print(f"eager calls: {escape(status().reason)}")
     else:
         console.print("eager calls: the Python path (C++ calls the CUDA kernels' plans, on a GPU)")
-    graphs = "on" if settings.eager_graphs_enabled() else "off (MXGEMM_EAGER_GRAPHS=1 turns them on)"
+    try:
+        graphs = "on (MXGEMM_EAGER_GRAPHS=0 turns them off)" if settings.eager_graphs_enabled() else "off"
+    except MXGemmError:  # said among the warnings above
+        graphs = "MXGEMM_EAGER_GRAPHS is not a switch"
     console.print(f"experts' eager graphs (up to {GRAPHED_TOKENS} tokens): {graphs}")
     limits = thresholds.for_sm(device.sm)
     unmeasured = device.type == "cuda" and device.sm not in thresholds.MEASURED

@@ -14,7 +14,7 @@ output has been copied out, so graphs replayed in any order never read each othe
 graphed run directly (:func:`graphable`): tensors not on a GPU, or subclasses, gradients asked for, a stream being
 captured already (the caller's own CUDA graph), ``torch.compile`` tracing, a dispatch mode, a stream other than the
 device's default one (calls on several streams at once would share the graphs' static tensors and memory), or
-``MXGEMM_EAGER_GRAPHS`` not set to 1 (off by default).
+``MXGEMM_EAGER_GRAPHS=0``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ _POOLS: dict[int, tuple] = {}  # a device's graph memory pool, shared by every E
 
 def graphable(*tensors: torch.Tensor) -> bool:
     """Whether a call on ``tensors`` may replay a graph: plain CUDA tensors of one device, no gradient asked for, no
-    capture, tracing or dispatch mode under way, the device's default stream current, ``MXGEMM_EAGER_GRAPHS=1``."""
+    capture, tracing or dispatch mode under way, the device's default stream current, ``MXGEMM_EAGER_GRAPHS`` not
+    0."""
     if torch.compiler.is_compiling() or not all(type(t) is torch.Tensor and t.is_cuda for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

@@ -239,7 +239,7 @@ class MXFP8Experts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """:func:`moe_experts`; with ``MXGEMM_EAGER_GRAPHS=1``, eager calls of up to :data:`GRAPHED_TOKENS` tokens
+        """:func:`moe_experts`; unless ``MXGEMM_EAGER_GRAPHS=0``, eager calls of up to :data:`GRAPHED_TOKENS` tokens
         replay a CUDA graph of the call for their shapes (:class:`mxgemm.graphs.EagerGraphs`: the same launches, a
         fraction of their host time)."""
         args = (hidden_states, top_k_index, top_k_weights)

@@ -44,7 +44,7 @@ def backend_request() -> str:
 def problems() -> list[str]:
     """What is wrong with the variables set now, one line each (``mxgemm info`` shows them): every reader is tried."""
     found = []
-    for read in (autotune_enabled, fast_calls_enabled, reencode_max_error, cache_dir):
+    for read in (autotune_enabled, fast_calls_enabled, eager_graphs_enabled, reencode_max_error, cache_dir):
         try:
             read()
         except SettingsError as exc:
@@ -63,8 +63,8 @@ def fast_calls_enabled() -> bool:
 
 
 def eager_graphs_enabled() -> bool:
-    """``MXGEMM_EAGER_GRAPHS``: whether eager calls of the experts' routed block replay CUDA graphs (default off)."""
-    return bool(os.environ.get("MXGEMM_EAGER_GRAPHS", "").strip()) and _flag("MXGEMM_EAGER_GRAPHS")
+    """``MXGEMM_EAGER_GRAPHS``: whether eager calls of the experts' routed block replay CUDA graphs (default on)."""
+    return not os.environ.get("MXGEMM_EAGER_GRAPHS", "").strip() or _flag("MXGEMM_EAGER_GRAPHS")
 
 
 def reencode_max_error() -> float:

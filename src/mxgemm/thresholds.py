@@ -35,6 +35,9 @@ class Thresholds:
     grouped_wgmma_from: int
     # ... and at any rows from this K (the same section: `mxgemm tune --moe`, tune-moe-h100.txt)
     grouped_wgmma_deep_k: int
+    # ... its persistent grid (CTAs taking tiles in turn) up to this K, a CTA per tile above (the same section: the
+    # persistent grid against a CTA per tile)
+    grouped_persistent_max_k: int
 
 
 SM90 = Thresholds(
@@ -44,6 +47,7 @@ SM90 = Thresholds(
     joined_max_rows=4096,
     grouped_wgmma_from=8,
     grouped_wgmma_deep_k=4096,
+    grouped_persistent_max_k=2048,
 )
 
 _TABLES: dict[int, Thresholds] = {90: SM90}

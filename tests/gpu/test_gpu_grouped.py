@@ -82,6 +82,7 @@ def test_every_config_and_routing_matches_the_twin(n, k, routing):
 
 
 WGMMA_CONFIGS = [WgmmaConfig(tn, wn, st) for tn in (64, 128) for wn in (64, 128) for st in (2, 4, 6)]
+PERSISTENT = [WgmmaConfig(c.tn, c.wn, c.stages, persistent=True) for c in WGMMA_CONFIGS]
 
 
 def _need_wgmma():
@@ -95,7 +96,8 @@ def _need_wgmma():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_wgmma_config_and_routing_matches_the_twin(n, k, routing, dtype):
     """The TMA/wgmma kernel on rows quantized apart: each expert's rows within the tensor cores' rounding of the
-    twin, rows past the last expert zeros, every output row written; with ``dst`` each row lands at its place."""
+    twin, rows past the last expert zeros, every output row written, the persistent grid's bits those of a CTA per
+    tile; with ``dst`` each row lands at its place."""
     _need_wgmma()
     q, s = _experts(8, n, k)
     w = mxgemm.prepare_grouped_weight(q, s, backend="triton")
@@ -104,14 +106,38 @@ def test_every_wgmma_config_and_routing_matches_the_twin(n, k, routing, dtype):
     offsets = _offsets(counts)
     qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
     xq, xs = quantize_rows(x)
-    for config in WGMMA_CONFIGS:
+    for config, persistent in zip(WGMMA_CONFIGS, PERSISTENT):
         poison_cuda_allocator()
         y = grouped_wgmma(xq, xs, x.shape[0], qd, bs, offsets, n, dtype, config)
         _check(y, x, q, s, counts, str(config))
+        poison_cuda_allocator()
+        assert torch.equal(grouped_wgmma(xq, xs, x.shape[0], qd, bs, offsets, n, dtype, persistent), y), persistent
     dst = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(n)).to(torch.int32).cuda()
     poison_cuda_allocator()
     scattered = grouped_wgmma(xq, xs, x.shape[0], qd, bs, offsets, n, dtype, WGMMA_CONFIGS[-1], dst=dst)
     assert torch.equal(scattered[dst.long()], y)
+
+
+@pytest.mark.parametrize("tn", [64, 128])
+def test_persistent_ctas_find_every_tile_of_many_experts(tn):
+    """80 experts (three of the warp's 32-expert scan steps), a third of them empty and one with 10 tiles' rows: the
+    persistent grid, whose CTAs take tiles in turn and carry their scan from one tile to the next, writes what a CTA
+    per tile does, within the tensor cores' rounding of the twin."""
+    _need_wgmma()
+    e, n, k = 80, 256, 256
+    q, s = _experts(e, n, k, seed=3)
+    w = mxgemm.prepare_grouped_weight(q, s, backend="triton")
+    g = torch.Generator().manual_seed(tn)
+    counts = [0 if i % 3 == 1 else int(torch.randint(1, 150, (1,), generator=g)) for i in range(e)]
+    counts[41] = 10 * tn
+    x = random_act(sum(counts) + 5, k, device="cuda", seed=tn, dtype=torch.bfloat16)
+    qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
+    xq, xs = quantize_rows(x)
+    args = (xq, xs, x.shape[0], qd, bs, _offsets(counts), n, torch.bfloat16)
+    poison_cuda_allocator()
+    y = grouped_wgmma(*args, WgmmaConfig(tn, 64, 4, persistent=True))
+    _check(y, x, q, s, counts, "persistent")
+    assert torch.equal(y, grouped_wgmma(*args, WgmmaConfig(tn, 64, 4)))
 
 
 def test_fp16_and_the_op():

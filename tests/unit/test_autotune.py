@@ -303,7 +303,7 @@ def test_shipped_h100_file_holds_grouped_tactics_the_backend_offers(monkeypatch)
 
     from mxgemm import thresholds
     from mxgemm.backends import triton_w8a16
-    from mxgemm.backends.base import tactic_json
+    from mxgemm.backends.base import recorded_as
     from mxgemm.device import DeviceInfo
     from mxgemm.kernels import source_digest
 
@@ -319,8 +319,23 @@ def test_shipped_h100_file_holds_grouped_tactics_the_backend_offers(monkeypatch)
         assert (op, backend, dtype, recipe) == ("grouped", "triton", "bfloat16", "w8a8-block"), key
         experts = int(layout.split("experts:")[1].split(",")[0])
         weight = SimpleNamespace(experts=experts, device=torch.device("cuda", 0), in_features=int(k[1:]))
-        assert record["tactic"] in [tactic_json(t) for t in b.grouped_tactics(int(m[1:]), weight)], key
+        assert any(recorded_as(t, record["tactic"]) for t in b.grouped_tactics(int(m[1:]), weight)), key
         assert record["us"] <= record["default_us"] and record["failed"] == 0
+
+
+def test_a_record_made_before_a_config_field_was_added_is_its_default():
+    """A tuning file written before ``WgmmaConfig.persistent`` existed names the launch that field's default keeps,
+    and no other; a record of another value or kind names nothing offered."""
+    from mxgemm.backends.base import Tactic, recorded_as
+    from mxgemm.kernels.grouped.wgmma import WgmmaConfig
+
+    old = {"path": "wgmma", "config": {"kind": "WgmmaConfig", "stages": 4, "tn": 128, "wn": 128}}
+    assert recorded_as(Tactic("wgmma", WgmmaConfig(128, 128, 4)), old)
+    assert not recorded_as(Tactic("wgmma", WgmmaConfig(128, 128, 4, persistent=True)), old)
+    assert not recorded_as(Tactic("wgmma", WgmmaConfig(64, 128, 4)), old)
+    assert not recorded_as(Tactic("grouped", WgmmaConfig(128, 128, 4)), old)
+    assert not recorded_as(Tactic("wgmma", WgmmaConfig(128, 128, 4)), {**old, "config": {**old["config"], "kind": "X"}})
+    assert recorded_as("plain", "plain") and not recorded_as(Tactic("wgmma", WgmmaConfig()), "plain")
 
 
 @pytest.mark.parametrize(

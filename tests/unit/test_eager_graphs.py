@@ -13,7 +13,7 @@ from mxgemm.graphs import EagerGraphs, graphable
 
 
 def test_cpu_tensors_and_traced_calls_are_not_graphed(monkeypatch):
-    """Only plain CUDA tensors on the default stream with MXGEMM_EAGER_GRAPHS=1 (off by default), no gradients, no
+    """Only plain CUDA tensors on the default stream, MXGEMM_EAGER_GRAPHS not 0 (on by default), no gradients, no
     capture or tracing under way."""
     x = torch.zeros(2, 4)
     monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
@@ -27,9 +27,10 @@ def test_cpu_tensors_and_traced_calls_are_not_graphed(monkeypatch):
     stream[0] = "side"
     assert not graphable(x)
     stream[0] = "default"
+    monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "0")
+    assert not graphable(x)
     monkeypatch.delenv("MXGEMM_EAGER_GRAPHS")
-    assert not graphable(x)  # off by default
-    monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
+    assert graphable(x)  # on by default
     capturing[0] = True  # the caller's own CUDA graph
     assert not graphable(x)
     capturing[0] = False

@@ -68,8 +68,8 @@ def test_configs_and_one_line_refusals():
 
 def test_which_kernel_a_grouped_call_takes(monkeypatch):
     """On SM90 with the library built: the wgmma kernel from grouped_wgmma_from rows per expert of an even routing
-    (at any rows from K = grouped_wgmma_deep_k), 64-row tiles below 128 rows per expert and 128-row ones from there;
-    the Triton kernel below that, on other GPUs, on a CPU, and where the library does not build. The tactics offered
+    (at any rows from K = grouped_wgmma_deep_k), 64-row tiles below 128 rows per expert and 128-row ones from there,
+    on its persistent grid up to K = grouped_persistent_max_k; the Triton kernel below that, on other GPUs, on a CPU, and where the library does not build. The tactics offered
     start with that default; the wgmma kernel's only where it runs."""
     from types import SimpleNamespace
 
@@ -79,6 +79,7 @@ def test_which_kernel_a_grouped_call_takes(monkeypatch):
     from mxgemm.thresholds import SM90
 
     WGMMA_FROM, WGMMA_DEEP_K = SM90.grouped_wgmma_from, SM90.grouped_wgmma_deep_k
+    PERSISTENT_MAX_K = SM90.grouped_persistent_max_k
     from mxgemm.kernels.grouped.fp8 import GroupedConfig
     from mxgemm.kernels.grouped.wgmma import Availability
 
@@ -93,15 +94,17 @@ def test_which_kernel_a_grouped_call_takes(monkeypatch):
     monkeypatch.setattr(thresholds, "_sm", functools.cache(thresholds._sm.__wrapped__))  # this test's answers only
     monkeypatch.setattr(wgmma, "wgmma_status", lambda cap: built[0])
     assert _default_grouped(WGMMA_FROM - 1, gpu, 2048).path == Path.GROUPED
-    assert _default_grouped(WGMMA_FROM, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4)
-    assert _default_grouped(127, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4)
-    assert _default_grouped(128, gpu, 2048).config == WgmmaConfig(tn=128, wn=128, stages=4)
+    assert _default_grouped(WGMMA_FROM, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4, persistent=True)
+    assert _default_grouped(127, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4, persistent=True)
+    assert _default_grouped(128, gpu, PERSISTENT_MAX_K).config == WgmmaConfig(128, 128, 4, persistent=True)
+    assert _default_grouped(128, gpu, PERSISTENT_MAX_K + 128).config == WgmmaConfig(tn=128, wn=128, stages=4)
     assert _default_grouped(1, gpu, WGMMA_DEEP_K).config == WgmmaConfig(tn=64, wn=128, stages=4)
     assert _default_grouped(1, gpu, WGMMA_DEEP_K - 128).path == Path.GROUPED
     assert _default_grouped(1, cpu, WGMMA_DEEP_K).path == Path.GROUPED
     tactics = get_backend("triton").grouped_tactics(128, SimpleNamespace(experts=8, device=gpu, in_features=2048))
     assert tactics[0] == _default_grouped(128, gpu, 2048) and len(set(tactics)) == len(tactics)
-    assert sum(t.path == Path.WGMMA for t in tactics) == 8 and sum(t.path == Path.GROUPED for t in tactics) == 3
+    assert sum(t.path == Path.WGMMA for t in tactics) == 16 and sum(t.path == Path.GROUPED for t in tactics) == 3
+    assert sum(t.path == Path.WGMMA and t.config.persistent for t in tactics) == 8
     capability[0] = (10, 0)
     assert _default_grouped(128, gpu, 2048).path == Path.GROUPED
     capability[0], built[0] = (9, 0), Availability(False, "nvcc was not found")

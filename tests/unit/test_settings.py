@@ -81,7 +81,9 @@ def test_mxgemm_info_flags_every_bad_setting(monkeypatch, capsys):
     monkeypatch.setenv("MXGEMM_BACKEND", "foo")
     monkeypatch.setenv("MXGEMM_AUTOTUNE", "maybe")
     monkeypatch.setenv("MXGEMM_REENCODE_MAX_ERROR", "nan")
+    monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "sometimes")
     assert main(["info"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    for name in ("MXGEMM_BACKEND='foo'", "MXGEMM_AUTOTUNE='maybe'", "MXGEMM_REENCODE_MAX_ERROR='nan'"):
+    names = ("MXGEMM_BACKEND='foo'", "MXGEMM_AUTOTUNE='maybe'", "MXGEMM_REENCODE_MAX_ERROR='nan'")
+    for name in (*names, "MXGEMM_EAGER_GRAPHS='sometimes'"):
         assert f"warning: {name}" in out, name

@@ -33,6 +33,7 @@ __all__ = [
     "Tactic",
     "UnsupportedWeightError",
     "check_reencoding",
+    "recorded_as",
     "tactic_json",
 ]
 
@@ -56,6 +57,21 @@ class Tactic:
 def tactic_json(tactic: Any) -> Any:
     """A tactic as a tuning file records it: :meth:`Tactic.json`, or the tactic itself (already JSON)."""
     return tactic.json() if isinstance(tactic, Tactic) else tactic
+
+
+def recorded_as(tactic: Any, recorded: Any) -> bool:
+    """Whether a tuning file's ``recorded`` tactic is ``tactic``: the same JSON, where a field of the config that the
+    record lacks counts as its default (a field added to a config later keeps the launch it had without it)."""
+    now = tactic_json(tactic)
+    if now == recorded:
+        return True
+    config = getattr(tactic, "config", None)
+    if not (
+        dataclasses.is_dataclass(config) and isinstance(recorded, dict) and isinstance(recorded.get("config"), dict)
+    ):
+        return False
+    defaults = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
+    return now == {**recorded, "config": {**defaults, **recorded["config"]}}
 
 
 class UnsupportedWeightError(Exception):

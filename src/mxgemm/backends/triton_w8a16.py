@@ -163,7 +163,11 @@ class TritonBackend(Backend, GroupedWeights):
         out += [Tactic(Path.GROUPED, c) for c in configs]
         if _wgmma_runs(weight.device):
             out += [
-                Tactic(Path.WGMMA, WgmmaConfig(tn, wn, st)) for tn in (64, 128) for wn in (64, 128) for st in (4, 6)
+                Tactic(Path.WGMMA, WgmmaConfig(tn, wn, st, persistent))
+                for tn in (64, 128)
+                for wn in (64, 128)
+                for st in (4, 6)
+                for persistent in (False, True)
             ]
         return list(dict.fromkeys(out))
 
@@ -230,12 +234,14 @@ def _wgmma_runs(device: torch.device) -> bool:
 def _default_grouped(per_expert: int, device: torch.device, k: int) -> Tactic:
     """The grouped kernel and config for ``per_expert`` rows an expert (of an even routing) of ``k`` columns: on SM90
     from the device's ``grouped_wgmma_from`` rows, or at any rows from K = ``grouped_wgmma_deep_k``, the wgmma kernel
-    where it builds (64-row tiles below 128 rows an expert, 128 from there); else the Triton kernel's default."""
+    where it builds (64-row tiles below 128 rows an expert, 128 from there; its persistent grid up to K =
+    ``grouped_persistent_max_k``); else the Triton kernel's default."""
     t = thresholds.for_device(device)
     if (per_expert >= t.grouped_wgmma_from or k >= t.grouped_wgmma_deep_k) and _wgmma_runs(device):
         from ..kernels.grouped.wgmma import WgmmaConfig
 
-        return Tactic(Path.WGMMA, WgmmaConfig(tn=128 if per_expert >= 128 else 64, wn=128, stages=4))
+        tn, persistent = 128 if per_expert >= 128 else 64, k <= t.grouped_persistent_max_k
+        return Tactic(Path.WGMMA, WgmmaConfig(tn=tn, wn=128, stages=4, persistent=persistent))
     from ..kernels.grouped.fp8 import default_config
 
     return Tactic(Path.GROUPED, default_config(per_expert, 1))

@@ -1,8 +1,9 @@
 """The grouped FP8 GEMM for many rows per expert on Hopper (``csrc/grouped_fp8.cu``, sm_90a: TMA loads, ``wgmma``):
 rows sorted by expert, quantized per 1x128 apart (:mod:`mxgemm.kernels.grouped.quant`), times each expert's E4M3
-weight with fp32 128x128 block scales; tokens as wgmma's M, 64 or 128 rows by 64 or 128 weight rows per CTA, each CTA
-finding its expert from the offsets on the device. Built with nvcc on first use (``kernels/nvcc.py``), loaded with
-ctypes; which config runs is the backend's choice."""
+weight with fp32 128x128 block scales; tokens as wgmma's M, 64 or 128 rows by 64 or 128 weight rows per tile, a CTA
+per tile or as many CTAs as fit on the GPU taking tiles in turn, each finding its tiles' experts from the offsets on
+the device. Built with nvcc on first use (``kernels/nvcc.py``), loaded with ctypes; which config runs is the
+backend's choice."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ __all__ = ["WgmmaConfig", "grouped_wgmma", "library", "wgmma_status"]
 _SOURCE = Path(__file__).parent / "csrc" / "grouped_fp8.cu"
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 # W, S, s_expert, s_stride, XQ, XS, ld_xs, x_rows, offsets, dst, Y, ldy, y_fp16, rows, E, N, K, tn, wn, stages,
-# slots, stream
-_ARGS = [_P, _P, _L, _I, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P]
+# slots, persistent, stream
+_ARGS = [_P, _P, _L, _I, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P]
 
 
 @functools.cache
@@ -52,11 +53,14 @@ def wgmma_status(capability: tuple[int, int] | None) -> Availability:
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """A launch of the kernel: ``tn`` rows of one expert by ``wn`` weight rows per CTA, a TMA ring of ``stages``."""
+    """A launch of the kernel: ``tn`` rows of one expert by ``wn`` weight rows per CTA, a TMA ring of ``stages``;
+    ``persistent``: as many CTAs as fit on the GPU at once, each taking tiles in turn (its next tile's loads overlap
+    its last one's stores), instead of a CTA per tile."""
 
     tn: int = 128
     wn: int = 128
     stages: int = 4
+    persistent: bool = False
 
     def valid(self) -> bool:
         """``tn`` and ``wn`` 64 or 128; 2, 4 or 6 stages."""
@@ -121,6 +125,7 @@ def grouped_wgmma(
         config.wn,
         config.stages,
         token_tile_slots(rows, e, config.tn),
+        int(config.persistent),
         raw_stream(xq.device.index),
     )
     if err:

@@ -9,21 +9,26 @@
 // accelerator (TMA, 128-byte swizzle; elements past a tensor read as zeros), completing on an mbarrier per stage.
 // The consumers run 4 wgmma.m64nNk32 per block into a block accumulator, free the stage, and add the block's product
 // times the weight block's scale and each row's scale into the fp32 result (the two-level accumulation of blockwise
-// FP8); each thread loads its two rows' scales of the next block from global memory while the tensor cores work (a
-// tile starts at any row; a TMA copy of the scales from such rows stopped the kernel: docs/performance.md).
+// FP8); each thread loads its two rows' scales and the weight block's scale of the next block from global memory
+// while the tensor cores work (a tile starts at any row; a TMA copy of the scales from such rows stopped the kernel:
+// docs/performance.md).
 //
-// Grouping: the grid is sized from the row count and E alone (token-tile slots that hold the tiles of any routing, x
-// the weight tiles), and each CTA finds its expert and first row from `offsets` on the device (one warp scans the
-// experts 32 at a time), so nothing is read on the host and one CUDA graph replays any routing of the same row
-// count; slots past the routing's tiles return at once. A tile's rows start wherever its expert's rows do (TMA boxes
-// start at any row: no padded copy of the activations), and rows past the expert's end are computed and not
-// written. The rows past the last expert's end are written as zeros. CTAs go in groups of SLOT_GROUP token tiles
-// that sweep the weight tiles together, so an expert's weight tile is read from memory once for its token tiles and
-// the group's activation tiles stay in L2. Output row i goes to row dst[i] where `dst` is given (the routed block's
-// down projection writes each copy back to its token's place). Deterministic.
+// Grouping: the work items are the routing's token tiles x the weight tiles, and every warp finds its items' expert
+// and first row from `offsets` on the device (scanning the experts 32 at a time, from where its last scan ended), so
+// nothing is read on the host and one CUDA graph replays any routing of the same row count. The grid is sized from
+// the row count and E alone: a CTA per item of the largest routing (token-tile slots x weight tiles; CTAs past this
+// routing's items return at once) or, persistent, as many CTAs as fit on the GPU, each taking the items gridDim.x
+// apart, its producer loading the next item's blocks while its consumers store the last one's results. A tile's rows
+// start wherever its expert's rows do (TMA boxes start at any row: no padded copy of the activations), and rows past
+// the expert's end are computed and not written. The rows past the last expert's end are written as zeros. Items go
+// in groups of SLOT_GROUP token tiles that sweep the weight tiles together, so an expert's weight tile is read from
+// memory once for its token tiles and the group's activation tiles stay in L2. Output row i goes to row dst[i] where
+// `dst` is given (the routed block's down projection writes each copy back to its token's place). Deterministic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <climits>
 #include <type_traits>
 
 #include "sm90.cuh"
@@ -43,7 +48,12 @@ struct Args {
   const float* XS;     // [kblocks][ld_xs] row scales
   int ld_xs;
   void* Y;             // [.., ldy], bf16 or fp16
-  int rows, E, N, kblocks, ldy, slots;
+  int rows, E, N, kblocks, ldy;
+};
+
+struct Grid {
+  int slots;       // token-tile slots: one CTA per slot and weight tile...
+  int persistent;  // ... or (non-zero) at most as many CTAs as fit on the GPU at once, each taking work items
 };
 
 struct Tile {
@@ -52,11 +62,17 @@ struct Tile {
 
 // The token tile `slot` of the routing in tiles of TN rows, by one warp: group e < E holds rows [offsets[e - 1],
 // offsets[e]), group E the rows past offsets[E - 1], each clamped to [0, rows]; groups take slots in order, one per
-// tile they hold
+// tile they hold. Past the last tile: expert -1 and tok0 the routing's tile count. `from` carries the scan from the
+// warp's last call (the first group of the 32 it ended in, and the tiles before that group): a later call for a slot
+// at or past those tiles starts there.
+struct Scan {
+  int base = 0, before = 0;
+};
 template <int TN>
-__device__ Tile find_tile(const Args& a, int slot, int lane) {
-  int before = 0;  // slots of the groups before this step's
-  for (int base = 0; base <= a.E; base += 32) {
+__device__ Tile find_tile(const Args& a, int slot, int lane, Scan& from) {
+  if (slot < from.before) from = Scan{};
+  int before = from.before;  // slots of the groups before this step's
+  for (int base = from.base; base <= a.E; base += 32) {
     const int e = base + lane;
     int start = 0, end = 0;
     if (e <= a.E) {
@@ -72,6 +88,7 @@ __device__ Tile find_tile(const Args& a, int slot, int lane) {
     }
     const unsigned hit = __ballot_sync(0xffffffffu, before + upto > slot);
     if (hit) {
+      from = Scan{base, before};
       const int f = __ffs(hit) - 1;
       const int first = before + __shfl_sync(0xffffffffu, upto - tiles, f);
       return Tile{base + f, __shfl_sync(0xffffffffu, start, f) + (slot - first) * TN,
@@ -79,7 +96,7 @@ __device__ Tile find_tile(const Args& a, int slot, int lane) {
     }
     before += __shfl_sync(0xffffffffu, upto, 31);
   }
-  return Tile{-1, 0, 0};
+  return Tile{-1, before, 0};
 }
 
 template <typename T>
@@ -90,6 +107,15 @@ __device__ __forceinline__ void store_pair(T* y, float v0, float v1) {
     *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
 }
 
+// The token-tile slot and weight tile of work item `idx` of `used` slots by `wtiles` weight tiles: groups of
+// SLOT_GROUP slots, each sweeping the weight tiles
+__device__ __forceinline__ void locate(int idx, int used, int wtiles, int& slot, int& wtile) {
+  const int per_group = SLOT_GROUP * wtiles, group = idx / per_group, first = group * SLOT_GROUP;
+  const int size = min(SLOT_GROUP, used - first), local = idx - group * per_group;
+  slot = first + local % size;
+  wtile = local / size;
+}
+
 template <int WN, int TW, int ST, typename T>
 __global__ void __launch_bounds__(128 * TW + 32) grouped_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                 const __grid_constant__ CUtensorMap xmap,
@@ -97,113 +123,117 @@ __global__ void __launch_bounds__(128 * TW + 32) grouped_kernel(const __grid_con
   constexpr int TN = 64 * TW;          // rows per CTA
   constexpr int XB = TN * BK;          // activation bytes per stage
   constexpr int STAGE = XB + WN * BK;  // + weight bytes; a multiple of 1024, as the swizzle needs
-  constexpr int CT = 128 * TW;         // consumer threads
   static_assert(STAGE % 1024 == 0 && (WN == 64 || WN == 128), "stages must stay 1024-byte aligned");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + ST * STAGE);
   uint64_t* empty = full + ST;
-  float* wsc = reinterpret_cast<float*>(empty + ST);  // [kblocks] the weight tile's block scales
-  __shared__ Tile tile;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, wg = warp / 4;
 
-  // this CTA's token-tile slot and weight tile: groups of SLOT_GROUP slots, each sweeping the weight tiles
-  const int wtiles = (a.N + WN - 1) / WN, per_group = SLOT_GROUP * wtiles;
-  const int group = blockIdx.x / per_group, first = group * SLOT_GROUP;
-  const int size = min(SLOT_GROUP, a.slots - first), local = blockIdx.x - group * per_group;
-  const int slot = first + local % size, n0 = local / size * WN;
-  if (warp == 0) {
-    const Tile found = find_tile<TN>(a, slot, lane);
-    if (lane == 0) {
-      tile = found;
-      for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * TW);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * TW);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const Tile my = tile;
-  if (my.expert < 0) return;
-  const bool active = my.expert < a.E;  // else rows past the last expert: zeros
-
-  float acc[WN / 2];
-#pragma unroll
-  for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
-  const int trow = wg * 64 + 16 * (warp % 4) + g;  // a consumer thread's rows in the tile: trow and trow + 8
+  // the work items: the routing's token tiles by the weight tiles, taken gridDim.x apart; every warp finds its
+  // items' tiles itself (the same answers), so the producer runs ahead of the consumers across items
+  Scan scan;
+  const int wtiles = (a.N + WN - 1) / WN, used = find_tile<TN>(a, INT_MAX, lane, scan).tok0, items = used * wtiles;
+  int stage = 0;  // ring stages filled (producer) or consumed (consumers) so far
 
   if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it
-    if (lane == 0 && active) {
-      const int wrow = my.expert * a.N + n0;
-      for (int it = 0; it < a.kblocks; ++it) {
-        const int s = it % ST;
-        if (it >= ST) mbar_wait(&empty[s], ((it / ST) & 1) ^ 1);  // the consumers are done with its last use
-        mbar_expect_tx(&full[s], STAGE);
-        uint8_t* stage = smem + s * STAGE;
-        tma_load(stage, &xmap, it * BK, my.tok0, &full[s]);
+    for (int idx = blockIdx.x; idx < items; idx += gridDim.x) {
+      int slot, wtile;
+      locate(idx, used, wtiles, slot, wtile);
+      const Tile my = find_tile<TN>(a, slot, lane, scan);
+      if (my.expert >= a.E) continue;  // rows past the last expert: nothing to load
+      if (lane == 0) {
+        const int wrow = my.expert * a.N + wtile * WN;
+        for (int it = 0; it < a.kblocks; ++it) {
+          const int n = stage + it, s = n % ST;
+          if (n >= ST) mbar_wait(&empty[s], ((n / ST) & 1) ^ 1);  // the consumers are done with its last use
+          mbar_expect_tx(&full[s], STAGE);
+          uint8_t* dst = smem + s * STAGE;
+          tma_load(dst, &xmap, it * BK, my.tok0, &full[s]);
 #pragma unroll
-        for (int r = 0; r < WN / 64; ++r) tma_load(stage + XB + r * 64 * BK, &wmap, it * BK, wrow + r * 64, &full[s]);
+          for (int r = 0; r < WN / 64; ++r) tma_load(dst + XB + r * 64 * BK, &wmap, it * BK, wrow + r * 64, &full[s]);
+        }
       }
+      stage += a.kblocks;
     }
     return;
   }
-  if (active) {
-    const float* S = a.S + my.expert * a.s_expert + (long long)(n0 / 128) * a.s_stride;
-    for (int i = tid; i < a.kblocks; i += CT) wsc[i] = __ldg(S + i);
-    const uint64_t dx0 = desc_sw128(smem_u32(smem) + wg * 64 * BK), dw0 = desc_sw128(smem_u32(smem) + XB);
-    asm volatile("bar.sync 1, %0;" ::"r"(CT) : "memory");
-    // the thread's two rows' scales (rows past the activations clamped: their results are not written)
-    const float* xs0 = a.XS + min(my.tok0 + trow, a.ld_xs - 1);
-    const float* xs1 = a.XS + min(my.tok0 + trow + 8, a.ld_xs - 1);
-    float next0 = __ldg(xs0), next1 = __ldg(xs1);
-    float blk[WN / 2];
-    for (int it = 0; it < a.kblocks; ++it) {
-      const int s = it % ST;
-      mbar_wait(&full[s], (it / ST) & 1);
-      const uint64_t off = (uint64_t)(s * (STAGE / 16));
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(blk, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
-      wgmma_commit();
-      const float sw = lds(wsc + it);
-      const float x0 = next0 * sw, x1 = next1 * sw;
-      if (it + 1 < a.kblocks) next0 = __ldg(xs0 + (size_t)(it + 1) * a.ld_xs), next1 = __ldg(xs1 + (size_t)(it + 1) * a.ld_xs);
-      wgmma_wait0();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[s]);
-#pragma unroll
-      for (int j = 0; j < WN / 8; ++j) {
-        acc[4 * j + 0] = fmaf(blk[4 * j + 0], x0, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(blk[4 * j + 1], x0, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(blk[4 * j + 2], x1, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(blk[4 * j + 3], x1, acc[4 * j + 3]);
-      }
-    }
-  }
 
+  const int trow = wg * 64 + 16 * (warp % 4) + g;  // a consumer thread's rows in the tile: trow and trow + 8
+  const uint64_t dx0 = desc_sw128(smem_u32(smem) + wg * 64 * BK), dw0 = desc_sw128(smem_u32(smem) + XB);
   // two adjacent columns per store where the row stride and the output keep them 4-byte aligned
   const bool paired = a.ldy % 2 == 0 && (reinterpret_cast<uintptr_t>(a.Y) & 3) == 0;
+  for (int idx = blockIdx.x; idx < items; idx += gridDim.x) {
+    int slot, wtile;
+    locate(idx, used, wtiles, slot, wtile);
+    const Tile my = find_tile<TN>(a, slot, lane, scan);
+    const int n0 = wtile * WN;
+    float acc[WN / 2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int m = my.tok0 + trow + 8 * h;
-    if (m >= my.end) continue;
-    T* y = static_cast<T*>(a.Y) + (size_t)(a.dst ? __ldg(a.dst + m) : m) * a.ldy;
+    for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
+    if (my.expert < a.E) {  // else rows past the last expert: zeros
+      // the weight tile's block scales, and the thread's two rows' scales (rows past the activations clamped: their
+      // results are not written), each block's loaded while the tensor cores run the one before
+      const float* sw = a.S + my.expert * a.s_expert + (long long)(n0 / 128) * a.s_stride;
+      const float* xs0 = a.XS + min(my.tok0 + trow, a.ld_xs - 1);
+      const float* xs1 = a.XS + min(my.tok0 + trow + 8, a.ld_xs - 1);
+      float next0 = __ldg(xs0), next1 = __ldg(xs1), nextw = __ldg(sw);
+      float blk[WN / 2];
+      for (int it = 0; it < a.kblocks; ++it) {
+        const int n = stage + it, s = n % ST;
+        mbar_wait(&full[s], (n / ST) & 1);
+        const uint64_t off = (uint64_t)(s * (STAGE / 16));
+        wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < WN / 8; ++j) {
-      const int col = n0 + 8 * j + 2 * t;
-      const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-      if (paired && col + 1 < a.N) {
-        store_pair(y + col, v0, v1);
-      } else {
-        if (col < a.N) y[col] = static_cast<T>(v0);
-        if (col + 1 < a.N) y[col + 1] = static_cast<T>(v1);
+        for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(blk, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
+        wgmma_commit();
+        const float x0 = next0 * nextw, x1 = next1 * nextw;
+        if (it + 1 < a.kblocks) {
+          next0 = __ldg(xs0 + (size_t)(it + 1) * a.ld_xs), next1 = __ldg(xs1 + (size_t)(it + 1) * a.ld_xs);
+          nextw = __ldg(sw + it + 1);
+        }
+        wgmma_wait0();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+#pragma unroll
+        for (int j = 0; j < WN / 8; ++j) {
+          acc[4 * j + 0] = fmaf(blk[4 * j + 0], x0, acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(blk[4 * j + 1], x0, acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(blk[4 * j + 2], x1, acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(blk[4 * j + 3], x1, acc[4 * j + 3]);
+        }
+      }
+      stage += a.kblocks;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = my.tok0 + trow + 8 * h;
+      if (m >= my.end) continue;
+      T* y = static_cast<T*>(a.Y) + (size_t)(a.dst ? __ldg(a.dst + m) : m) * a.ldy;
+#pragma unroll
+      for (int j = 0; j < WN / 8; ++j) {
+        const int col = n0 + 8 * j + 2 * t;
+        const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+        if (paired && col + 1 < a.N) {
+          store_pair(y + col, v0, v1);
+        } else {
+          if (col < a.N) y[col] = static_cast<T>(v0);
+          if (col + 1 < a.N) y[col + 1] = static_cast<T>(v1);
+        }
       }
     }
   }
 }
 
 template <int WN, int TW, int ST, typename T>
-int launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const Args& a, cudaStream_t stream) {
-  constexpr int TN = 64 * TW, STAGE = (TN + WN) * BK;
-  const int smem = ST * STAGE + 2 * ST * 8 + a.kblocks * 4 + 1024;
+int launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const Args& a, Grid grid, cudaStream_t stream) {
+  constexpr int TN = 64 * TW, STAGE = (TN + WN) * BK, THREADS = 128 * TW + 32;
+  const int smem = ST * STAGE + 2 * ST * 8 + 1024;
   int device = 0, limit = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
@@ -212,9 +242,17 @@ int launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const Args& a, cuda
   auto kernel = grouped_kernel<WN, TW, ST, T>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return (int)err;
+  long long ctas = (long long)grid.slots * ((a.N + WN - 1) / WN);
+  if (grid.persistent) {
+    int sms = 0, per_sm = 0;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem);
+    if (err != cudaSuccess) return (int)err;
+    ctas = std::min(ctas, (long long)sms * std::max(per_sm, 1));
+  }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)((long long)a.slots * ((a.N + WN - 1) / WN)));
-  config.blockDim = dim3(128 * TW + 32);
+  config.gridDim = dim3((unsigned)ctas);
+  config.blockDim = dim3(THREADS);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   err = cudaLaunchKernelEx(&config, kernel, wmap, xmap, a);
@@ -231,10 +269,10 @@ int by_stages(int stages, F f) {
 }
 
 template <typename T>
-int launch_config(const CUtensorMap& w, const CUtensorMap& x, const Args& a, int tn, int wn, int stages,
+int launch_config(const CUtensorMap& w, const CUtensorMap& x, const Args& a, int tn, int wn, int stages, Grid grid,
                   cudaStream_t st) {
   auto go = [&](auto wn_, auto tw_) {
-    return by_stages(stages, [&](auto st_) { return launch<wn_.value, tw_.value, st_.value, T>(w, x, a, st); });
+    return by_stages(stages, [&](auto st_) { return launch<wn_.value, tw_.value, st_.value, T>(w, x, a, grid, st); });
   };
   using I64 = std::integral_constant<int, 64>;
   using I128 = std::integral_constant<int, 128>;
@@ -254,11 +292,12 @@ int launch_config(const CUtensorMap& w, const CUtensorMap& x, const Args& a, int
 // s_stride, unit stride along K); XQ [x_rows, Kp] e4m3 rows sorted by expert (Kp = 128 * ceil(K / 128), 16-byte
 // aligned) and XS [Kp / 128, ld_xs] fp32 their scales (ld_xs % 4 == 0, x_rows <= ld_xs); offsets int32 [E]; dst
 // int32 [rows] or null; Y [.., ldy] bf16 (y_fp16 = 0) or fp16; rows: the rows sorted by expert (<= x_rows); tn rows
-// (64, 128) by wn weight rows (64, 128) per CTA; stages: ring depth (2, 4, 6); slots: token-tile slots in the grid.
+// (64, 128) by wn weight rows (64, 128) per CTA; stages: ring depth (2, 4, 6); slots: token-tile slots that hold
+// any routing's tiles; persistent: 0 for a CTA per slot and weight tile, else as many CTAs as fit on the GPU.
 extern "C" int mxgemm_grouped_fp8(const void* W, const void* S, long long s_expert, int s_stride, const void* XQ,
                                   const void* XS, int ld_xs, int x_rows, const int* offsets, const int* dst, void* Y,
                                   int ldy, int y_fp16, int rows, int E, int N, int K, int tn, int wn, int stages,
-                                  int slots, void* stream) {
+                                  int slots, int persistent, void* stream) {
   const int kblocks = (K + BK - 1) / BK;
   if (rows < 1 || rows > x_rows || x_rows > ld_xs || ld_xs % 4 || K % 16 || E < 1 || N < 1 || slots < 1)
     return (int)cudaErrorInvalidValue;
@@ -267,8 +306,9 @@ extern "C" int mxgemm_grouped_fp8(const void* W, const void* S, long long s_expe
   if (!err) err = make_map(&xmap, XQ, x_rows, (long long)kblocks * BK, (long long)kblocks * BK, tn);
   if (err) return err;
   const Args a{(const float*)S, s_expert, s_stride, offsets, dst, (const float*)XS, ld_xs, Y, rows, E, N, kblocks,
-               ldy, slots};
+               ldy};
+  const Grid grid{slots, persistent};
   const cudaStream_t st = (cudaStream_t)stream;
-  return y_fp16 ? launch_config<__half>(wmap, xmap, a, tn, wn, stages, st)
-                : launch_config<__nv_bfloat16>(wmap, xmap, a, tn, wn, stages, st);
+  return y_fp16 ? launch_config<__half>(wmap, xmap, a, tn, wn, stages, grid, st)
+                : launch_config<__nv_bfloat16>(wmap, xmap, a, tn, wn, stages, grid, st);
 }
