@@ -1,7 +1,9 @@
 """Variants of the grouped wgmma kernel's source side by side: each folder's ``grouped_fp8.cu`` (with the
 ``sm90.cuh`` beside it) built with nvcc, run on the same rows quantized apart and timed as ``mxgemm bench --moe``
-times a projection (CUDA-graph replay of 8 routings, GEMM alone); every variant's output checked bit-equal to the
-first's. A source whose entry point takes no ``persistent`` argument (before the persistent grid) runs its own grid.
+times a projection (CUDA-graph replay of 8 routings, GEMM alone); every output compared with the problem's first
+(variants and configs give the same bits where they are right: the largest relative difference is printed). A
+source whose entry point takes no ``persistent`` argument (before the persistent grid) runs its own grid; a config
+a version does not have is left out of its column.
 
 A folder per version, e.g. the last commit's beside the tree's:
     mkdir -p /tmp/head && for f in grouped_fp8.cu sm90.cuh; do
@@ -27,7 +29,7 @@ from mxgemm.kernels.grouped.quant import quantize_rows
 from mxgemm.kernels.grouped.wgmma import WgmmaConfig
 from mxgemm.timing import time_cuda
 
-# (model, projection, tokens, configs): the cells of bench --moe that moved between kernel versions
+# (model, projection, tokens, configs): the cells of bench --moe that moved between kernel versions, and tiles to try
 PROBLEMS = [
     ("mixtral-8x7b", "down", 1, [WgmmaConfig(64, 128, 6), WgmmaConfig(64, 128, 4)]),
     ("mixtral-8x7b", "down", 4, [WgmmaConfig(64, 128, 4)]),
@@ -36,6 +38,9 @@ PROBLEMS = [
     ("qwen3-30b-a3b", "gate_up", 4096, [WgmmaConfig(128, 128, 4), WgmmaConfig(128, 128, 4, True)]),
     ("qwen3-30b-a3b", "down", 4096, [WgmmaConfig(128, 128, 6), WgmmaConfig(128, 128, 6, True)]),
     ("qwen3-30b-a3b", "gate_up", 256, [WgmmaConfig(64, 128, 4), WgmmaConfig(64, 128, 4, True)]),
+    ("qwen3-30b-a3b", "gate_up", 1024, [WgmmaConfig(64, 128, 4, True), WgmmaConfig(64, 160, 4, True)]),
+    ("mixtral-8x7b", "gate_up", 256, [WgmmaConfig(64, 128, 4), WgmmaConfig(64, 160, 4)]),
+    ("mixtral-8x7b", "gate_up", 4096, [WgmmaConfig(128, 128, 4), WgmmaConfig(64, 160, 4), WgmmaConfig(64, 160, 6)]),
 ]
 
 
@@ -88,15 +93,19 @@ def main() -> None:
         rows = tokens * topk
         routings = [_routing(tokens, e, topk, seed=r, device=cuda)[0] for r in range(8)]
         quantized = [quantize_rows(torch.randn(rows, k, device=cuda).bfloat16()) for _ in routings]
+        ref, worst = None, 0.0
         for config in configs:
-            res, first = {}, None
+            res = {}
             for name, variant in variants.items():
                 if config.persistent and not variant[1]:
                     continue
                 outs = [torch.empty((rows, n), dtype=torch.bfloat16, device=cuda) for _ in routings]
-                y = call(variant, *quantized[0], rows, qd, bs, routings[0], n, config, outs[0]).clone()
-                first = y if first is None else first
-                assert torch.equal(y, first), f"{name} differs from the first variant on {model} {proj} {tokens}"
+                try:
+                    y = call(variant, *quantized[0], rows, qd, bs, routings[0], n, config, outs[0]).clone()
+                except RuntimeError:  # a config this version does not have
+                    continue
+                ref = y.float() if ref is None else ref
+                worst = max(worst, ((y.float() - ref).norm() / ref.norm()).item())
                 res[name] = time_cuda(
                     [
                         partial(call, variant, *xq, rows, qd, bs, o, n, config, yo)
@@ -104,8 +113,9 @@ def main() -> None:
                     ]
                 )
             cells = " ".join(f"{res[v]:9.1f}" if v in res else f"{'-':>9s}" for v in variants)
-            print(f"{model:14s} {proj:7s} T={tokens:5d}      {config!s:44s} {cells}", flush=True)
-            out.append({"model": model, "proj": proj, "tokens": tokens, "config": str(config), "us": res})
+            print(f"{model:14s} {proj:7s} T={tokens:5d}      {config!s:44s} {cells}  diff {worst:.1e}", flush=True)
+            row = {"model": model, "proj": proj, "tokens": tokens, "config": str(config), "us": res, "diff": worst}
+            out.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -106,7 +106,7 @@ def test_every_wgmma_config_and_routing_matches_the_twin(n, k, routing, dtype):
     offsets = _offsets(counts)
     qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
     xq, xs = quantize_rows(x)
-    for config, persistent in zip(WGMMA_CONFIGS, PERSISTENT):
+    for config, persistent in zip(WGMMA_CONFIGS, PERSISTENT, strict=True):
         poison_cuda_allocator()
         y = grouped_wgmma(xq, xs, x.shape[0], qd, bs, offsets, n, dtype, config)
         _check(y, x, q, s, counts, str(config))

@@ -69,8 +69,9 @@ def test_configs_and_one_line_refusals():
 def test_which_kernel_a_grouped_call_takes(monkeypatch):
     """On SM90 with the library built: the wgmma kernel from grouped_wgmma_from rows per expert of an even routing
     (at any rows from K = grouped_wgmma_deep_k), 64-row tiles below 128 rows per expert and 128-row ones from there,
-    on its persistent grid up to K = grouped_persistent_max_k; the Triton kernel below that, on other GPUs, on a CPU, and where the library does not build. The tactics offered
-    start with that default; the wgmma kernel's only where it runs."""
+    on its persistent grid up to K = grouped_persistent_max_k; the Triton kernel below that, on other GPUs, on a CPU,
+    and where the library does not build. The tactics offered start with that default; the wgmma kernel's only where
+    it runs."""
     from types import SimpleNamespace
 
     from mxgemm import thresholds
