@@ -39,6 +39,10 @@
 #   moe-gate / moe-bench / moe-tune / moe-e2e / moe-graphs  the experts: their GPU tests, mxgemm bench --moe (DeepGEMM
 #           beside where .anchors/deepgemm was carried), mxgemm tune --moe merged into the shipped tuning file, the
 #           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
+#   grouped-variants  bench/explore/grouped_variants.py: the tree's grouped wgmma kernel beside each folder under
+#           bench/explore/csrc/variants (made by hand: e.g. `git show` of an earlier commit's csrc files, or the tree's
+#           with bench/explore/patches/grouped-wn160.patch applied); then the patch applied to this copy of the tree and
+#           the wgmma GPU tests run on it
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -207,6 +211,13 @@ PY
     moe-graphs)  # eager decode with MXFP8Experts' graphs against without (MXGEMM_EAGER_GRAPHS), 4 layers
       for g in 0 1; do MXGEMM_EAGER_GRAPHS=$g timeout 200 python3 bench/explore/moe_layer_host.py --layers 4 \
         --tokens 1 > "$out/moe-layer-host-graphs$g.txt" 2>&1; tail -8 "$out/moe-layer-host-graphs$g.txt"; done ;;
+    grouped-variants)
+      specs="tree=src/mxgemm/kernels/grouped/csrc"
+      for v in bench/explore/csrc/variants/*/; do [ -e "$v/grouped_fp8.cu" ] && specs="$specs $(basename "$v")=$v"; done
+      timeout 240 python3 bench/explore/grouped_variants.py $specs --json "$out/grouped-variants.json" \
+        > "$out/grouped-variants.txt" 2>&1; tail -22 "$out/grouped-variants.txt"
+      git apply bench/explore/patches/grouped-wn160.patch && timeout 200 python3 -m pytest tests/gpu/test_gpu_grouped.py \
+        -q -p no:warnings -x -k "wgmma or persistent" > "$out/wn160-tests.txt" 2>&1; tail -3 "$out/wn160-tests.txt" ;;
     *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|small-m-ncu|prefill|quant|ulp|eager|e2e|load|fused|lt-algos|bench-8b|bench-more|bench-all ..." >&2
        exit 2 ;;
   esac
