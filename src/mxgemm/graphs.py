@@ -9,6 +9,10 @@ graph, and every call from there copies its arguments into the static ones, repl
 the graph's output (a caller keeping an output across calls never sees it change). The same launches run on the
 same bytes, so the bits are those of a direct call.
 
+Calls from several threads take turns (a lock per :class:`EagerGraphs`: one call's copies, replay and output
+copy are never interleaved with another's), and a capture fails only on its own thread's calls that cannot be
+captured, never on other threads' work (thread-local capture mode).
+
 All graphs of a device capture into one memory pool: a graph's intermediates are dead once it has replayed and its
 output has been copied out, so graphs replayed in any order never read each other's memory. Calls that cannot be
 graphed run directly (:func:`graphable`): tensors not on a GPU, or subclasses, gradients asked for, a stream being
@@ -20,6 +24,7 @@ device's default one (calls on several streams at once would share the graphs' s
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -69,6 +74,7 @@ class EagerGraphs:
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
         self._seen: set[Hashable] = set()  # signatures called once, to capture on their next call
         self._refused: set[Hashable] = set()  # signatures whose capture failed: they run directly
+        self._lock = threading.Lock()  # one call at a time: the static copies are shared
 
     def __deepcopy__(self, memo) -> EagerGraphs:
         return EagerGraphs(self.limit)
@@ -86,6 +92,10 @@ class EagerGraphs:
         """``fn(*tensors)``, from a graph where this signature has one (call :func:`graphable` first)."""
         # inference mode apart: static copies made under it cannot be written outside it
         sig = (key, torch.is_inference_mode_enabled(), *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+        with self._lock:
+            return self._call(sig, fn, tensors)
+
+    def _call(self, sig: Hashable, fn: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         entry = self._graphs.get(sig)
         if entry is None:
             if sig in self._refused or sig not in self._seen:
@@ -110,7 +120,7 @@ class EagerGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.device(device), torch.cuda.stream(side):
-                graph.capture_begin(pool=_pool(device))
+                graph.capture_begin(pool=_pool(device), capture_error_mode="thread_local")
                 try:
                     output = fn(*inputs)
                 finally:

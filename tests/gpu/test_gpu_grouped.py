@@ -306,6 +306,36 @@ def test_one_graph_replays_any_routing_of_the_block(tokens):
         assert torch.equal(static_y, mxgemm.moe_experts(static_x, static_ids, static_w, gate_up, down)), trial
 
 
+def test_eager_experts_calls_from_two_threads_keep_their_own_bits(monkeypatch):
+    """Two threads calling one ``MXFP8Experts`` with tokens of their own of one shape, 20 times each while the other
+    does: every answer the bits of a direct call on its own tokens, one graph between them."""
+    import threading
+
+    from mxgemm.moe import MXFP8Experts
+
+    monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
+    gate_up, down = _block(32, 1024, 512)
+    experts = MXFP8Experts(gate_up, down)
+    calls = []
+    for seed in range(2):
+        x = random_act(4, 1024, device="cuda", seed=seed)
+        ids, w = _top_k(4, 32, 8, seed=seed + 10)
+        calls.append((x, ids, w, mxgemm.moe_experts(x, ids, w, gate_up, down)))
+    wrong = []
+
+    def work(x, ids, w, want):
+        for i in range(20):
+            if not torch.equal(experts(x, ids, w), want):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=work, args=c) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not wrong and len(experts._graphs) == 1
+
+
 def test_eager_experts_calls_replay_graphs_with_the_direct_calls_bits(monkeypatch):
     """``MXFP8Experts``' eager calls of up to GRAPHED_TOKENS tokens with MXGEMM_EAGER_GRAPHS=1: the first of a shape
     runs directly, the second captures, every later one replays; each answers the bits of a direct ``moe_experts``

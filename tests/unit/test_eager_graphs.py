@@ -57,3 +57,34 @@ def test_a_signature_runs_directly_until_its_second_call_and_copies_start_empty(
     assert len(graphs) == 0
     for twin in (copy.deepcopy(graphs), pickle.loads(pickle.dumps(graphs))):
         assert isinstance(twin, EagerGraphs) and len(twin) == 0 and twin.limit == 3 and not twin._seen
+
+
+def test_calls_from_threads_take_turns():
+    """A call from a second thread waits until the first thread's call is done (the static copies are shared)."""
+    import threading
+    import time
+
+    graphs, order, release = EagerGraphs(), [], threading.Event()
+
+    def slow(t):
+        order.append("a starts")
+        release.wait(5)
+        order.append("a ends")
+        return t
+
+    def fast(t):
+        order.append("b")
+        return t
+
+    first = threading.Thread(target=graphs, args=(slow, torch.ones(1)), kwargs={"key": "a"})
+    first.start()
+    while not order:
+        time.sleep(0.001)
+    second = threading.Thread(target=graphs, args=(fast, torch.ones(1)), kwargs={"key": "b"})
+    second.start()
+    time.sleep(0.05)
+    assert order == ["a starts"]
+    release.set()
+    first.join(5)
+    second.join(5)
+    assert order == ["a starts", "a ends", "b"]
