@@ -397,8 +397,9 @@ def test_tuning_that_cannot_be_saved_still_runs_once(tmp_path, weight, monkeypat
 
 
 def test_tuning_files_record_the_kernels_they_were_timed_on(tmp_path):
-    """The environment record holds a digest of the kernels' sources: one changed byte of a CUDA source gives another
-    digest, so a file tuned on other kernels is not used."""
+    """The environment record holds a digest of the kernels' code: a comment, a docstring or blank space added leaves
+    it; one changed token of a CUDA source or of a Python kernel gives another digest, so a file tuned on other
+    kernels is not used."""
     import shutil
     from pathlib import Path
 
@@ -409,10 +410,18 @@ def test_tuning_files_record_the_kernels_they_were_timed_on(tmp_path):
     copy = tmp_path / "kernels"
     shutil.copytree(Path(kernels.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
     assert kernels.source_digest(copy) == kernels.source_digest()
-    source = copy / "csrc" / "small_m.cu"
-    source.write_bytes(source.read_bytes() + b" ")
+    source, binding = copy / "csrc" / "small_m.cu", copy / "small_m.py"
+    cuda, python = source.read_text(), binding.read_text()
+    source.write_text("// a comment\n/* and a\n   block */\n" + cuda + "\n\n   \n")
+    binding.write_text(python.replace('"""', '"""Another docstring. ', 1) + "\n# a comment\n")
     kernels.source_digest.cache_clear()
-    assert kernels.source_digest(copy) != kernels.source_digest()
+    assert kernels.source_digest(copy) == kernels.source_digest()
+    for path, code in ((source, cuda + "\nint mxgemm_unused;\n"), (binding, python + "\nUNUSED = 1\n")):
+        original = path.read_text()
+        path.write_text(code)
+        kernels.source_digest.cache_clear()
+        assert kernels.source_digest(copy) != kernels.source_digest(), path.name
+        path.write_text(original)
 
 
 def test_each_environment_keeps_its_own_file_and_says_how_each_file_is_used(tmp_path, monkeypatch, caplog):

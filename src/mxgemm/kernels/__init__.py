@@ -6,9 +6,11 @@ The helpers here serve the bindings of the CUDA kernels (``small_m``, ``fp8_gemm
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import functools
 import hashlib
+import re
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -19,12 +21,39 @@ import torch
 
 @functools.cache
 def source_digest(root: Path = Path(__file__).parent) -> str:
-    """A digest of the kernels' sources (the Python and CUDA files of this package, or of ``root``). Tuning files
-    record it: tactics timed on other kernels are not used."""
+    """A digest of the kernels' code (the Python and CUDA files of this package, or of ``root``): Python's syntax
+    trees without docstrings, the CUDA sources without comments and with each run of blank space as one, so that an
+    edit of comments, docstrings or layout alone keeps it and any other edit changes it. Tuning files record it:
+    tactics timed on other kernels are not used."""
     digest = hashlib.sha256()
     for path in sorted([*root.glob("*.py"), *root.glob("csrc/*")]):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+        text = path.read_text()
+        code = _python_code(text) if path.suffix == ".py" else _c_code(text)
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + code.encode())
     return digest.hexdigest()[:16]
+
+
+def _python_code(text: str) -> str:
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+# string and character literals (kept whole), or a run of blank space and comments (one space)
+_C_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|(?:\s|//[^\n]*|/\*.*?\*/)+', re.S)
+
+
+def _c_code(text: str) -> str:
+    return _C_TOKEN.sub(lambda m: m[0] if m[0][0] in "\"'" else " ", text).strip()
 
 
 def raw_stream(device_index: int) -> int:

@@ -37,16 +37,18 @@ def _to_e4m3_bits(v):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, Mp, Kp, stride_xm, stride_xk, BLOCK_M: tl.constexpr,
-                  INTERPRET: tl.constexpr):  # fmt: skip
+def _quant_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, Mp, Kp, stride_xm, stride_xk, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr
+):
     if not INTERPRET:  # a kernel launched as this one's programmatic dependent (the FP8 GEMM) may start now
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = g * 128 + tl.arange(0, 128)
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
-                mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    x = tl.load(
+        x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0
+    ).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
     inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
     v = tl.clamp(x * inv[:, None], -448.0, 448.0)
@@ -68,6 +70,18 @@ def quantize_1x128_padded(x: torch.Tensor, rows_multiple: int = 1) -> tuple[torc
     s = torch.empty((kp // 128, mp), dtype=torch.float32, device=x.device)
     block_m = 16
     grid = (triton.cdiv(mp, block_m), kp // 128)
-    _quant_kernel[grid](x, q.view(torch.uint8), s, m, k, mp, kp, x.stride(0), x.stride(1), BLOCK_M=block_m,
-                        INTERPRET=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=4)  # fmt: skip
+    _quant_kernel[grid](
+        x,
+        q.view(torch.uint8),
+        s,
+        m,
+        k,
+        mp,
+        kp,
+        x.stride(0),
+        x.stride(1),
+        BLOCK_M=block_m,
+        INTERPRET=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        num_warps=4,
+    )
     return q, s.t()

@@ -27,8 +27,15 @@ from . import NO_BIAS, LaunchEntry, address, nvcc, raw_stream, rows_in_place, sh
 
 logger = logging.getLogger("mxgemm")
 
-__all__ = ["PlannedRows", "blockwise_device_check", "blockwise_linear", "header_dir", "linear_plan", "plan_status",
-           "probe_blockwise"]  # fmt: skip
+__all__ = [
+    "PlannedRows",
+    "blockwise_device_check",
+    "blockwise_linear",
+    "header_dir",
+    "linear_plan",
+    "plan_status",
+    "probe_blockwise",
+]
 
 _SOURCE = Path(__file__).parent / "csrc" / "blockwise.cu"
 _WORKSPACE_MAX = 32 * 2**20  # cuBLASLt workspace the heuristic may ask for; a call allocates what its algorithm needs
@@ -111,8 +118,14 @@ def _library() -> ctypes.CDLL:
     include = header_dir()
     if include is None:
         raise RuntimeError("cublasLt.h was not found (neither in the CUDA toolkit nor in an nvidia-cublas wheel)")
-    names = ("mxgemm_blockwise_plan_create", "mxgemm_blockwise_plan_destroy", "mxgemm_blockwise_plan_bytes",
-             "mxgemm_blockwise_plan_workspace", "mxgemm_blockwise_run", "mxgemm_blockwise_gemm")  # fmt: skip
+    names = (
+        "mxgemm_blockwise_plan_create",
+        "mxgemm_blockwise_plan_destroy",
+        "mxgemm_blockwise_plan_bytes",
+        "mxgemm_blockwise_plan_workspace",
+        "mxgemm_blockwise_run",
+        "mxgemm_blockwise_gemm",
+    )
     lib = nvcc.build(_SOURCE, (9, 0), symbols=names, include_dirs=(include,))
     for name, args, res in (
         ("mxgemm_blockwise_plan_create", [_P, _P, _P, *[_I] * 6, _LL, _LL, _LL, ctypes.POINTER(_P)], _I),
@@ -183,9 +196,21 @@ def linear_plan(
     lib = _library()
     handle = _P()
     with torch.cuda.device(device):
-        err = lib.mxgemm_blockwise_plan_create(quantizer, qdata.data_ptr(), block_scale.data_ptr(), k, m, mp, np_, kp,
-                                               int(x_dtype == torch.float16), ws_offset, mp * kp,
-                                               _WORKSPACE_MAX, ctypes.byref(handle))  # fmt: skip
+        err = lib.mxgemm_blockwise_plan_create(
+            quantizer,
+            qdata.data_ptr(),
+            block_scale.data_ptr(),
+            k,
+            m,
+            mp,
+            np_,
+            kp,
+            int(x_dtype == torch.float16),
+            ws_offset,
+            mp * kp,
+            _WORKSPACE_MAX,
+            ctypes.byref(handle),
+        )
     if err:
         raise RuntimeError(f"cuBLASLt blockwise plan for M={m} on [{np_}, {kp}]: {_why(err)}")
     rows = -(-lib.mxgemm_blockwise_plan_bytes(handle) // (2 * np_))
@@ -194,8 +219,10 @@ def linear_plan(
     gemm_rows = -(-(ws_offset + gemm_ws) // (2 * np_))
     lt_offset = lib.mxgemm_blockwise_plan_bytes(handle) - gemm_ws  # where a call's buffer holds the workspace
     run, gemm, index = lib.mxgemm_blockwise_run, lib.mxgemm_blockwise_gemm, device.index
-    gated_quantizer, fp16 = fp8_library(torch.cuda.get_device_capability(device)).mxgemm_quant_gated_1x128, int(
-        x_dtype == torch.float16)  # fmt: skip
+    gated_quantizer, fp16 = (
+        fp8_library(torch.cuda.get_device_capability(device)).mxgemm_quant_gated_1x128,
+        int(x_dtype == torch.float16),
+    )
     as_is = n == np_ and x_dtype == torch.bfloat16  # without a bias, the output is the buffer's first M rows
 
     def finish(buf: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -246,8 +273,20 @@ def linear_plan(
         bits."""
         buf = torch.empty(rows, np_, dtype=torch.bfloat16, device=device)
         xq = buf.data_ptr() + ws_offset
-        err = gated_quantizer(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), fp16, m, k, xq,
-                              xq + mp * kp, mp, kp, raw_stream(index))  # fmt: skip
+        err = gated_quantizer(
+            gate.data_ptr(),
+            gate.stride(0),
+            up.data_ptr(),
+            up.stride(0),
+            fp16,
+            m,
+            k,
+            xq,
+            xq + mp * kp,
+            mp,
+            kp,
+            raw_stream(index),
+        )
         if err:
             raise RuntimeError(f"mxgemm gated 1x128 quantizer failed to launch (cudaError {err}) for M={m}")
         gemm_alone(xq, xq + mp * kp, buf, lt_offset)

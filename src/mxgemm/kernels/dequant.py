@@ -23,15 +23,28 @@ CHUNK_BYTES = 256 * 2**20  # the transient bf16 buffer of one chunk of weight ro
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, stride_q, stride_s, stride_o, E5M2: tl.constexpr,
-                    PLAIN_SCALES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+def _dequant_kernel(
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_q,
+    stride_s,
+    stride_o,
+    E5M2: tl.constexpr,
+    PLAIN_SCALES: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     rs = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     w = tl.load(q_ptr + rn[:, None] * stride_q + rk[None, :], mask=mask, other=0)
-    s = tl.load(s_ptr + rn[:, None] * stride_s + rs[None, :], mask=(rn[:, None] < N) & (rs[None, :] < K // 32),
-                other=127)  # fmt: skip
+    s = tl.load(
+        s_ptr + rn[:, None] * stride_s + rs[None, :], mask=(rn[:, None] < N) & (rs[None, :] < K // 32), other=127
+    )
     v = tl.reshape(_fp8_to(w, tl.float32, E5M2), (BN, BK // 32, 32)) * _scale_f32(s, PLAIN_SCALES)[:, :, None]
     tl.store(out_ptr + rn[:, None] * stride_o + rk[None, :], tl.reshape(v, (BN, BK)).to(tl.bfloat16), mask=mask)
 
@@ -44,8 +57,20 @@ def dequantize_bf16(
     out = torch.empty((n, k), dtype=torch.bfloat16, device=w_bytes.device) if out is None else out
     bn, bk = (32, 256) if not _interpreting() else (16, 64)
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
-    _dequant_kernel[grid](w_bytes, scale, out, n, k, w_bytes.stride(0), scale.stride(0), out.stride(0), E5M2=e5m2,
-                          PLAIN_SCALES=plain_scales, BN=bn, BK=bk)  # fmt: skip
+    _dequant_kernel[grid](
+        w_bytes,
+        scale,
+        out,
+        n,
+        k,
+        w_bytes.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        E5M2=e5m2,
+        PLAIN_SCALES=plain_scales,
+        BN=bn,
+        BK=bk,
+    )
     return out
 
 

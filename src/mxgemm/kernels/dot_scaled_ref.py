@@ -23,8 +23,23 @@ DOT_SCALED_CONFIGS = [
 
 
 @triton.jit
-def _dot_scaled_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+def _dot_scaled_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
@@ -40,15 +55,23 @@ def _dot_scaled_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_ok = (k0 + rk) < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
-                    other=0.0)  # fmt: skip
-        w = tl.load(w_ptr + rn[None, :] * stride_wn + (k0 + rk)[:, None], mask=(rn < N)[None, :] & k_ok[:, None],
-                    other=0.0)  # fmt: skip
-        s = tl.load(s_ptr + rn[:, None] * stride_sn + (k0 // 32 + rks)[None, :],
-                    mask=(rn < N)[:, None] & ((k0 + rks * 32) < K)[None, :], other=127)  # fmt: skip
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=(rm < M)[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + rn[None, :] * stride_wn + (k0 + rk)[:, None], mask=(rn < N)[None, :] & k_ok[:, None], other=0.0
+        )
+        s = tl.load(
+            s_ptr + rn[:, None] * stride_sn + (k0 // 32 + rks)[None, :],
+            mask=(rn < N)[:, None] & ((k0 + rks * 32) < K)[None, :],
+            other=127,
+        )
         acc = tl.dot_scaled(x, None, "bf16", w, s, "e4m3", acc)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])  # fmt: skip
+    tl.store(
+        y_ptr + rm[:, None] * stride_ym + rn[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm < M)[:, None] & (rn < N)[None, :],
+    )
 
 
 def dot_scaled_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, config: dict) -> torch.Tensor:
@@ -58,6 +81,7 @@ def dot_scaled_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     cfg = dict(config)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-    _dot_scaled_kernel[grid](x, qdata, scale, y, m, n, k, x.stride(0), qdata.stride(0), scale.stride(0), y.stride(0),
-                             GROUP_M=8, **cfg)  # fmt: skip
+    _dot_scaled_kernel[grid](
+        x, qdata, scale, y, m, n, k, x.stride(0), qdata.stride(0), scale.stride(0), y.stride(0), GROUP_M=8, **cfg
+    )
     return y

@@ -38,8 +38,19 @@ from . import (
 
 logger = logging.getLogger("mxgemm")
 
-__all__ = ["STAGES", "TOKEN_TILES", "Fp8Config", "SwapAB", "TokensAsM", "fp8_gemm", "fp8_gemm_status", "fp8_linear",
-           "library", "linear_plan", "quantize_1x128"]  # fmt: skip
+__all__ = [
+    "STAGES",
+    "TOKEN_TILES",
+    "Fp8Config",
+    "SwapAB",
+    "TokensAsM",
+    "fp8_gemm",
+    "fp8_gemm_status",
+    "fp8_linear",
+    "library",
+    "linear_plan",
+    "quantize_1x128",
+]
 
 _SOURCE = Path(__file__).parent / "csrc" / "fp8_gemm.cu"
 TOKEN_TILES = (8, 16, 32, 64, 128)  # tokens per CTA (wgmma N); more tokens run more CTAs
@@ -61,16 +72,50 @@ _FUSED = {False: 0, True: 1, "auto": 2}
 class _LinearPlan(ctypes.Structure):
     """``LinearPlan`` of csrc/fp8_gemm.cu: a call's fixed arguments."""
 
-    _fields_ = [("W", _P), ("S", _P)] + [(name, _I) for name in ("s_stride", "x_fp16", "K", "M", "Mp", "N", "Np", "Kp",
-               "tokm", "tn", "rows", "kc", "splits", "stages", "fused")] + [("ws_offset", ctypes.c_longlong),
-               ("q_bytes", ctypes.c_longlong), ("graph", _P), ("graphed", _I), ("reserved", _I)]  # fmt: skip
+    _fields_ = (
+        [("W", _P), ("S", _P)]
+        + [
+            (name, _I)
+            for name in (
+                "s_stride",
+                "x_fp16",
+                "K",
+                "M",
+                "Mp",
+                "N",
+                "Np",
+                "Kp",
+                "tokm",
+                "tn",
+                "rows",
+                "kc",
+                "splits",
+                "stages",
+                "fused",
+            )
+        ]
+        + [
+            ("ws_offset", ctypes.c_longlong),
+            ("q_bytes", ctypes.c_longlong),
+            ("graph", _P),
+            ("graphed", _I),
+            ("reserved", _I),
+        ]
+    )
 
 
 @functools.cache
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel for sm_90a. Raises RuntimeError when it cannot be built."""
-    names = ("mxgemm_fp8_gemm", "mxgemm_fp8_gemm_tokm", "mxgemm_quant_1x128", "mxgemm_quant_gated_1x128",
-             "mxgemm_fp8_linear_run", "mxgemm_fp8_linear_gated_run", "mxgemm_fp8_linear_plan_free")  # fmt: skip
+    names = (
+        "mxgemm_fp8_gemm",
+        "mxgemm_fp8_gemm_tokm",
+        "mxgemm_quant_1x128",
+        "mxgemm_quant_gated_1x128",
+        "mxgemm_fp8_linear_run",
+        "mxgemm_fp8_linear_gated_run",
+        "mxgemm_fp8_linear_plan_free",
+    )
     lib = nvcc.build(_SOURCE, capability, suffix="a", symbols=names)
     for name, args in (
         ("mxgemm_fp8_gemm", [*_GEMM_ARGS, *[_I] * 6, _P]),  # + tn, rw, kc, splits, stages, pdl, stream
@@ -184,8 +229,21 @@ def fp8_gemm(
         raise ValueError(f"out must be a contiguous bf16 [{m}, {n}] tensor, got {y.dtype} {tuple(y.shape)}")
     check_bf16_bias(bias, n)
     bias_ptr = None if bias is None else bias.data_ptr()
-    common = (qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), xq.data_ptr(), xs.data_ptr(),
-              bias_ptr, y.data_ptr(), y.stride(0), m, mp, n, np_, kp)  # fmt: skip
+    common = (
+        qdata.data_ptr(),
+        block_scale.data_ptr(),
+        block_scale.stride(0),
+        xq.data_ptr(),
+        xs.data_ptr(),
+        bias_ptr,
+        y.data_ptr(),
+        y.stride(0),
+        m,
+        mp,
+        n,
+        np_,
+        kp,
+    )
     stream = raw_stream(xq.device.index)
     c = config
     if isinstance(c, TokensAsM):
@@ -209,8 +267,10 @@ def quantize_1x128(
     mp, kp = padded_1x128_shape(m, k, rows_multiple)
     for t in (x,) if up is None else (x, up):
         if t.dtype not in (torch.bfloat16, torch.float16) or t.stride(1) != 1 or t.shape != x.shape:
-            raise ValueError(f"x (and up) must be bf16/fp16 [M, K] with unit stride along K, got {t.dtype} "
-                             f"{tuple(t.shape)} strides {t.stride()}")  # fmt: skip
+            raise ValueError(
+                f"x (and up) must be bf16/fp16 [M, K] with unit stride along K, got {t.dtype} "
+                f"{tuple(t.shape)} strides {t.stride()}"
+            )
     if up is not None and up.dtype != x.dtype:
         raise ValueError(f"up must be {x.dtype} as x, got {up.dtype}")
     q = torch.empty((mp, kp), dtype=torch.float8_e4m3fn, device=x.device)
@@ -252,11 +312,8 @@ def linear_plan(
     product (never the fused kernel; a graph of its own). ``.entry`` of both: their bf16 plans as C++ calls them, which
     launch the kernels directly, the GEMM as the quantizer's programmatic dependent (``fused`` as asked, never graphed).
 
-    Measured on the H200 (``bench/explore/eager_split.py``, 3584-4608-row weights at M = 24-64): called from C++, an
-    eager call waits for the GPU (7-8 µs of host time, 14-18 µs of GPU time back to back), and the two kernels launched
-    directly take 1.7-4 µs less GPU time than the same two as one graph, for 4-5 µs more host time, still under their
-    GPU time; called from Python, a call waits for the host, and the graph costs 3-6 µs less of it. The fused kernel
-    takes more device time than either (21-23 µs on a 4608 x 3584 weight)."""
+    What each way costs in host and device time is measured in docs/performance.md ("Eager calls and whole
+    models")."""
     np_, kp = qdata.shape
     if not config.valid(kp) or fused not in _FUSED:
         raise ValueError(f"the FP8 kernel cannot run config {config} (fused={fused!r}) on a [{np_}, {kp}] weight")
@@ -270,14 +327,37 @@ def linear_plan(
     device = qdata.device
     lib = library(torch.cuda.get_device_capability(device))
     fn = lib.mxgemm_fp8_linear_run
-    plan = _LinearPlan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), 0, k, m, mp, n, np_, kp,
-                       int(tokm), config.tn, config.wn if tokm else config.rw, 1 if tokm else config.kc,
-                       config.splits, config.stages, _FUSED[fused], ws_offset, q_bytes)  # fmt: skip
+    plan = _LinearPlan(
+        qdata.data_ptr(),
+        block_scale.data_ptr(),
+        block_scale.stride(0),
+        0,
+        k,
+        m,
+        mp,
+        n,
+        np_,
+        kp,
+        int(tokm),
+        config.tn,
+        config.wn if tokm else config.rw,
+        1 if tokm else config.kc,
+        config.splits,
+        config.stages,
+        _FUSED[fused],
+        ws_offset,
+        q_bytes,
+    )
     plan.graphed = int(graphed)
     # one plan a dtype and kind of call (plain, gated): each keeps the graph of its own kernels; C++ calls (bf16)
     # take plans of their own, which launch the kernels directly
-    plans = {(dtype, gated, entry): _LinearPlan.from_buffer_copy(plan) for dtype in (torch.bfloat16, torch.float16)
-             for gated in (False, True) for entry in (False, True) if not entry or dtype == torch.bfloat16}  # fmt: skip
+    plans = {
+        (dtype, gated, entry): _LinearPlan.from_buffer_copy(plan)
+        for dtype in (torch.bfloat16, torch.float16)
+        for gated in (False, True)
+        for entry in (False, True)
+        if not entry or dtype == torch.bfloat16
+    }
     for (dtype, gated, entry), p in plans.items():
         p.x_fp16 = int(dtype == torch.float16)
         p.fused = 0 if gated and p.fused == 1 else p.fused
@@ -292,16 +372,30 @@ def linear_plan(
         # integer sizes, and the output's shape set by resize_ rather than by a slice or a view: on a CPU host 1.3 µs,
         # against 2.4 for the empty of a size tuple and a slice, and 1.3 more for a view
         y = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
-        err = fn(addresses[x.dtype], x.data_ptr(), x.stride(0) if x.dim() == 2 else k,
-                 None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))  # fmt: skip
+        err = fn(
+            addresses[x.dtype],
+            x.data_ptr(),
+            x.stride(0) if x.dim() == 2 else k,
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            raw_stream(index),
+        )
         if err:
             _launch_failed(err, m, config, fused)
         return shaped_as(y, x, m, n)
 
     def gated(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
-        err = gated_fn(gated_addresses[gate.dtype], gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
-                       None if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(index))  # fmt: skip
+        err = gated_fn(
+            gated_addresses[gate.dtype],
+            gate.data_ptr(),
+            gate.stride(0),
+            up.data_ptr(),
+            up.stride(0),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            raw_stream(index),
+        )
         if err:
             _launch_failed(err, m, config, fused)
         return shaped_as(y, gate, m, n)

@@ -49,11 +49,24 @@ def _round_to_fp8_bits(v, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.cons
 
 @triton.jit
 def _mx_quant_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, cols_padded,
-    RCEIL: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, EMAX: tl.constexpr,
-    MAX_ELEM: tl.constexpr, TOP_FRACTION: tl.constexpr, NAN_BITS: tl.constexpr, LAYOUT: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    cols_padded,
+    RCEIL: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    BIAS: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX_ELEM: tl.constexpr,
+    TOP_FRACTION: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+    LAYOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
-):  # fmt: skip
+):
     pid_m = tl.program_id(0)
     kb = tl.program_id(1)  # one 32-block column per program
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -127,9 +140,22 @@ def mx_quantize(
     block_m = 16
     x = x.contiguous() if x.stride(1) != 1 else x
     _mx_quant_kernel[(triton.cdiv(m, block_m), cols)](
-        x, q, s, m, k, x.stride(0), round_up(cols, 4),
-        RCEIL=scale_mode == "rceil", MBITS=mbits, EMIN=emin, BIAS=bias, EMAX=emax, MAX_ELEM=max_elem,
+        x,
+        q,
+        s,
+        m,
+        k,
+        x.stride(0),
+        round_up(cols, 4),
+        RCEIL=scale_mode == "rceil",
+        MBITS=mbits,
+        EMIN=emin,
+        BIAS=bias,
+        EMAX=emax,
+        MAX_ELEM=max_elem,
         TOP_FRACTION=1.0 - 2.0 ** -(mbits + 1),
-        NAN_BITS=nan_bits, LAYOUT=LAYOUTS[layout], BLOCK_M=block_m,
-    )  # fmt: skip
+        NAN_BITS=nan_bits,
+        LAYOUT=LAYOUTS[layout],
+        BLOCK_M=block_m,
+    )
     return q.view(elem_dtype), s

@@ -125,8 +125,14 @@ def _build_key(
         raise RuntimeError("nvcc was not found (set CUDA_HOME or put the CUDA toolkit's bin folder on PATH)")
     version = _run([nvcc, "--version"], "nvcc --version").stdout
     arch = f"{capability[0]}{capability[1]}{suffix}"
-    flags = ["-shared", "-Xcompiler", "-fPIC", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-             *(f"-I{d}" for d in include_dirs)]  # fmt: skip
+    flags = [
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
+        "-O3",
+        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+        *(f"-I{d}" for d in include_dirs),
+    ]
     compiler = str(Path(nvcc).resolve())
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.cuh"))]  # what the sources include
     key = b"\0".join([source.read_bytes(), *headers, version.encode(), compiler.encode(), " ".join(flags).encode()])

@@ -128,8 +128,21 @@ def linear_plan(
     device = qdata.device
     lib = library(torch.cuda.get_device_capability(device))
     fn = lib.mxgemm_small_m_run
-    plan = _Plan(qdata.data_ptr(), block_scale.data_ptr(), block_scale.stride(0), m, k, n, np_, kp, config.rt,
-                 config.splits, config.stages, None, int(graphed))  # fmt: skip
+    plan = _Plan(
+        qdata.data_ptr(),
+        block_scale.data_ptr(),
+        block_scale.stride(0),
+        m,
+        k,
+        n,
+        np_,
+        kp,
+        config.rt,
+        config.splits,
+        config.stages,
+        None,
+        int(graphed),
+    )
     plan_address = ctypes.addressof(plan)
     index = device.index
 

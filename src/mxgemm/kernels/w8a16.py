@@ -88,8 +88,9 @@ def _scale_bf16_times_2_pow_120(s):
 
 
 @triton.jit
-def _decode(w, s, BN: tl.constexpr, BK: tl.constexpr, E5M2: tl.constexpr, PACKED: tl.constexpr,
-            PLAIN_SCALES: tl.constexpr):  # fmt: skip
+def _decode(
+    w, s, BN: tl.constexpr, BK: tl.constexpr, E5M2: tl.constexpr, PACKED: tl.constexpr, PLAIN_SCALES: tl.constexpr
+):
     """uint8 weights [BN, BK] and scales [BN, BK // 32] -> exact values [BN, BK] (bf16 if PACKED, else fp32)."""
     if PACKED:  # E4M3 only, scales <= 134 (checked at preparation)
         wb = tl.reshape(_e4m3x4_to_bf16_times_2_pow_m120(w), (BN, BK // 32, 32))
@@ -112,14 +113,35 @@ def _dot(w, xt, acc, X_FP16: tl.constexpr, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-    M, N, K, K_PER_SPLIT,
-    stride_xm, stride_xk, stride_wn, stride_sn, stride_ym,
-    HAS_BIAS: tl.constexpr, E5M2: tl.constexpr, X_FP16: tl.constexpr, DOT_FP32: tl.constexpr,
-    PACKED: tl.constexpr, PLAIN_SCALES: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    K_PER_SPLIT,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    E5M2: tl.constexpr,
+    X_FP16: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PACKED: tl.constexpr,
+    PLAIN_SCALES: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BN: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -168,13 +190,19 @@ def _w8a16_kernel(
             tl.atomic_xchg(cnt_ptr + tile, 0)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
-                     mask=m_ok[None, :] & n_ok[:, None])  # fmt: skip
+            tl.store(
+                y_ptr + rm[None, :] * stride_ym + rn[:, None],
+                acc.to(y_ptr.dtype.element_ty),
+                mask=m_ok[None, :] & n_ok[:, None],
+            )
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[None, :] & n_ok[:, None])  # fmt: skip
+        tl.store(
+            y_ptr + rm[None, :] * stride_ym + rn[:, None],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=m_ok[None, :] & n_ok[:, None],
+        )
 
 
 def _interpreting() -> bool:
@@ -280,9 +308,29 @@ def w8a16_linear(
     ws = torch.empty(tiles * split * c.bn * c.bm if split > 1 else 1, dtype=torch.float32, device=x.device)
     cnt = _counters(x.device, tiles) if split > 1 else ws
     _w8a16_kernel[grid](
-        x, w_bytes, scale, bias if bias is not None else y, y, ws, cnt, m, n, k, k_per_split,
-        x.stride(0), x.stride(1), w_bytes.stride(0), scale.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, E5M2=e5m2, X_FP16=x.dtype == torch.float16, DOT_FP32=_interpreting(),
-        PLAIN_SCALES=plain_scales, BLOCK_SCALED=block_scaled, EVEN_K=k % c.bk == 0, **cfg,
-    )  # fmt: skip
+        x,
+        w_bytes,
+        scale,
+        bias if bias is not None else y,
+        y,
+        ws,
+        cnt,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        x.stride(1),
+        w_bytes.stride(0),
+        scale.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        E5M2=e5m2,
+        X_FP16=x.dtype == torch.float16,
+        DOT_FP32=_interpreting(),
+        PLAIN_SCALES=plain_scales,
+        BLOCK_SCALED=block_scaled,
+        EVEN_K=k % c.bk == 0,
+        **cfg,
+    )
     return y
