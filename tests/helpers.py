@@ -68,7 +68,7 @@ def hybrid_twin(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, quantized:
 
 
 # Per-element allowance for the order of a GEMM's sums, past the output's rounding, relative to sum(|x_i w_i|) (the
-# products' magnitudes). Measured on the H200 (bench/explore/results/ulp-margins-h200.json): the exact paths' fp32
+# products' magnitudes). Measured on the H200 (lab/results/ulp-margins-h200.json): the exact paths' fp32
 # accumulation errs by at most 2^-21.1 of it (Triton) and 2^-28 (the small-M kernel), 2^-18 allowed; Hopper's FP8
 # tensor cores keep about 14 bits while they sum each 128-deep block, and the quantized paths err by at most 2^-12.9
 # (cuBLASLt) and 2^-13.7 (ours), 2^-11 allowed.

@@ -9,7 +9,7 @@ layer call the table first. One C++ function (``csrc/fast_call.cpp``, a pybind11
 takes them, allocates the output and calls the entry on the current stream: the same plan, the same bits, without the
 Python layers, launcher and ctypes call between (on the H200 machine's host, with a C function that returns at once in
 the kernel's place, a module call through one pybind11 function takes 2.9 µs against 8.1 through the Python path:
-``bench/explore/eager_mechanisms.py``). Where it answers None (an M without a plan yet, fp16 or fp32 activations, rows
+``lab/eager_mechanisms.py``). Where it answers None (an M without a plan yet, fp16 or fp32 activations, rows
 the kernels read only from a copy, a bias they do not add, gradients, tensor subclasses, a dispatch mode, tuning
 changed since the plan was made), the Python path runs.
 

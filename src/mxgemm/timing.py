@@ -12,7 +12,7 @@ __all__ = ["SETTLE_MS", "copies_for_cold_l2", "settle", "time_cpu", "time_cuda"]
 
 DEFAULT_L2_BYTES = 60 * 2**20
 # Untimed replays before timing operands just written: on the H200 the FP8 GEMM read freshly prepared weights ~8%
-# slower for the first 20-100 ms, then at its steady speed for good (bench/explore/diag_settle.py).
+# slower for the first 20-100 ms, then at its steady speed for good (lab/diag_settle.py).
 # At large M they also bring the GPU to the clocks its power limit allows under sustained load.
 SETTLE_MS = 100.0
 

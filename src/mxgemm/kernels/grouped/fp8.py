@@ -223,7 +223,7 @@ class GroupedConfig:
 def default_config(rows: int, experts: int) -> GroupedConfig:
     """By the rows per expert of an even routing of ``rows`` over ``experts``: below 64, 128 weight rows x 16 tokens
     per program, quantized in the kernel; from 64, rows quantized apart and 64-token tiles, 128 weight rows of 4 warps
-    (256 of 8 warps from 256 rows per expert). Of the configs timed on the H100 (bench/explore/grouped_configs.py,
+    (256 of 8 warps from 256 rows per expert). Of the configs timed on the H100 (lab/grouped_configs.py,
     Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 experts at 1-4096 tokens) the best on 11 of 15 problems and within
     7% on 3; Mixtral's gate/up at one token (two experts' 448 programs) takes 15% longer than 64 weight rows of 8
     warps would."""

@@ -1,0 +1,124 @@
+"""Variants of the grouped wgmma kernel's source side by side: each folder's ``grouped_fp8.cu`` (with the
+``sm90.cuh`` beside it) built with nvcc, run on the same rows quantized apart and timed as ``mxgemm bench --moe``
+times a projection (CUDA-graph replay of 8 routings, GEMM alone); every output compared with the problem's first
+(variants and configs give the same bits where they are right: the largest relative difference is printed). A
+source whose entry point takes no ``persistent`` argument (before the persistent grid) runs its own grid; a config
+a version does not have is left out of its column.
+
+A folder per version, e.g. the last commit's beside the tree's:
+    mkdir -p /tmp/head && for f in grouped_fp8.cu sm90.cuh; do
+      git show HEAD:src/mxgemm/kernels/grouped/csrc/$f > /tmp/head/$f; done
+Run on the device: PYTHONPATH=src python3 lab/grouped_variants.py head=DIR new=DIR [...] --json OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+
+import mxgemm
+from mxgemm.bench_moe import MOE_MODELS, _routing, random_experts
+from mxgemm.kernels import nvcc, raw_stream
+from mxgemm.kernels.grouped.fp8 import token_tile_slots
+from mxgemm.kernels.grouped.quant import quantize_rows
+from mxgemm.kernels.grouped.wgmma import WgmmaConfig
+from mxgemm.timing import time_cuda
+
+# (model, projection, tokens, configs): the cells of bench --moe that moved between kernel versions, and tiles to try
+PROBLEMS = [
+    ("mixtral-8x7b", "down", 1, [WgmmaConfig(64, 128, 6), WgmmaConfig(64, 128, 4)]),
+    ("mixtral-8x7b", "down", 4, [WgmmaConfig(64, 128, 4)]),
+    ("mixtral-8x7b", "gate_up", 1024, [WgmmaConfig(128, 128, 4), WgmmaConfig(128, 128, 4, True)]),
+    ("mixtral-8x7b", "down", 4096, [WgmmaConfig(128, 128, 6), WgmmaConfig(128, 128, 6, True)]),
+    ("qwen3-30b-a3b", "gate_up", 4096, [WgmmaConfig(128, 128, 4), WgmmaConfig(128, 128, 4, True)]),
+    ("qwen3-30b-a3b", "down", 4096, [WgmmaConfig(128, 128, 6), WgmmaConfig(128, 128, 6, True)]),
+    ("qwen3-30b-a3b", "gate_up", 256, [WgmmaConfig(64, 128, 4), WgmmaConfig(64, 128, 4, True)]),
+    ("qwen3-30b-a3b", "gate_up", 1024, [WgmmaConfig(64, 128, 4, True), WgmmaConfig(64, 160, 4, True)]),
+    ("mixtral-8x7b", "gate_up", 256, [WgmmaConfig(64, 128, 4), WgmmaConfig(64, 160, 4)]),
+    ("mixtral-8x7b", "gate_up", 4096, [WgmmaConfig(128, 128, 4), WgmmaConfig(64, 160, 4), WgmmaConfig(64, 160, 6)]),
+]
+
+
+def load(folder: Path) -> tuple[ctypes.CDLL, bool]:
+    """The variant's library and whether its entry point takes ``persistent``."""
+    source = folder / "grouped_fp8.cu"
+    lib = nvcc.build(source, (9, 0), suffix="a", symbols=("mxgemm_grouped_fp8",))
+    persistent = "int persistent" in source.read_text()
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    head = [p, p, ll, i, p, p, i, i, p, p, p, i, i, i, i, i, i, i, i, i, i]
+    lib.mxgemm_grouped_fp8.argtypes = [*head, *([i] if persistent else []), p]
+    lib.mxgemm_grouped_fp8.restype = i
+    return lib, persistent
+
+
+def call(variant, xq, xs, rows, qd, bs, offsets, n, config, y) -> torch.Tensor:
+    lib, takes_persistent = variant
+    e, _, k = qd.shape
+    args = [qd.data_ptr(), bs.data_ptr(), bs.stride(0), bs.stride(1), xq.data_ptr(), xs.data_ptr(), xs.shape[1]]
+    args += [xq.shape[0], offsets.data_ptr(), None, y.data_ptr(), y.stride(0), 0, rows, e, n, k]
+    args += [config.tn, config.wn, config.stages, token_tile_slots(rows, e, config.tn)]
+    args += [int(config.persistent)] if takes_persistent else []
+    err = lib.mxgemm_grouped_fp8(*args, raw_stream(xq.device.index))
+    if err:
+        raise RuntimeError(f"CUDA error {err}")
+    return y
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("variants", nargs="+", help="NAME=FOLDER")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    variants = {}
+    for spec in args.variants:
+        name, folder = spec.split("=", 1)
+        variants[name] = load(Path(folder))
+    cuda = torch.device("cuda")
+    out, weights = [], {}
+    print(f"{'problem':34s} {'config':44s} " + " ".join(f"{v:>9s}" for v in variants), flush=True)
+    for model, proj, tokens, configs in PROBLEMS:
+        e, hidden, width, topk = MOE_MODELS[model]
+        n, k = (2 * width, hidden) if proj == "gate_up" else (hidden, width)
+        if (model, proj) not in weights:
+            weights.clear()
+            torch.cuda.empty_cache()
+            weights[(model, proj)] = mxgemm.prepare_grouped_weight(*random_experts(e, n, k, seed=1, device=cuda))
+        w = weights[(model, proj)]
+        qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
+        rows = tokens * topk
+        routings = [_routing(tokens, e, topk, seed=r, device=cuda)[0] for r in range(8)]
+        quantized = [quantize_rows(torch.randn(rows, k, device=cuda).bfloat16()) for _ in routings]
+        ref, worst = None, 0.0
+        for config in configs:
+            res = {}
+            for name, variant in variants.items():
+                if config.persistent and not variant[1]:
+                    continue
+                outs = [torch.empty((rows, n), dtype=torch.bfloat16, device=cuda) for _ in routings]
+                try:
+                    y = call(variant, *quantized[0], rows, qd, bs, routings[0], n, config, outs[0]).clone()
+                except RuntimeError:  # a config this version does not have
+                    continue
+                ref = y.float() if ref is None else ref
+                worst = max(worst, ((y.float() - ref).norm() / ref.norm()).item())
+                res[name] = time_cuda(
+                    [
+                        partial(call, variant, *xq, rows, qd, bs, o, n, config, yo)
+                        for xq, o, yo in zip(quantized, routings, outs, strict=True)
+                    ]
+                )
+            cells = " ".join(f"{res[v]:9.1f}" if v in res else f"{'-':>9s}" for v in variants)
+            print(f"{model:14s} {proj:7s} T={tokens:5d}      {config!s:44s} {cells}  diff {worst:.1e}", flush=True)
+            row = {"model": model, "proj": proj, "tokens": tokens, "config": str(config), "us": res, "diff": worst}
+            out.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

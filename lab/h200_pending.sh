@@ -1,0 +1,226 @@
+#!/usr/bin/env bash
+# The H200 runs, in stages; several stages may run in one device call.
+# Usage on the device: bash lab/h200_pending.sh STAGE [STAGE ...]   (outputs under $OUT, or ./out when OUT is unset)
+#   tune    `mxgemm tune` of the shape sets (llama3-8b, llama3-70b, hidden-7168, llama3-8b-hf), timed; the tuning file
+#   gate    the GPU tests of the small-M kernel, hybrid, graphs, autotuning; stops the run when one fails
+#   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
+#   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
+#   crossover  bench/crossover.py: the exact regime against cuBLASLt and the FP8 kernel at M = 1-128
+#   fp8-ncu  Nsight Compute on the fused FP8 kernel (lab/profile_kernel.py --kernel fused): throughput,
+#           warp states, stalls
+#   small-m-ncu  Nsight Compute on the small-M kernel (lab/profile_kernel.py --kernel small-m; SM_N/SM_K/SM_M
+#           pick the shape, default 8B gate_up at M = 1): DRAM throughput, memory workload, warp states
+#   eager   bench/eager_calls.py: one eager call against bf16's, Llama-3-8B and Qwen2.5-7B projections
+#   e2e     bench/model_e2e.py: a 32-layer Llama at 8B dimensions through generate, bf16 vs mxgemm (E2E_MODES)
+#   load    bench/load_gpu.py: an 8B-dimension MXFP8 checkpoint loaded to the GPU (peak against final footprint)
+#   fused   lab/fused_fp8.py: the fused FP8 kernel against quantizer + GEMM, eager and under graph replay
+#   quant   lab/quantizers.py: the CUDA and Triton 1x128 quantizers under graph replay, alone and with cuBLASLt
+#   ulp     lab/ulp_margins.py: each hybrid_sm90 path's worst error against its exact product
+#   op      lab/op_overhead.py: host time of an eager call against the same call through mxgemm::linear
+#   profile lab/e2e_profile.py (PROFILE_ARGS, default --layers 4 --graphs): where generate's time goes,
+#           bf16 vs mxgemm, eager and graphs
+#   prefill lab/prefill_anatomy.py (PREFILL_ARGS, default --max-rows 1024): the eager 2048-token prefill's
+#           wall and GPU time by kernel kind, bf16 vs mxgemm
+#   anatomy lab/decode_anatomy.py (ANATOMY_ARGS, default --layers 32 --batch 1): a graphed decode step's
+#           wall time, GPU busy time, kernels by kind and the projections alone, bf16 vs mxgemm
+#   ttft    lab/ttft_probe.py (TTFT_ARGS, default --modes eager --batches 1 --repeats 9): every generate call
+#           with its time, its garbage-collector time and the CUDA allocator's segments and retries
+#   mechanisms  lab/eager_mechanisms.py --device cuda: host time of an eager layer call by mechanism (Python,
+#           pybind11, torch.ops), the kernel a C function that returns at once
+#   split   lab/eager_split.py: each eager call's host time and back-to-back GPU time
+#   launch  lab/launch_cost.py: host time of one and two launches, and of a graph of them replayed
+#   lt-algos  lab/lt_algos.py: each cuBLASLt blockwise algorithm of the planned call against _scaled_mm
+#   large-m  lab/large_m_fp8.py: our FP8 kernel's 128-token configs against cuBLASLt at M = 512-4096
+#   tokm-lab  lab/tokm_lab.py: variants of the tokens-as-M kernel against it and cuBLASLt, GEMM alone
+#   large-m-ncu  Nsight Compute on the tokens-as-M kernel and cuBLASLt's, 8B o at M = 2048 (profile_kernel.py)
+#   new-lengths  lab/new_lengths.py: eager prefills of prompt lengths not seen before (plans made) and again
+#   prefill-host  lab/prefill_host.py: the eager prefill's host time by route above fusion.MAX_ROWS
+#   bench-hf  the llama3-8b-hf set (Hugging Face's unfused projections, lm_head included)
+#   moe-gate / moe-bench / moe-tune / moe-e2e / moe-graphs  the experts: their GPU tests, mxgemm bench --moe (DeepGEMM
+#           beside where .anchors/deepgemm was carried), mxgemm tune --moe merged into the shipped tuning file, the
+#           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
+#   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside each folder under
+#           lab/csrc/variants (made by hand: e.g. `git show` of an earlier commit's csrc files, or the tree's
+#           with lab/patches/grouped-wn160.patch applied); then the patch applied to this copy of the tree and
+#           the wgmma GPU tests run on it
+#   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
+#           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
+out="${OUT:-$PWD/out}"
+mkdir -p "$out"
+bench() {  # bench NAME TIMEOUT SET [SET ...]: NAME.{json,md,png} under $out
+  local name="$1" limit="$2"; shift 2
+  ( cd "$out" && MXGEMM_CACHE_DIR="$out/empty-cache" timeout "$limit" python3 -m mxgemm bench --model "$@" \
+      --json "$name.json" --markdown "$name.md" --plot "$name.png" > "/tmp/bench-$name.log" 2>&1
+    tail -3 "/tmp/bench-$name.log" )
+}
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case "$stage" in
+    tune)
+      ( time MXGEMM_CACHE_DIR="$out/cache" timeout "${TUNE_S:-400}" python3 -m mxgemm tune \
+          --model llama3-8b llama3-70b hidden-7168 llama3-8b-hf ) > "$out/tune.txt" 2>&1
+      grep -A3 "^real" "$out/tune.txt" ;;
+    gate)  # the GPU tests of what changed; stop here if any fails
+      timeout 240 python3 -m pytest tests -q -p no:warnings -m gpu --tb=short -x \
+        -k "small_m or hybrid or graphs or autotune or block128 or fp8" > /tmp/gate.log 2>&1
+      rc=$?; tail -15 /tmp/gate.log > "$out/pytest_gate.txt"; cat "$out/pytest_gate.txt"
+      [ "$rc" -eq 0 ] || { echo "gate failed (rc $rc)"; exit 1; } ;;
+    ship)  # the tuning file just made replaces the package's copy here, for the benchmarks that follow
+      mkdir -p src/mxgemm/tuned
+      for f in "$out"/cache/tuning-*.json "$out"/tuning-*.json; do
+        [ -e "$f" ] || continue; b=$(basename "$f"); cp "$f" "src/mxgemm/tuned/${b%-*}.json"; echo "shipped $b"
+      done ;;
+    tests)
+      python3 -m mxgemm info > "$out/info.txt" 2>&1
+      timeout "${TESTS_S:-330}" python3 -m pytest tests -q -p no:warnings -m gpu --tb=short --durations=5 2>&1 \
+        | tail -40 > "$out/pytest_gpu.txt"
+      timeout 60 python3 -m pytest tests/unit/test_mx_quant_kernel.py -q -p no:warnings 2>&1 | tail -3 >> "$out/pytest_gpu.txt"
+      tail -12 "$out/pytest_gpu.txt" ;;
+    load)
+      timeout 500 python3 bench/load_gpu.py --json "$out/load-gpu-h200.json" 2>&1 | tail -14 ;;
+    fused)
+      timeout "${FUSED_S:-300}" python3 lab/fused_fp8.py --json "$out/fused-fp8-h200.json" > /tmp/fused.log 2>&1
+      tail -60 /tmp/fused.log ;;
+    e2e)  # E2E_MODES: eager (default), graphs, or "eager graphs" (about 8 min at model_e2e's defaults: 9 eager
+          # rounds, 5 with graphs);
+          # E2E_ARGS: more arguments of model_e2e.py (e.g. --no-fuse, --batches 1)
+      modes="${E2E_MODES:-eager}"; name="e2e-${modes// /-}"
+      timeout 570 python3 bench/model_e2e.py --modes $modes ${E2E_ARGS:-} --json "$out/$name.json" \
+        --markdown "$out/$name.md" > /tmp/e2e.log 2>&1
+      tail -12 /tmp/e2e.log ;;
+    fp8-ncu)  # Nsight Compute on the fused FP8 kernel (NCU_N/NCU_K/NCU_M pick the shape; default 8B o at M = 32)
+      timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters --section Occupancy \
+        -k regex:fp8_gemm -s 2 -c 1 -o "$out/fp8" -f python3 lab/profile_kernel.py --kernel fused \
+        --n "${NCU_N:-4096}" --k "${NCU_K:-4096}" --m "${NCU_M:-32}" > "$out/ncu.log" 2>&1
+      ncu --import "$out/fp8.ncu-rep" --section SpeedOfLight --section WarpStateStats --section Occupancy \
+        > "$out/ncu-fp8.txt" 2>&1
+      ncu --import "$out/fp8.ncu-rep" --page source --csv --print-source sass > "$out/ncu-sass.csv" 2>&1
+      grep -E "Duration|DRAM Throughput|Compute \(SM\)|Warp Cycles Per Issued|Achieved Occupancy" "$out/ncu-fp8.txt"
+      python3 lab/top_stalls.py "$out/ncu-sass.csv" 30
+      rm -f "$out/fp8.ncu-rep" ;;
+    small-m-ncu)
+      timeout 150 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy -k regex:small_m -s 2 -c 1 -o "$out/small-m" -f python3 lab/profile_kernel.py \
+        --kernel small-m --n "${SM_N:-28672}" --k "${SM_K:-4096}" --m "${SM_M:-1}" > "$out/ncu-small-m.log" 2>&1
+      ncu --import "$out/small-m.ncu-rep" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy > "$out/ncu-small-m.txt" 2>&1
+      grep -E "Duration|DRAM Throughput|Memory Throughput|L2 Hit|Warp Cycles Per Issued|Achieved Occupancy" \
+        "$out/ncu-small-m.txt"
+      rm -f "$out/small-m.ncu-rep" ;;
+    quant)
+      timeout 240 python3 lab/quantizers.py --json "$out/quantizers-h200.json" 2>&1 | tail -32 ;;
+    ulp)
+      timeout 120 python3 lab/ulp_margins.py --json "$out/ulp-margins-h200.json" 2>&1 | tail -6 ;;
+    op)
+      timeout 120 python3 lab/op_overhead.py --json "$out/op-overhead-h200.json" 2>&1 | tail -9 ;;
+    profile)
+      timeout 400 python3 lab/e2e_profile.py ${PROFILE_ARGS:---layers 4 --graphs} > "$out/e2e-profile.txt" 2>&1
+      grep -E "^(bf16|mxgemm) M=|^==" "$out/e2e-profile.txt" ;;
+    anatomy)
+      timeout 500 python3 lab/decode_anatomy.py ${ANATOMY_ARGS:---layers 32 --batch 1} \
+        --json "$out/decode-anatomy.json" > "$out/decode-anatomy.txt" 2>&1
+      tail -5 "$out/decode-anatomy.txt" ;;
+    prefill)
+      timeout 300 python3 lab/prefill_anatomy.py ${PREFILL_ARGS:---max-rows 1024} \
+        --json "$out/prefill-anatomy.json" > "$out/prefill-anatomy.txt" 2>&1
+      tail -6 "$out/prefill-anatomy.txt" ;;
+    new-lengths)
+      timeout 400 python3 lab/new_lengths.py --json "$out/new-lengths-h200.json" > "$out/new-lengths.txt" 2>&1
+      tail -6 "$out/new-lengths.txt" ;;
+    prefill-host)
+      timeout 300 python3 lab/prefill_host.py --json "$out/prefill-host-h200.json" > "$out/prefill-host.txt" 2>&1
+      tail -12 "$out/prefill-host.txt" ;;
+    lt-algos)
+      timeout 400 python3 lab/lt_algos.py --json "$out/lt-algos-h200.json" > /tmp/lt.log 2>&1
+      tail -20 /tmp/lt.log ;;
+    large-m)
+      timeout 400 python3 lab/large_m_fp8.py --json "$out/large-m-fp8-h200.json" > /tmp/large-m.log 2>&1
+      tail -20 /tmp/large-m.log ;;
+    tokm-lab)
+      timeout 400 python3 lab/tokm_lab.py --json "$out/tokm-lab-h200.json" > /tmp/tokm-lab.log 2>&1
+      tail -8 /tmp/tokm-lab.log ;;
+    large-m-ncu)
+      for k in tokm cublas; do
+        re=$([ $k = tokm ] && echo fp8_gemm_tokm || echo nvjet)
+        timeout 240 ncu --set full -k regex:$re -s 2 -c 1 -o "$out/$k" -f python3 lab/profile_kernel.py \
+          --kernel $k --n 4096 --k 4096 --m 2048 > "$out/ncu-$k.log" 2>&1
+        ncu --import "$out/$k.ncu-rep" --page details > "$out/ncu-$k-o-m2048-h200.txt" 2>&1
+        grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Issue Slots Busy|Registers Per|Grid Size" \
+          "$out/ncu-$k-o-m2048-h200.txt"
+      done
+      ncu --import "$out/tokm.ncu-rep" --page source --csv --print-source sass > "$out/tokm-sass.csv" 2>&1
+      python3 lab/top_stalls.py "$out/tokm-sass.csv" 30
+      rm -f "$out"/*.ncu-rep ;;
+    ttft)
+      timeout 400 python3 lab/ttft_probe.py ${TTFT_ARGS:---modes eager --batches 1 --repeats 9} \
+        > "$out/ttft-probe.txt" 2>&1
+      grep -E "^model" "$out/ttft-probe.txt" | tail -40 ;;
+    mechanisms)
+      timeout 400 python3 lab/eager_mechanisms.py --device cuda > "$out/eager-mechanisms.txt" 2>&1
+      tail -8 "$out/eager-mechanisms.txt" ;;
+    split)
+      timeout 300 python3 lab/eager_split.py --json "$out/eager-split-h200.json" > "$out/split.log" 2>&1
+      tail -18 "$out/split.log" ;;
+    launch)
+      timeout 120 python3 lab/launch_cost.py --json "$out/launch-cost-h200.json" 2>&1 | tail -10 ;;
+    eager)
+      timeout "${EAGER_S:-300}" python3 bench/eager_calls.py --json "$out/eager-h200.json" \
+        --markdown "$out/eager-h200.md" > /tmp/eager.log 2>&1
+      tail -40 /tmp/eager.log ;;
+    crossover)  # the exact regime against cuBLASLt and the FP8 kernel, M = 1-128, the three sets
+      ( OUT="$out" timeout 400 python3 bench/crossover.py ) > "$out/crossover.log" 2>&1
+      tail -16 "$out/crossover.log" ;;
+    bench-8b) bench h200-llama3-8b 300 llama3-8b ;;
+    bench-hf) bench h200-llama3-8b-hf 300 llama3-8b-hf ;;
+    bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
+    bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
+    moe-gate)  # the GPU tests of the grouped kernels, the routed block and MXFP8Experts' eager graphs
+      timeout 300 python3 -m pytest tests -q -p no:warnings -m gpu --tb=short -k "grouped or moe or wgmma or routing" \
+        > "$out/moe-gate.txt" 2>&1; tail -3 "$out/moe-gate.txt" ;;
+    moe-bench)  # mxgemm bench --moe; DeepGEMM's columns where the anchors' copy was carried to .anchors/deepgemm
+      ( dg="$PWD/.anchors/deepgemm/DeepGEMM"; cd "$out" && PYTHONPATH="$PYTHONPATH:$dg" \
+          DG_CACHE_DIR="${DG_CACHE_DIR:-$dg/../../dg_cache}" timeout "${MOE_BENCH_S:-420}" python3 -m mxgemm bench \
+          --moe --json "moe-${GPU_TAG:-h200}.json" --markdown "moe-${GPU_TAG:-h200}.md" > moe-bench.log 2>&1
+        tail -4 moe-bench.log ) ;;
+    moe-tune)  # mxgemm tune --moe, its entries merged into the package's tuning file of this GPU where its
+      # environment record is this one's (else written as that file)
+      ( time MXGEMM_CACHE_DIR="$out/cache" timeout "${MOE_TUNE_S:-300}" python3 -m mxgemm tune --moe ) \
+        > "$out/tune-moe.txt" 2>&1
+      python3 - "$out"/cache/tuning-*.json <<'PY'
+import json, re, sys
+from pathlib import Path
+made = Path(sys.argv[1])
+shipped = Path("src/mxgemm/tuned") / (re.sub(r"-[0-9a-f]{12}\.json$", ".json", made.name))
+new = json.loads(made.read_text())
+old = json.loads(shipped.read_text()) if shipped.exists() else {"metadata": new["metadata"], "entries": {}}
+if old["metadata"] != new["metadata"]:
+    sys.exit(f"{shipped} was made for {old['metadata']}, not {new['metadata']}: not merged")
+old["entries"].update(new["entries"])
+shipped.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+print(f"{shipped}: {len(new['entries'])} grouped entries merged, {len(old['entries'])} in all")
+PY
+      cp src/mxgemm/tuned/tuning-*.json "$out/" ; tail -3 "$out/tune-moe.txt" ;;
+    moe-e2e)  # the Qwen3-30B-A3B-shaped model through generate: 48 layers where 2 x 61 GB fit, else 24
+      layers=$(python3 -c "import torch; print(48 if torch.cuda.get_device_properties(0).total_memory > 120e9 else 24)")
+      timeout "${MOE_E2E_S:-560}" python3 bench/model_e2e.py --moe --layers "$layers" --batches 1 16 --new 64 \
+        --repeats 2 --eager-repeats 3 --json "$out/e2e-moe-${GPU_TAG:-h200}.json" \
+        --markdown "$out/e2e-moe-${GPU_TAG:-h200}.md" > "$out/moe-e2e.log" 2>&1; tail -12 "$out/moe-e2e.log" ;;
+    moe-graphs)  # eager decode with MXFP8Experts' graphs against without (MXGEMM_EAGER_GRAPHS), 4 layers
+      for g in 0 1; do MXGEMM_EAGER_GRAPHS=$g timeout 200 python3 lab/moe_layer_host.py --layers 4 \
+        --tokens 1 > "$out/moe-layer-host-graphs$g.txt" 2>&1; tail -8 "$out/moe-layer-host-graphs$g.txt"; done ;;
+    grouped-variants)
+      specs="tree=src/mxgemm/kernels/grouped/csrc"
+      for v in lab/csrc/variants/*/; do [ -e "$v/grouped_fp8.cu" ] && specs="$specs $(basename "$v")=$v"; done
+      timeout 240 python3 lab/grouped_variants.py $specs --json "$out/grouped-variants.json" \
+        > "$out/grouped-variants.txt" 2>&1; tail -22 "$out/grouped-variants.txt"
+      git apply lab/patches/grouped-wn160.patch && timeout 200 python3 -m pytest tests/gpu/test_gpu_grouped.py \
+        -q -p no:warnings -x -k "wgmma or persistent" > "$out/wn160-tests.txt" 2>&1; tail -3 "$out/wn160-tests.txt" ;;
+    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|small-m-ncu|prefill|quant|ulp|eager|e2e|load|fused|lt-algos|bench-8b|bench-more|bench-all ..." >&2
+       exit 2 ;;
+  esac
+done
+# at most 8 files come back: the tuning file moves up, the cache folders (lock files) go
+mv "$out"/cache/tuning-*.json "$out/" 2>/dev/null; rm -rf "$out/cache" "$out/empty-cache"; ls "$out"
