@@ -7,12 +7,12 @@ from functools import partial
 import torch
 
 import mxgemm
-from mxgemm.bench import _mx_weights
+from mxgemm.bench import mx_weights
 from mxgemm.timing import time_cuda
 
 for n, k in ((57344, 8192), (8192, 28672), (36864, 7168)):
     for warm in (0.0, 50.0, 0.0, 50.0):
-        mx = _mx_weights(n, k, "cuda", 2)
+        mx = mx_weights(n, k, "cuda", 2)
         ws = [mxgemm.prepare_weight(q, s) for q, s in mx]
         torch.cuda.synchronize()
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

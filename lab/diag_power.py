@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import mxgemm
-from mxgemm.bench import _mx_weights
+from mxgemm.bench import mx_weights
 from mxgemm.timing import time_cuda
 
 QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
@@ -37,7 +37,7 @@ def sampled(fn):
 
 def main() -> None:
     for m, n, k in ((8192, 8192, 8192), (8192, 4096, 4096)):
-        mx = _mx_weights(n, k, "cuda", 2)
+        mx = mx_weights(n, k, "cuda", 2)
         ws = [mxgemm.prepare_weight(q, s) for q, s in mx]
         bf = [mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.bfloat16) for q, s in mx]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from diag_settle import graph_of
 
 import mxgemm
-from mxgemm.bench import _mx_weights
+from mxgemm.bench import mx_weights
 
 
 def trace(name, g, per_replay_calls, n=80):
@@ -31,7 +31,7 @@ def trace(name, g, per_replay_calls, n=80):
 
 
 n, k = 57344, 8192
-mx = _mx_weights(n, k, "cuda", 2)
+mx = mx_weights(n, k, "cuda", 2)
 ws = [mxgemm.prepare_weight(q, s) for q, s in mx]
 bf = [mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.bfloat16) for q, s in mx]
 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

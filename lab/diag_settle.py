@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import mxgemm
-from mxgemm.bench import _mx_weights
+from mxgemm.bench import mx_weights
 from mxgemm.timing import time_cuda
 
 N, K = 57344, 8192
@@ -56,7 +56,7 @@ def trace(name, g, calls_per_replay, seconds=1.2, window=0.1):
 
 
 def main() -> None:
-    mx = _mx_weights(N, K, "cuda", 2)
+    mx = mx_weights(N, K, "cuda", 2)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     bf = [mxgemm.dequantize(mxgemm.MXTensor(q, s), torch.bfloat16) for q, s in mx]
     g_bf = graph_of([partial(F.linear, x, w) for w in bf], 4)

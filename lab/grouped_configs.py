@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 import mxgemm
-from mxgemm.bench_moe import MOE_MODELS, _experts, _routing
+from mxgemm.bench_moe import MOE_MODELS, experts_with_bf16, routing_offsets
 from mxgemm.kernels.act_quant import quantize_1x128_padded
 from mxgemm.kernels.grouped.fp8 import GroupedConfig, default_config, grouped_block_linear
 from mxgemm.timing import time_cuda
@@ -49,13 +49,13 @@ def main() -> None:
     for model, proj, token_counts in PROBLEMS:
         e, hidden, width, topk = MOE_MODELS[model]
         n, k = (2 * width, hidden) if proj == "gate_up" else (hidden, width)
-        q, s, _ = _experts(e, n, k, seed=1, device=torch.device("cuda"))
+        q, s, _ = experts_with_bf16(e, n, k, seed=1, device=torch.device("cuda"))
         w = mxgemm.prepare_grouped_weight(q, s)
         del q, s
         qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
         for tokens in token_counts:
             rows = tokens * topk
-            routings = [_routing(tokens, e, topk, seed=r, device=torch.device("cuda"))[0] for r in range(8)]
+            routings = [routing_offsets(tokens, e, topk, seed=r, device=torch.device("cuda"))[0] for r in range(8)]
             xs = [torch.randn(rows, k, device="cuda").bfloat16() for _ in routings]
             base = default_config(rows, e)
             ref = grouped_block_linear(xs[0], qd, bs, routings[0], n, base)

@@ -33,7 +33,7 @@ def main() -> None:
     n, k = (2 * width, hidden) if args.proj == "gate_up" else (hidden, width)
     dev = torch.device("cuda")
     weight = mxgemm.prepare_grouped_weight(*bench_moe.random_experts(e, n, k, seed=n + k, device=dev))
-    counts = bench_moe._counts(args.tokens, e, topk, seed=0)
+    counts = bench_moe.routing_counts(args.tokens, e, topk, seed=0)
     if args.deepgemm:
         bench_moe.deepgemm_prebuild([(e, n, k, counts)], jobs=16)
         run = bench_moe.deepgemm_calls(weight, [counts], k, dev)["deepgemm_contiguous"][0]

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import mxgemm
-from mxgemm.bench_moe import MOE_MODELS, _routing, random_experts
+from mxgemm.bench_moe import MOE_MODELS, random_experts, routing_offsets
 from mxgemm.kernels import nvcc, raw_stream
 from mxgemm.kernels.grouped.fp8 import token_tile_slots
 from mxgemm.kernels.grouped.quant import quantize_rows
@@ -91,7 +91,7 @@ def main() -> None:
         w = weights[(model, proj)]
         qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
         rows = tokens * topk
-        routings = [_routing(tokens, e, topk, seed=r, device=cuda)[0] for r in range(8)]
+        routings = [routing_offsets(tokens, e, topk, seed=r, device=cuda)[0] for r in range(8)]
         quantized = [quantize_rows(torch.randn(rows, k, device=cuda).bfloat16()) for _ in routings]
         ref, worst = None, 0.0
         for config in configs:

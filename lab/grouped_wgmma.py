@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 import mxgemm
-from mxgemm.bench_moe import MOE_MODELS, _experts, _routing
+from mxgemm.bench_moe import MOE_MODELS, experts_with_bf16, routing_offsets
 from mxgemm.kernels.grouped.fp8 import default_config, grouped_block_linear
 from mxgemm.kernels.grouped.quant import quantize_rows
 from mxgemm.kernels.grouped.wgmma import WgmmaConfig, grouped_wgmma
@@ -37,14 +37,14 @@ def main() -> None:
     for model in args.models:
         e, hidden, width, topk = MOE_MODELS[model]
         for proj, (n, k) in (("gate_up", (2 * width, hidden)), ("down", (hidden, width))):
-            q, s, w16 = _experts(e, n, k, seed=1, device=torch.device("cuda"))
+            q, s, w16 = experts_with_bf16(e, n, k, seed=1, device=torch.device("cuda"))
             w = mxgemm.prepare_grouped_weight(q, s)
             del q, s
             w16_t = w16.transpose(1, 2)
             qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
             for tokens in TOKENS[model]:
                 rows = tokens * topk
-                routings = [_routing(tokens, e, topk, seed=r, device=torch.device("cuda"))[0] for r in range(8)]
+                routings = [routing_offsets(tokens, e, topk, seed=r, device=torch.device("cuda"))[0] for r in range(8)]
                 xs = [torch.randn(rows, k, device="cuda").bfloat16() for _ in routings]
                 quantized = [quantize_rows(x) for x in xs]
                 ref = grouped_block_linear(xs[0], qd, bs, routings[0], n).float()

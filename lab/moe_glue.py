@@ -19,7 +19,7 @@ import torch
 import mxgemm
 from mxgemm.backends import get_backend
 from mxgemm.backends.capabilities import GroupedWeights
-from mxgemm.bench_moe import MOE_MODELS, _experts, _hf_experts, _top_k
+from mxgemm.bench_moe import MOE_MODELS, experts_with_bf16, hf_experts, top_k_routing
 from mxgemm.timing import time_cuda
 
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
@@ -48,13 +48,13 @@ def main() -> None:
         e, hidden, width, topk = MOE_MODELS[model]
         w, w16 = {}, {}
         for proj, (n, k) in (("gate_up", (2 * width, hidden)), ("down", (hidden, width))):
-            q, s, w16[proj] = _experts(e, n, k, seed=n + k, device=dev)
+            q, s, w16[proj] = experts_with_bf16(e, n, k, seed=n + k, device=dev)
             w[proj] = mxgemm.prepare_grouped_weight(q, s, backend="triton")
             del q, s
-        hf = _hf_experts(e, hidden, width, topk, w16["gate_up"], w16["down"])
+        hf = hf_experts(e, hidden, width, topk, w16["gate_up"], w16["down"])
         torch.cuda.empty_cache()
         for t in TOKENS:
-            picks = [_top_k(t, e, topk, seed=r, device=dev) for r in range(8)]
+            picks = [top_k_routing(t, e, topk, seed=r, device=dev) for r in range(8)]
             xs = [torch.randn(t, hidden, device=dev).bfloat16() for _ in picks]
             fused = [
                 partial(mxgemm.moe_experts, x, i, p, w["gate_up"], w["down"])

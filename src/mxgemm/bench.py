@@ -34,7 +34,17 @@ from .resolve import available_backends
 from .timing import SETTLE_MS, copies_for_cold_l2, time_cpu, time_cuda
 from .weights import linear, prepare_weight
 
-__all__ = ["DEFAULT_M", "MODELS", "BenchRow", "Problem", "bench_record", "environment", "parse_shapes", "run_bench"]
+__all__ = [
+    "DEFAULT_M",
+    "MODELS",
+    "BenchRow",
+    "Problem",
+    "bench_record",
+    "environment",
+    "mx_weights",
+    "parse_shapes",
+    "run_bench",
+]
 
 # (N, K, name) of the dense projections
 MODELS: dict[str, list[tuple[int, int, str]]] = {
@@ -131,7 +141,7 @@ def floor_us(p: Problem, device: DeviceInfo) -> float | None:
     return None
 
 
-def _mx_weights(n: int, k: int, device: torch.device, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def mx_weights(n: int, k: int, device: torch.device, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for seed in range(copies):
         g = torch.Generator(device="cpu").manual_seed(seed)
@@ -194,7 +204,7 @@ def _dot_scaled_worker(conn) -> None:
     device = describe_device()
     while (task := conn.recv()) is not None:
         m, n, k = task
-        weights = _mx_weights(n, k, device.torch_device, copies_for_cold_l2(n * k, device.l2_bytes))
+        weights = mx_weights(n, k, device.torch_device, copies_for_cold_l2(n * k, device.l2_bytes))
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         q0, s0 = weights[0]
         ref = x.float() @ dequantize(MXTensor(q0, s0)).T
@@ -247,7 +257,7 @@ def run_bench(
                 progress(f"M={m} N={n} K={k} {name}")
             if (n, k) not in cache:
                 cache.clear()
-                cache[(n, k)] = _mx_weights(n, k, dev, copies_for_cold_l2(2 * n * k, device.l2_bytes) if on_gpu else 1)
+                cache[(n, k)] = mx_weights(n, k, dev, copies_for_cold_l2(2 * n * k, device.l2_bytes) if on_gpu else 1)
             weights = cache[(n, k)]
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             auto = [prepare_weight(q, s) for q, s in weights]

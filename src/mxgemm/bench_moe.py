@@ -42,10 +42,15 @@ __all__ = [
     "bench_record",
     "deepgemm_calls",
     "deepgemm_prebuild",
+    "experts_with_bf16",
+    "hf_experts",
     "markdown_table",
     "random_experts",
+    "routing_counts",
+    "routing_offsets",
     "run_moe_bench",
     "table_rows",
+    "top_k_routing",
 ]
 
 # (experts, hidden, expert width, top-k)
@@ -87,7 +92,7 @@ def random_experts(e: int, n: int, k: int, seed: int, device: torch.device) -> t
     return q, s
 
 
-def _experts(e: int, n: int, k: int, seed: int, device: torch.device):
+def experts_with_bf16(e: int, n: int, k: int, seed: int, device: torch.device):
     """:func:`random_experts` and their bf16 values."""
     q, s = random_experts(e, n, k, seed, device)
     w = torch.empty((e, n, k), dtype=torch.bfloat16, device=device)
@@ -96,9 +101,9 @@ def _experts(e: int, n: int, k: int, seed: int, device: torch.device):
     return q, s, w
 
 
-def _routing(tokens: int, e: int, topk: int, seed: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """int32 cumulative row ends of :func:`_top_k`'s routing, and how many experts it makes active."""
-    counts = torch.tensor(_counts(tokens, e, topk, seed))
+def routing_offsets(tokens: int, e: int, topk: int, seed: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """int32 cumulative row ends of :func:`top_k_routing`'s routing, and how many experts it makes active."""
+    counts = torch.tensor(routing_counts(tokens, e, topk, seed))
     return counts.cumsum(0).to(torch.int32).to(device), int((counts > 0).sum())
 
 
@@ -114,7 +119,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / (time_cuda([partial(dst.copy_, src)]) * 1e-6)
 
 
-def _hf_experts(e: int, hidden: int, width: int, topk: int, gate_up: torch.Tensor, down: torch.Tensor):
+def hf_experts(e: int, hidden: int, width: int, topk: int, gate_up: torch.Tensor, down: torch.Tensor):
     """transformers' bf16 Qwen3-MoE experts module on these weights, with its ``grouped_mm`` implementation; None
     without transformers."""
     try:
@@ -257,13 +262,13 @@ def deepgemm_prebuild(problems: Sequence[tuple[int, int, int, list[int]]], jobs:
         return sum(pool.map(built, wanted.items()))
 
 
-def _counts(tokens: int, e: int, topk: int, seed: int) -> list[int]:
-    """The rows per expert of :func:`_top_k`'s routing."""
-    ids, _ = _top_k(tokens, e, topk, seed, torch.device("cpu"))
+def routing_counts(tokens: int, e: int, topk: int, seed: int) -> list[int]:
+    """The rows per expert of :func:`top_k_routing`'s routing."""
+    ids, _ = top_k_routing(tokens, e, topk, seed, torch.device("cpu"))
     return torch.bincount(ids.reshape(-1), minlength=e).tolist()
 
 
-def _top_k(tokens: int, e: int, topk: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_routing(tokens: int, e: int, topk: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A uniform top-k routing: expert ids [T, k] and softmaxed weights [T, k]."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.rand(tokens, e, generator=g).topk(topk, dim=1).indices
@@ -295,7 +300,7 @@ def run_moe_bench(
     if gpu and _import_deepgemm() is not None:
         start = time.perf_counter()
         problems = [
-            (e, n, k, _counts(t, e, topk, seed=r))
+            (e, n, k, routing_counts(t, e, topk, seed=r))
             for _, (e, hidden, width, topk) in chosen
             for n, k in ((2 * width, hidden), (hidden, width))
             for t in counts
@@ -319,13 +324,13 @@ def run_moe_bench(
     for model, (e, hidden, width, topk) in chosen:
         prepared, bf16_weights = {}, {}
         for proj, (n, k) in (("gate_up", (2 * width, hidden)), ("down", (hidden, width))):
-            q, s, w16 = _experts(e, n, k, seed=n + k, device=dev)
+            q, s, w16 = experts_with_bf16(e, n, k, seed=n + k, device=dev)
             prepared[proj], bf16_weights[proj] = prepare_grouped_weight(q, s), w16
             del q, s
             w16_t = w16.transpose(1, 2)  # [E, K, N], as _grouped_mm takes it
             w8 = w16.to(torch.float8_e4m3fn).transpose(1, 2) if gpu else None
             for t in counts:
-                routings = [_routing(t, e, topk, seed=r, device=dev) for r in range(ROUTINGS if gpu else 1)]
+                routings = [routing_offsets(t, e, topk, seed=r, device=dev) for r in range(ROUTINGS if gpu else 1)]
                 offs = [o for o, _ in routings]
                 xs = [torch.randn(t * topk, k, device=dev).bfloat16() for _ in offs]
                 ours = [partial(grouped_linear, x, prepared[proj], o) for x, o in zip(xs, offs, strict=True)]
@@ -343,13 +348,13 @@ def run_moe_bench(
                         partial(torch._scaled_grouped_mm, xq, w8, xs_, scale_b, offs=o, out_dtype=torch.bfloat16)
                         for (xq, xs_), o in zip(quantized, offs, strict=True)
                     ]
-                    per_expert = [_counts(t, e, topk, seed=r) for r in range(len(routings))]
+                    per_expert = [routing_counts(t, e, topk, seed=r) for r in range(len(routings))]
                     calls |= deepgemm_calls(prepared[proj], per_expert, k, dev)
                 timed(row, calls)
             del w16_t, w8
-        hf = _hf_experts(e, hidden, width, topk, bf16_weights["gate_up"], bf16_weights["down"])
+        hf = hf_experts(e, hidden, width, topk, bf16_weights["gate_up"], bf16_weights["down"])
         for t in counts:
-            picks = [_top_k(t, e, topk, seed=r, device=dev) for r in range(ROUTINGS if gpu else 1)]
+            picks = [top_k_routing(t, e, topk, seed=r, device=dev) for r in range(ROUTINGS if gpu else 1)]
             xs = [torch.randn(t, hidden, device=dev).bfloat16() for _ in picks]
             gate_up, down = prepared["gate_up"], prepared["down"]
             ours = [partial(moe_experts, x, i, w, gate_up, down) for x, (i, w) in zip(xs, picks, strict=True)]

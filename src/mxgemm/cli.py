@@ -329,7 +329,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
 
     from .autotune import Autotuner
     from .backends import get_backend
-    from .bench import _mx_weights
+    from .bench import mx_weights
     from .tuning import BUCKETS, TuneKey, bucket
     from .weights import prepare_weight
 
@@ -362,7 +362,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("tuning", total=sum(len(v) for v in problems.values()))
         for (n, k), ms in problems.items():
-            ((q, s),) = _mx_weights(n, k, device.torch_device, 1)
+            ((q, s),) = mx_weights(n, k, device.torch_device, 1)
             weight = prepare_weight(q, s)
             backend = get_backend(weight.backend)
             for m in sorted(ms):
