@@ -19,15 +19,18 @@ __all__ = [
     "reencode_max_error",
 ]
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 class SettingsError(MXGemmError, ValueError):
     """An environment variable holds a value mxgemm does not accept."""
 
 
-def _flag(name: str) -> bool:
+def _flag(name: str, default: bool = False) -> bool:
+    """The switch ``name``: ``default`` where it is unset or blank."""
     value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
     if value in _TRUE:
         return True
     if value in _FALSE:
@@ -59,12 +62,12 @@ def autotune_enabled() -> bool:
 
 def fast_calls_enabled() -> bool:
     """``MXGEMM_FAST_CALLS``: whether eager calls of planned kernels go from C++ to the launch (default on)."""
-    return not os.environ.get("MXGEMM_FAST_CALLS", "").strip() or _flag("MXGEMM_FAST_CALLS")
+    return _flag("MXGEMM_FAST_CALLS", default=True)
 
 
 def eager_graphs_enabled() -> bool:
     """``MXGEMM_EAGER_GRAPHS``: whether eager calls of the experts' routed block replay CUDA graphs (default on)."""
-    return not os.environ.get("MXGEMM_EAGER_GRAPHS", "").strip() or _flag("MXGEMM_EAGER_GRAPHS")
+    return _flag("MXGEMM_EAGER_GRAPHS", default=True)
 
 
 def reencode_max_error() -> float:
