@@ -41,6 +41,8 @@ PROBLEMS = [
     ("qwen3-30b-a3b", "gate_up", 1024, [WgmmaConfig(64, 128, 4, True), WgmmaConfig(64, 160, 4, True)]),
     ("mixtral-8x7b", "gate_up", 256, [WgmmaConfig(64, 128, 4), WgmmaConfig(64, 160, 4)]),
     ("mixtral-8x7b", "gate_up", 4096, [WgmmaConfig(128, 128, 4), WgmmaConfig(64, 160, 4), WgmmaConfig(64, 160, 6)]),
+    ("deepseek-v3", "down", 64, [WgmmaConfig(64, 128, 4), WgmmaConfig(64, 128, 4, True)]),
+    ("deepseek-v3", "down", 4096, [WgmmaConfig(128, 128, 6), WgmmaConfig(128, 128, 6, True)]),
 ]
 
 

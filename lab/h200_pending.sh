@@ -39,6 +39,8 @@
 #   moe-gate / moe-bench / moe-tune / moe-e2e / moe-graphs  the experts: their GPU tests, mxgemm bench --moe (DeepGEMM
 #           beside where .anchors/deepgemm was carried), mxgemm tune --moe merged into the shipped tuning file, the
 #           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
+#   grad-modes  lab/grad_modes.py (GRAD_ARGS, default --layers 16): eager generate under no_grad against under
+#           inference_mode, where the q/k/v groups run apart, bf16 and mxgemm
 #   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside each folder under
 #           lab/csrc/variants (made by hand: e.g. `git show` of an earlier commit's csrc files, or the tree's
 #           with lab/patches/grouped-wn160.patch applied); then the patch applied to this copy of the tree and
@@ -211,6 +213,9 @@ PY
     moe-graphs)  # eager decode with MXFP8Experts' graphs against without (MXGEMM_EAGER_GRAPHS), 4 layers
       for g in 0 1; do MXGEMM_EAGER_GRAPHS=$g timeout 200 python3 lab/moe_layer_host.py --layers 4 \
         --tokens 1 > "$out/moe-layer-host-graphs$g.txt" 2>&1; tail -8 "$out/moe-layer-host-graphs$g.txt"; done ;;
+    grad-modes)
+      timeout 400 python3 lab/grad_modes.py ${GRAD_ARGS:---layers 16} --json "$out/grad-modes.json" \
+        > "$out/grad-modes.txt" 2>&1; tail -5 "$out/grad-modes.txt" ;;
     grouped-variants)
       specs="tree=src/mxgemm/kernels/grouped/csrc"
       for v in lab/csrc/variants/*/; do [ -e "$v/grouped_fp8.cu" ] && specs="$specs $(basename "$v")=$v"; done

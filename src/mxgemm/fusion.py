@@ -112,10 +112,11 @@ class SharedInput:
         if bias is not self.bias_views[index]:
             self.disable("a member's bias was replaced")
             return None
-        # eager calls only (traced ones take MXFP8Linear._traced_group_output); inference tensors keep no version
-        # counter: there the input is taken to be unchanged between the members' calls, as in the decoder layers
-        # these groups come from
-        version = -1 if x.is_inference() else x._version
+        # eager calls only (traced ones take MXFP8Linear._traced_group_output). Inference tensors keep no version
+        # counter, so a change in place between the members' calls could not be seen: each member runs alone
+        if x.is_inference():
+            return None
+        version = x._version
         grad = torch.is_grad_enabled()
         if x is self._x and version == self._version and grad != self._grad:
             self._x, self._pending = None, {}  # made in the other grad mode: they would drop or keep gradients wrongly

@@ -300,6 +300,25 @@ def test_each_layer_alone_where_running_as_one_would_not_be_right():
         assert torch.equal(k3(y), alone3.self_attn["k_proj"](y))
 
 
+@pytest.mark.parametrize("max_rows", [None, 4])
+def test_under_inference_mode_an_input_changed_in_place_between_members_is_read_anew(max_rows, monkeypatch):
+    """Inference tensors keep no version counter, so a group cannot tell its input changed in place: there each member
+    runs alone, on the input as it is when called (one GEMM for the group, or one shared quantization above
+    ``max_rows``, would give k and v the outputs of q's input)."""
+    alone, fused, _ = _pair("w8a8-mx")
+    if max_rows:
+        _apart_above(fused, max_rows, monkeypatch)
+    names = ("q_proj", "k_proj", "v_proj")
+    group = fused.self_attn["q_proj"].shared[0]
+    with torch.inference_mode():
+        x = torch.randn(2, 8, 256, dtype=torch.bfloat16)
+        for name in names:
+            assert torch.equal(fused.self_attn[name](x), alone.self_attn[name](x)), name
+            x.mul_(2)
+        assert group.enabled and not group._pending and group._quantized is None
+        assert torch.equal(fused(x), alone(x))
+
+
 def test_reloading_a_member_and_fp32_inputs_and_gradients():
     alone, fused, _ = _pair("w8a8-mx")
     x = torch.randn(3, 256, dtype=torch.bfloat16)
