@@ -424,6 +424,24 @@ def test_tuning_files_record_the_kernels_they_were_timed_on(tmp_path):
         path.write_text(original)
 
 
+def test_the_kernels_digest_reads_the_same_on_every_python():
+    """Python 3.12's syntax trees add ``type_params`` (empty) to every function, where ``ast.dump`` writes it and 3.11
+    has no such field: the digest's text of a tree leaves out the fields that are None or empty, so the shipped tuning
+    files' record (made on one Python) names the same kernels on another; a field with a value still counts."""
+    import ast
+
+    from mxgemm.kernels import _tree_text
+
+    tree = ast.parse("def f(x: int = 1) -> int:\n    return x + 1\n")
+    before = _tree_text(tree)
+    function = tree.body[0]
+    function._fields = (*function._fields, "added")
+    function.added = []
+    assert _tree_text(tree) == before
+    function.added = [ast.Name("T")]
+    assert _tree_text(tree) != before
+
+
 def test_each_environment_keeps_its_own_file_and_says_how_each_file_is_used(tmp_path, monkeypatch, caplog):
     """The user's file is named by the environment's record, so an upgrade (other versions or kernels) writes a file of
     its own instead of finding one it may neither use nor overwrite; each file says whether it is used, and why not."""

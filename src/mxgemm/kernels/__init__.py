@@ -45,7 +45,20 @@ def _python_code(text: str) -> str:
             and isinstance(body[0].value.value, str)
         ):
             node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree)
+    return _tree_text(tree)
+
+
+def _tree_text(node) -> str:
+    """``ast.dump`` without the fields that are None or empty: the same text on every Python version, where
+    ``ast.dump``'s differs by the fields a version adds empty (3.12's ``type_params`` of every function)."""
+    if isinstance(node, list):
+        return "[" + ", ".join(map(_tree_text, node)) + "]"
+    if not isinstance(node, ast.AST):
+        return repr(node)
+    fields = (
+        f"{name}={_tree_text(value)}" for name, value in ast.iter_fields(node) if value is not None and value != []
+    )
+    return f"{type(node).__name__}({', '.join(fields)})"
 
 
 # string and character literals (kept whole), or a run of blank space and comments (one space)
