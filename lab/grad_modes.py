@@ -1,8 +1,8 @@
 """What running the q/k/v groups apart under ``torch.inference_mode`` costs: a Llama at 8B dimensions (``--layers``),
 bf16 and mxgemm, eager ``generate`` under ``torch.no_grad`` (Hugging Face's own mode: the q/k/v groups run as one)
-against under ``torch.inference_mode`` (inference tensors keep no version counter, so each member runs alone): decode
-tokens/s at batch 1 and 16 (a 512-token prompt, 64 new tokens) and a 2048-token prefill, the modes alternating in each
-round, each figure the median of the rounds.
+against under ``torch.inference_mode`` (inference tensors keep no version counter, so q/k/v run apart): the time of
+a ``generate`` call of 64 new tokens after a 512-token prompt at batch 1 and 16, and of a 2048-token prefill, the modes
+alternating in each round, each figure the median of the rounds.
 
 Run on the device: PYTHONPATH=src python3 lab/grad_modes.py --layers 16 --json grad-modes.json
 """

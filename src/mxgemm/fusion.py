@@ -84,6 +84,9 @@ class SharedInput:
         self._x: torch.Tensor | None = None
         self._version = -1
         self._grad = False  # the grad mode the pending outputs were made in
+        # an inference tensor the caller calls every member on in turn, running nothing else in between (a gated MLP's
+        # forward: gated._joined_call)
+        self.trusted: torch.Tensor | None = None
         self._pending: dict[int, torch.Tensor] = {}
         # above the threshold: (weak input, its version, its quantized rows, the members still to call on them)
         self._quantized: tuple | None = None
@@ -113,10 +116,14 @@ class SharedInput:
             self.disable("a member's bias was replaced")
             return None
         # eager calls only (traced ones take MXFP8Linear._traced_group_output). Inference tensors keep no version
-        # counter, so a change in place between the members' calls could not be seen: each member runs alone
+        # counter, so a change in place between the members' calls could not be seen: each member runs alone, unless
+        # its caller vouches for the tensor (`trusted`)
         if x.is_inference():
-            return None
-        version = x._version
+            if x is not self.trusted:
+                return None
+            version = -1
+        else:
+            version = x._version
         grad = torch.is_grad_enabled()
         if x is self._x and version == self._version and grad != self._grad:
             self._x, self._pending = None, {}  # made in the other grad mode: they would drop or keep gradients wrongly

@@ -70,10 +70,34 @@ def _global_hooks() -> bool:
     return bool(getattr(state, "_global_forward_hooks", None) or getattr(state, "_global_forward_pre_hooks", None))
 
 
+def _joined_call(gate_proj: nn.Module, up_proj: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_proj(x), up_proj(x)``. Under ``inference_mode`` their group (:class:`mxgemm.fusion.SharedInput`) runs as
+    one only where it is told that nothing runs between the two calls: so where they are one group of two, neither
+    hooked (a hook could change ``x`` in place) nor every module."""
+    group = getattr(gate_proj, "shared", None)
+    if (
+        group is None
+        or torch.compiler.is_compiling()
+        or not x.is_inference()
+        or getattr(up_proj, "shared", None) is None
+        or up_proj.shared[0] is not group[0]
+        or len(group[0].sizes) != 2
+        or _hooked(gate_proj)
+        or _hooked(up_proj)
+        or _global_hooks()
+    ):
+        return gate_proj(x), up_proj(x)
+    group[0].trusted = x
+    try:
+        return gate_proj(x), up_proj(x)
+    finally:
+        group[0].trusted = None
+
+
 @functools.cache
 def _gated_class(cls: type) -> type:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = _joined_call(self.gate_proj, self.up_proj, x)
         down, act = self.down_proj, self.act_fn
         if not (_is_silu(act) and isinstance(down, MXFP8Linear)) or _hooked(down) or _hooked(act) or _global_hooks():
             y = None  # the module changed since it was taken, or hooks would miss the steps: the model's own steps

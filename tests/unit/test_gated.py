@@ -153,6 +153,30 @@ def test_the_models_steps_run_with_hooks_gradients_and_traced(gated_calls):
     assert x.grad is not None and gated_calls == [True, False]
 
 
+@pytest.mark.parametrize("hook", [False, True])
+def test_under_inference_mode_gate_and_up_run_as_one_unless_hooked(hook, monkeypatch):
+    """Inference tensors keep no version counter, so groups run their members apart under ``inference_mode``; a gated
+    MLP's forward calls gate and up with nothing between, and so runs their group as one GEMM. A forward pre-hook on
+    up_proj could change the input in place between the two: then each runs alone, on the input as the hook left it."""
+    from mxgemm import fusion
+
+    plain, fused, _ = _pair()
+    joined = []
+    monkeypatch.setattr(fusion, "linear", lambda x, w, b: joined.append(x.shape) or mxgemm.weights.linear(x, w, b))
+
+    def doubled(module, args):
+        args[0].mul_(2)
+
+    if hook:
+        for model in (plain, fused):
+            model.model.layers[0].mlp.up_proj.register_forward_pre_hook(doubled)
+    ids = torch.randint(0, 500, (1, 5))
+    with torch.inference_mode():
+        assert torch.equal(fused(ids).logits, plain(ids).logits)
+    assert len(joined) == (1 if hook else 2)  # one GEMM for each group of two run as one; q/k/v groups run apart
+    assert all(layer.mlp.gate_proj.shared[0].trusted is None for layer in fused.model.layers)
+
+
 @pytest.mark.parametrize("change", ["gelu", "nn.Linear down_proj", "global hook"])
 def test_a_gated_mlp_changed_after_fusion_computes_what_it_now_says(change, gated_calls):
     """A module taken once is checked on every call: an act_fn swapped for GELU runs GELU, a down_proj replaced by an
