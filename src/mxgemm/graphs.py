@@ -14,10 +14,12 @@ copy are never interleaved with another's), and a capture fails only on its own 
 captured, never on other threads' work (thread-local capture mode).
 
 All graphs of a device capture into one memory pool: a graph's intermediates are dead once it has replayed and its
-output has been copied out, so graphs replayed in any order never read each other's memory. Calls that cannot be
-graphed run directly (:func:`graphable`): tensors not on a GPU, or subclasses, gradients asked for, a stream being
-captured already (the caller's own CUDA graph), ``torch.compile`` tracing, a dispatch mode, a stream other than the
-device's default one (calls on several streams at once would share the graphs' static tensors and memory), or
+output has been copied out, so graphs replayed in any order never read each other's memory. A pool no graph uses any
+more is only waiting to be freed: PyTorch's caching allocator refuses it to a capture (an internal assertion that the
+pool has users), so the first capture after every graph is gone (their holders freed) takes a new pool. Calls that
+cannot be graphed run directly (:func:`graphable`): tensors not on a GPU, or subclasses, gradients asked for, a stream
+being captured already (the caller's own CUDA graph), ``torch.compile`` tracing, a dispatch mode, a stream other than
+the device's default one (calls on several streams at once would share the graphs' static tensors and memory), or
 ``MXGEMM_EAGER_GRAPHS=0``.
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -37,7 +40,8 @@ __all__ = ["EagerGraphs", "graphable"]
 
 logger = logging.getLogger("mxgemm")
 
-_POOLS: dict[int, tuple] = {}  # a device's graph memory pool, shared by every EagerGraphs
+# a device's graph memory pool, shared by every EagerGraphs, and how many graphs captured into it are alive
+_POOLS: dict[int, list] = {}
 
 
 def graphable(*tensors: torch.Tensor) -> bool:
@@ -118,9 +122,10 @@ class EagerGraphs:
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
+        pool = _pool(device)
         try:
             with torch.cuda.device(device), torch.cuda.stream(side):
-                graph.capture_begin(pool=_pool(device), capture_error_mode="thread_local")
+                graph.capture_begin(pool=pool[0], capture_error_mode="thread_local")
                 try:
                     output = fn(*inputs)
                 finally:
@@ -134,6 +139,8 @@ class EagerGraphs:
         if not isinstance(output, torch.Tensor):
             self._refused.add(sig)
             return None
+        pool[1] += 1
+        weakref.finalize(graph, _graph_freed, pool)
         entry = _Graph(graph, inputs, output)
         self._graphs[sig] = entry
         self._seen.discard(sig)
@@ -142,8 +149,15 @@ class EagerGraphs:
         return entry
 
 
-def _pool(device: torch.device) -> tuple:
+def _pool(device: torch.device) -> list:
+    """[the device's pool, its graphs alive]: a new pool where none is alive (the allocator keeps a pool no graph uses
+    only to free it, and refuses it to a capture)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _POOLS:
-        _POOLS[index] = torch.cuda.graph_pool_handle()
-    return _POOLS[index]
+    pool = _POOLS.get(index)
+    if pool is None or pool[1] == 0:
+        pool = _POOLS[index] = [torch.cuda.graph_pool_handle(), 0]
+    return pool
+
+
+def _graph_freed(pool: list) -> None:
+    pool[1] -= 1

@@ -336,6 +336,24 @@ def test_eager_experts_calls_from_two_threads_keep_their_own_bits(monkeypatch):
     assert not wrong and len(experts._graphs) == 1
 
 
+def test_eager_graphs_capture_after_every_earlier_holder_is_freed(monkeypatch):
+    """The allocator releases a graph memory pool once no graph uses it and refuses it to later captures: holders made
+    after every earlier one was freed capture in a new pool, and replay the direct call's bits."""
+    import gc
+
+    from mxgemm.graphs import EagerGraphs
+
+    monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
+    x = torch.randn(64, device="cuda")
+    for holder in range(3):
+        graphs = EagerGraphs()
+        for _ in range(3):
+            assert torch.equal(graphs(lambda t: t * 2 + 1, x), x * 2 + 1)
+        assert len(graphs) == 1, holder
+        del graphs
+        gc.collect()
+
+
 def test_eager_experts_calls_replay_graphs_with_the_direct_calls_bits(monkeypatch):
     """``MXFP8Experts``' eager calls of up to GRAPHED_TOKENS tokens with MXGEMM_EAGER_GRAPHS=1: the first of a shape
     runs directly, the second captures, every later one replays; each answers the bits of a direct ``moe_experts``
