@@ -5,7 +5,8 @@ times a projection (CUDA-graph replay of 8 routings, GEMM alone); every output c
 source whose entry point takes no ``persistent`` argument (before the persistent grid) runs its own grid; a config
 a version does not have is left out of its column.
 
-A folder per version, e.g. the last commit's beside the tree's:
+A folder per version (``h200_pending.sh grouped-variants`` makes one for the kernel before the persistent grid and
+one for each ``lab/patches/grouped-*.patch``), e.g. the last commit's beside the tree's:
     mkdir -p /tmp/head && for f in grouped_fp8.cu sm90.cuh; do
       git show HEAD:src/mxgemm/kernels/grouped/csrc/$f > /tmp/head/$f; done
 Run on the device: PYTHONPATH=src python3 lab/grouped_variants.py head=DIR new=DIR [...] --json OUT

@@ -41,10 +41,9 @@
 #           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
 #   grad-modes  lab/grad_modes.py (GRAD_ARGS, default --layers 16): eager generate under no_grad against under
 #           inference_mode, where the q/k/v groups run apart, bf16 and mxgemm
-#   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside each folder under
-#           lab/csrc/variants (made by hand: e.g. `git show` of an earlier commit's csrc files, or the tree's
-#           with lab/patches/grouped-wn160.patch applied); then the patch applied to this copy of the tree and
-#           the wgmma GPU tests run on it
+#   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside the kernel before the persistent
+#           grid (f0b8c98~1) and the tree's with each lab/patches/grouped-*.patch applied; then the 64 x 160 patch
+#           applied to this copy of the tree and the wgmma GPU tests run on it
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -179,7 +178,9 @@ for stage in "$@"; do
     bench-hf) bench h200-llama3-8b-hf 300 llama3-8b-hf ;;
     bench-more) bench h200-llama3-70b 280 llama3-70b; bench h200-hidden-7168 280 hidden-7168 ;;
     bench-all) bench h200 560 llama3-8b llama3-70b hidden-7168 ;;
-    moe-gate)  # the GPU tests of the grouped kernels, the routed block and MXFP8Experts' eager graphs
+    moe-gate)  # the GPU tests of the grouped kernels, the routed block and MXFP8Experts' eager graphs; whether the
+      # shipped tuning file is used (its record this Python's kernels' digest)
+      python3 -m mxgemm info 2>&1 | grep -i "tuning" | cut -c1-200
       timeout 300 python3 -m pytest tests -q -p no:warnings -m gpu --tb=short -k "grouped or moe or wgmma or routing" \
         > "$out/moe-gate.txt" 2>&1; tail -3 "$out/moe-gate.txt" ;;
     moe-bench)  # mxgemm bench --moe; DeepGEMM's columns where the anchors' copy was carried to .anchors/deepgemm
@@ -217,8 +218,14 @@ PY
       timeout 400 python3 lab/grad_modes.py ${GRAD_ARGS:---layers 16} --json "$out/grad-modes.json" \
         > "$out/grad-modes.txt" 2>&1; tail -5 "$out/grad-modes.txt" ;;
     grouped-variants)
-      specs="tree=src/mxgemm/kernels/grouped/csrc"
-      for v in lab/csrc/variants/*/; do [ -e "$v/grouped_fp8.cu" ] && specs="$specs $(basename "$v")=$v"; done
+      csrc=src/mxgemm/kernels/grouped/csrc; specs="tree=$csrc"; vdir=/tmp/grouped-variants
+      mkdir -p "$vdir/pre" && for f in grouped_fp8.cu sm90.cuh; do git show "f0b8c98~1:$csrc/$f" > "$vdir/pre/$f"; done \
+        && specs="$specs pre=$vdir/pre"
+      for p in lab/patches/grouped-*.patch; do
+        v="$vdir/$(basename "$p" .patch)"; mkdir -p "$v"; cp "$csrc"/* "$v/"
+        patch -s -f -p6 -d "$v" < "$p" > /dev/null 2>&1  # its hunks of csrc/ (those of other files find no file)
+        cmp -s "$v/grouped_fp8.cu" "$csrc/grouped_fp8.cu" || specs="$specs $(basename "$v")=$v"
+      done
       timeout 240 python3 lab/grouped_variants.py $specs --json "$out/grouped-variants.json" \
         > "$out/grouped-variants.txt" 2>&1; tail -22 "$out/grouped-variants.txt"
       git apply lab/patches/grouped-wn160.patch && timeout 200 python3 -m pytest tests/gpu/test_gpu_grouped.py \
