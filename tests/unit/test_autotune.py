@@ -442,6 +442,30 @@ def test_the_kernels_digest_reads_the_same_on_every_python():
     assert _tree_text(tree) != before
 
 
+def test_the_kernels_digest_is_the_same_under_every_python_found_here():
+    """The shipped files' record is made under the device's Python: every other Python found here (pyenv's, 3.10 on)
+    computes this one's digest of these kernels (the digest needs no torch: a stub stands in for its import)."""
+    import subprocess
+    from pathlib import Path
+
+    from mxgemm import kernels
+
+    found = [
+        python
+        for python in sorted(Path.home().glob(".pyenv/versions/3.*/bin/python3"))
+        if tuple(int(part) for part in python.parts[-3].split(".")[:2]) >= (3, 10)
+    ]
+    if not found:
+        pytest.skip("no other Python found (pyenv's versions)")
+    code = (
+        "import runpy, sys, types; from pathlib import Path; sys.modules['torch'] = types.ModuleType('torch'); "
+        "print(runpy.run_path(sys.argv[1])['source_digest'](Path(sys.argv[1]).parent))"
+    )
+    for python in found:
+        run = subprocess.run([python, "-c", code, kernels.__file__], capture_output=True, text=True, timeout=120)
+        assert run.stdout.strip() == kernels.source_digest(), (str(python), run.stderr[-500:])
+
+
 def test_each_environment_keeps_its_own_file_and_says_how_each_file_is_used(tmp_path, monkeypatch, caplog):
     """The user's file is named by the environment's record, so an upgrade (other versions or kernels) writes a file of
     its own instead of finding one it may neither use nor overwrite; each file says whether it is used, and why not."""
