@@ -40,8 +40,19 @@ __all__ = ["EagerGraphs", "graphable"]
 
 logger = logging.getLogger("mxgemm")
 
-# a device's graph memory pool, shared by every EagerGraphs, and how many graphs captured into it are alive
-_POOLS: dict[int, list] = {}
+
+@dataclass
+class _Pool:
+    """A device's graph memory pool, shared by every EagerGraphs, and how many graphs captured into it are alive."""
+
+    handle: tuple
+    alive: int = 0
+
+    def freed(self) -> None:
+        self.alive -= 1
+
+
+_POOLS: dict[int, _Pool] = {}
 
 
 def graphable(*tensors: torch.Tensor) -> bool:
@@ -125,7 +136,7 @@ class EagerGraphs:
         pool = _pool(device)
         try:
             with torch.cuda.device(device), torch.cuda.stream(side):
-                graph.capture_begin(pool=pool[0], capture_error_mode="thread_local")
+                graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
                 try:
                     output = fn(*inputs)
                 finally:
@@ -139,8 +150,8 @@ class EagerGraphs:
         if not isinstance(output, torch.Tensor):
             self._refused.add(sig)
             return None
-        pool[1] += 1
-        weakref.finalize(graph, _graph_freed, pool)
+        pool.alive += 1
+        weakref.finalize(graph, pool.freed)
         entry = _Graph(graph, inputs, output)
         self._graphs[sig] = entry
         self._seen.discard(sig)
@@ -149,15 +160,11 @@ class EagerGraphs:
         return entry
 
 
-def _pool(device: torch.device) -> list:
-    """[the device's pool, its graphs alive]: a new pool where none is alive (the allocator keeps a pool no graph uses
+def _pool(device: torch.device) -> _Pool:
+    """The device's pool; a new one where none of its graphs is alive (the allocator keeps a pool no graph uses
     only to free it, and refuses it to a capture)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     pool = _POOLS.get(index)
-    if pool is None or pool[1] == 0:
-        pool = _POOLS[index] = [torch.cuda.graph_pool_handle(), 0]
+    if pool is None or pool.alive == 0:
+        pool = _POOLS[index] = _Pool(torch.cuda.graph_pool_handle())
     return pool
-
-
-def _graph_freed(pool: list) -> None:
-    pool[1] -= 1
