@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import logging
 import os
 import stat
 import tempfile
@@ -23,13 +22,10 @@ from pathlib import Path
 
 from .errors import MXGemmError
 
-logger = logging.getLogger("mxgemm")
-
 __all__ = [
     "UnsafeFileError",
     "UnsafeFolderError",
     "cache_folders",
-    "cache_root",
     "check_trusted_dir",
     "locked",
     "private_dir",
@@ -46,28 +42,6 @@ class UnsafeFileError(MXGemmError, OSError):
     """A file that is not a regular file (a link, FIFO, device or folder), or larger than what is read of it."""
 
 
-def cache_root() -> Path:
-    """The cache folder the kernel builds use: ``$MXGEMM_CACHE_DIR``, else ``~/.cache/mxgemm``; where it (or its
-    ``kernels/`` or ``ext/``) is a folder other users can change, this user's private folder under the temporary
-    directory instead, said once. The folder the kernel builds fall back to when the cache cannot be written
-    (``mxgemm-kernels-<uid>`` there) is checked too where it exists. Raises :class:`UnsafeFolderError` where no
-    folder passes."""
-    from .settings import cache_dir
-
-    root = cache_dir()
-    try:
-        _check_layout(root)
-    except UnsafeFolderError as exc:
-        fallback = temp_root()
-        _warn_once(f"mxgemm: {exc}; using {fallback} instead")
-        _check_layout(fallback)
-        root = fallback
-    legacy = Path(tempfile.gettempdir()) / f"mxgemm-kernels-{os.getuid()}"
-    if os.path.lexists(legacy):
-        check_trusted_dir(legacy)
-    return root
-
-
 def temp_root() -> Path:
     """This user's cache folder under the system's temporary directory (``mxgemm-<uid>``)."""
     return Path(tempfile.gettempdir()) / f"mxgemm-{os.getuid()}"
@@ -80,17 +54,6 @@ def cache_folders(sub: str) -> list[Path]:
     from .settings import cache_dir
 
     return [cache_dir() / sub, temp_root() / sub]
-
-
-def _check_layout(root: Path) -> None:
-    for folder in (root, root / "kernels", root / "ext"):
-        if os.path.lexists(folder):
-            check_trusted_dir(folder)
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    logger.warning(message)
 
 
 def _trusted_owner(st: os.stat_result) -> bool:

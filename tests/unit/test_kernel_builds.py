@@ -3,6 +3,7 @@ builds verified before use, rebuilt when bad, a timeout on the compiler, read-on
 say why instead of escaping as crashes."""
 
 import _ctypes
+import os
 import shutil
 import stat
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mxgemm.cache import cache_folders
 from mxgemm.kernels import nvcc
 
 SYMBOL = "PyInit__ctypes"  # what the stand-in library exports
@@ -58,7 +60,7 @@ def test_a_bad_library_is_rebuilt_not_loaded(toolkit, damage):
     and is rebuilt."""
     source, log = toolkit
     compiler, flags, name = nvcc._build_key(source, (9, 0), "")
-    path = nvcc.cache_root() / "kernels" / name
+    path = cache_folders("kernels")[0] / name
     path.parent.mkdir(parents=True)
     nvcc._compile(compiler, flags, source, path)  # built by an earlier process, not loaded in this one
     path.write_bytes(damage(path.read_bytes()))
@@ -94,7 +96,7 @@ def test_a_read_only_cache_serves_its_builds_and_new_ones_go_elsewhere(toolkit, 
     monkeypatch.setattr(nvcc, "locked", read_only_cache)
     assert Path(nvcc.build(source, (9, 0), symbols=[SYMBOL])._name) == built  # no lock needed to load
     other = Path(nvcc.build(source, (10, 0), symbols=[SYMBOL])._name)  # a new build: the temporary folder
-    assert other.parent.parent == tmp_path / "tmp" and _builds(log) == 2
+    assert other.parent == tmp_path / "tmp" / f"mxgemm-{os.getuid()}" / "kernels" and _builds(log) == 2
 
 
 def test_the_cache_key_covers_the_compiler_and_architecture(toolkit, monkeypatch, tmp_path):

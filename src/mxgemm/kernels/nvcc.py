@@ -4,7 +4,8 @@ A library is compiled once per source, compiler (path and version), flags and GP
 ``$MXGEMM_CACHE_DIR/kernels`` (seconds) under a file lock; nothing is built or loaded at import time. A built
 library is used only if it matches the SHA-256 recorded beside it when it was built and exports the symbols asked
 for; anything else (a truncated or foreign file) is rebuilt. A cache folder that cannot be written still serves the
-builds it holds; new ones then go to a per-user folder under the system's temporary directory. nvcc gets
+builds it holds; new ones then go to this user's private folder under the system's temporary directory
+(:func:`mxgemm.cache.cache_folders`). A folder other users could change is never read or written. nvcc gets
 ``BUILD_TIMEOUT_S`` seconds.
 """
 
@@ -20,7 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..cache import cache_root, locked
+from ..cache import UnsafeFolderError, cache_folders, check_trusted_dir, locked
 
 logger = logging.getLogger("mxgemm")
 
@@ -94,17 +95,22 @@ def build(
     architecture-specific features (sm_90a: wgmma). ``symbols``: what the library must export; ``include_dirs``:
     header folders beyond the toolkit's. Raises RuntimeError saying why when it cannot be built or loaded."""
     nvcc, flags, name = _build_key(source, capability, suffix, include_dirs)
-    folders = [cache_root() / "kernels", Path(tempfile.gettempdir()) / f"mxgemm-kernels-{os.getuid()}"]
     unwritable = []
-    for folder in folders:
+    for folder in cache_folders("kernels"):
         target = folder / name
-        lib = _load_verified(target, symbols)
-        if lib is not None:
-            return lib
         try:
-            with locked(target):
+            if os.path.lexists(folder):
+                check_trusted_dir(folder)
+                lib = _load_verified(target, symbols)
+                if lib is not None:
+                    return lib
+            with locked(target):  # makes the folder private where it is new
                 if _load_verified(target, symbols) is None:  # not built by another process meanwhile
                     _compile(nvcc, flags, source, target)
+        except UnsafeFolderError as exc:
+            logger.warning("mxgemm: %s", exc)
+            unwritable.append(str(exc))
+            continue
         except OSError as exc:  # a folder that cannot be written: try the next
             unwritable.append(f"{folder} ({exc.strerror or exc})")
             continue
