@@ -1,14 +1,14 @@
 """Variants of the grouped wgmma kernel's source side by side: each folder's ``grouped_fp8.cu`` (with the
-``sm90.cuh`` beside it) built with nvcc, run on the same rows quantized apart and timed as ``mxgemm bench --moe``
-times a projection (CUDA-graph replay of 8 routings, GEMM alone); every output compared with the problem's first
-(variants and configs give the same bits where they are right: the largest relative difference is printed). A
-source whose entry point takes no ``persistent`` argument (before the persistent grid) runs its own grid; a config
-a version does not have is left out of its column.
+``sm90.cuh`` beside it, else the one in ``../../csrc`` as in the package) built with nvcc, run on the same rows
+quantized apart and timed as ``mxgemm bench --moe`` times a projection (CUDA-graph replay of 8 routings, GEMM alone);
+every output compared with the problem's first (variants and configs give the same bits where they are right: the
+largest relative difference is printed). A source whose entry point takes no ``persistent`` argument (before the
+persistent grid) runs its own grid; a config a version does not have is left out of its column.
 
 A folder per version (``h200_pending.sh grouped-variants`` makes one for the kernel before the persistent grid and
 one for each ``lab/patches/grouped-*.patch``), e.g. the last commit's beside the tree's:
-    mkdir -p /tmp/head && for f in grouped_fp8.cu sm90.cuh; do
-      git show HEAD:src/mxgemm/kernels/grouped/csrc/$f > /tmp/head/$f; done
+    mkdir -p /tmp/head && git show HEAD:src/mxgemm/kernels/grouped/csrc/grouped_fp8.cu > /tmp/head/grouped_fp8.cu \
+      && git show HEAD:src/mxgemm/kernels/csrc/sm90.cuh > /tmp/head/sm90.cuh
 Run on the device: PYTHONPATH=src python3 lab/grouped_variants.py head=DIR new=DIR [...] --json OUT
 """
 
@@ -50,7 +50,8 @@ PROBLEMS = [
 def load(folder: Path) -> tuple[ctypes.CDLL, bool]:
     """The variant's library and whether its entry point takes ``persistent``."""
     source = folder / "grouped_fp8.cu"
-    lib = nvcc.build(source, (9, 0), suffix="a", symbols=("mxgemm_grouped_fp8",))
+    headers = folder.parents[1] / "csrc"  # the package's layout; a sm90.cuh beside the source comes first
+    lib = nvcc.build(source, (9, 0), suffix="a", symbols=("mxgemm_grouped_fp8",), include_dirs=(headers,))
     persistent = "int persistent" in source.read_text()
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     head = [p, p, ll, i, p, p, i, i, p, p, p, i, i, i, i, i, i, i, i, i, i]

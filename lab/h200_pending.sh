@@ -221,10 +221,10 @@ PY
       csrc=src/mxgemm/kernels/grouped/csrc; specs="tree=$csrc"; vdir=/tmp/grouped-variants
       mkdir -p "$vdir/pre" && for f in grouped_fp8.cu sm90.cuh; do git show "f0b8c98~1:$csrc/$f" > "$vdir/pre/$f"; done \
         && specs="$specs pre=$vdir/pre"
-      for p in lab/patches/grouped-*.patch; do
-        v="$vdir/$(basename "$p" .patch)"; mkdir -p "$v"; cp "$csrc"/* "$v/"
-        patch -s -f -p6 -d "$v" < "$p" > /dev/null 2>&1  # its hunks of csrc/ (those of other files find no file)
-        cmp -s "$v/grouped_fp8.cu" "$csrc/grouped_fp8.cu" || specs="$specs $(basename "$v")=$v"
+      for p in lab/patches/grouped-*.patch; do  # the kernels' folder copied, the patch's hunks of it applied
+        v="$vdir/$(basename "$p" .patch)"; mkdir -p "$v/src/mxgemm"; cp -r src/mxgemm/kernels "$v/src/mxgemm/"
+        patch -s -f -p1 -d "$v" < "$p" > /dev/null 2>&1  # (the hunks of tests and other files find no file)
+        cmp -s "$v/$csrc/grouped_fp8.cu" "$csrc/grouped_fp8.cu" || specs="$specs $(basename "$v")=$v/$csrc"
       done
       timeout 240 python3 lab/grouped_variants.py $specs --json "$out/grouped-variants.json" \
         > "$out/grouped-variants.txt" 2>&1; tail -22 "$out/grouped-variants.txt"

@@ -124,8 +124,8 @@ def build(
 def _build_key(
     source: Path, capability: tuple[int, int], suffix: str, include_dirs: Sequence[Path] = ()
 ) -> tuple[str, list[str], str]:
-    """(nvcc, its flags, the library's file name): the name covers the source and the headers beside it, the
-    compiler's path and version, the flags and the architecture."""
+    """(nvcc, its flags, the library's file name): the name covers the source and the headers beside it and in
+    ``include_dirs``, the compiler's path and version, the flags and the architecture."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc was not found (set CUDA_HOME or put the CUDA toolkit's bin folder on PATH)")
@@ -140,6 +140,7 @@ def _build_key(
         *(f"-I{d}" for d in include_dirs),
     ]
     compiler = str(Path(nvcc).resolve())
-    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.cuh"))]  # what the sources include
+    folders = [source.parent, *include_dirs]
+    headers = [h.read_bytes() for folder in folders for h in sorted(Path(folder).glob("*.cuh"))]  # what it includes
     key = b"\0".join([source.read_bytes(), *headers, version.encode(), compiler.encode(), " ".join(flags).encode()])
     return nvcc, flags, f"{source.stem}-sm{arch}-{hashlib.sha256(key).hexdigest()[:16]}.so"
