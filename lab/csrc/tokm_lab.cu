@@ -24,18 +24,6 @@
 
 namespace {
 
-// promote one K block's product (blk) into acc with the two token scales x0, x1 (times the weight block's)
-template <int WN>
-__device__ __forceinline__ void promote(float (&acc)[WN / 2], const float (&blk)[WN / 2], float x0, float x1) {
-#pragma unroll
-  for (int j = 0; j < WN / 8; ++j) {
-    acc[4 * j + 0] = fmaf(blk[4 * j + 0], x0, acc[4 * j + 0]);
-    acc[4 * j + 1] = fmaf(blk[4 * j + 1], x0, acc[4 * j + 1]);
-    acc[4 * j + 2] = fmaf(blk[4 * j + 2], x1, acc[4 * j + 2]);
-    acc[4 * j + 3] = fmaf(blk[4 * j + 3], x1, acc[4 * j + 3]);
-  }
-}
-
 // cluster helpers (MC): this CTA's rank, a 2-D TMA box multicast to the CTAs of `mask` (the same shared-memory
 // offset and mbarrier in each), an arrive on another CTA's mbarrier, and a barrier over the whole cluster
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -165,7 +153,7 @@ __global__ void __launch_bounds__(128 * TW + (WG3 ? 128 : 32), 1)
 #pragma unroll
         for (int i = 0; i < WN / 4; ++i) blk[i] = lo[i], blk[WN / 4 + i] = hi[i];
       }
-      promote<WN>(acc, blk, x0, x1);
+      promote_rows<WN>(acc, blk, x0, x1);
     }
     const bool paired = a.ldy % 2 == 0 && (reinterpret_cast<uintptr_t>(a.Y) & 3) == 0;
 #pragma unroll

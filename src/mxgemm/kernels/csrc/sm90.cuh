@@ -136,4 +136,18 @@ __device__ __forceinline__ void wgmma(float (&d)[TN / 2], uint64_t a, uint64_t b
   if constexpr (TN == 128) wgmma_n128(d, a, b, accumulate);
 }
 
+// The two-level accumulation of blockwise FP8 where tokens are wgmma's M: one K block's product `blk` (a thread's
+// fragment of the m64nWNk32 accumulator: rows g and g + 8, two columns per 8) added into `acc`, times x0 for the
+// first row and x1 for the second (each the row's token scale times the weight block's scale)
+template <int WN>
+__device__ __forceinline__ void promote_rows(float (&acc)[WN / 2], const float (&blk)[WN / 2], float x0, float x1) {
+#pragma unroll
+  for (int j = 0; j < WN / 8; ++j) {
+    acc[4 * j + 0] = fmaf(blk[4 * j + 0], x0, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(blk[4 * j + 1], x0, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(blk[4 * j + 2], x1, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(blk[4 * j + 3], x1, acc[4 * j + 3]);
+  }
+}
+
 }  // namespace sm90

@@ -200,13 +200,7 @@ __global__ void __launch_bounds__(128 * TW + 32) grouped_kernel(const __grid_con
         wgmma_wait0();
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[s]);
-#pragma unroll
-        for (int j = 0; j < WN / 8; ++j) {
-          acc[4 * j + 0] = fmaf(blk[4 * j + 0], x0, acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(blk[4 * j + 1], x0, acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(blk[4 * j + 2], x1, acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(blk[4 * j + 3], x1, acc[4 * j + 3]);
-        }
+        promote_rows<WN>(acc, blk, x0, x1);
       }
       stage += a.kblocks;
     }
