@@ -50,7 +50,7 @@ def main() -> None:
             }
             for cfg in CONFIGS:
                 if cfg.valid(qd.shape[1]):
-                    variants[f"fp8 {cfg}"] = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, fused=False)
+                    variants[f"fp8 {cfg}"] = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg)
             for who, fn in variants.items():
                 if who.startswith("fp8"):
                     out = fn(x, None).float()

@@ -1,5 +1,6 @@
 """How an eager FP8 call (M = 24-64) is best launched: the quantizer and the GEMM as one CUDA graph of the plan's
-(what eager calls run now), the two launched directly, or the fused kernel alone; each route's eager per-call time
+(what eager calls run now) or the two launched directly (a fused kernel, timed here too, is gone: history has it);
+each route's eager per-call time
 (``bench/eager_calls.py``'s measure, weights L2-cold) beside its device time replayed from a CUDA graph, against bf16
 ``F.linear``. Where an eager call waits for the GPU, the device time of the route it runs, and any gap the GPU leaves
 between launches, set its time.
@@ -28,7 +29,7 @@ from eager_calls import cold_layers, per_call_us
 
 SHAPES = [("qwen qkv +bias", 4608, 3584, True), ("qwen o", 3584, 3584, False), ("llama qkv", 6144, 4096, False),
           ("llama o", 4096, 4096, False)]  # fmt: skip
-ROUTES = {"graph of two": (False, True), "two launches": (False, False), "fused": (True, False)}
+ROUTES = {"graph of two": True, "two launches": False}
 
 
 def main() -> None:
@@ -51,11 +52,9 @@ def main() -> None:
                 config = backend.choose(m, prepared[0]).config
                 row = {"shape": name, "n": n, "k": k, "m": m, "config": str(config)}
                 contenders = {"bf16": lambda i, x, d=dense, c=count, b=bias: F.linear(x, d[i % c], b)}
-                for route, (fused, graphed) in ROUTES.items():
-                    if fused and (m > 32 or not isinstance(config, fp8_gemm.SwapAB)):
-                        continue
+                for route, graphed in ROUTES.items():
                     plans = [fp8_gemm.linear_plan(p.tensors["qdata"], p.tensors["block_scale"], n, k, m, config,
-                                                  fused, graphed) for p in prepared]  # fmt: skip
+                                                  graphed) for p in prepared]  # fmt: skip
                     contenders[route] = lambda i, x, ps=plans, c=count, b=bias: ps[i % c](x, b)
                 for who, fn in contenders.items():
                     row[f"{who} eager"] = per_call_us(fn, xs, args.calls, 5)

@@ -109,7 +109,7 @@ def main() -> None:
                     routes = {}
                     for route, graphed in (("graph py", True), ("two launches py", False)):
                         routes[route] = [fp8_gemm.linear_plan(p.tensors["qdata"], p.tensors["block_scale"], n, k, m,
-                                                              config, False, graphed) for p in prepared]  # fmt: skip
+                                                              config, graphed) for p in prepared]  # fmt: skip
                         contenders[route] = lambda i, x, ps=routes[route], c=count, b=bias: ps[i % c](x, b)
                     contenders.update(entry_contenders(routes["graph py"], xs, bias, k, stream))
                     direct = entry_contenders(routes["two launches py"], xs, bias, k, stream)

@@ -6,14 +6,13 @@
 #   ship    copy the tuning file just made into src/mxgemm/tuned/ (of this copy of the tree) before benchmarks
 #   tests   GPU test suite (incl. CUDA graphs, the MX quantizer's bit-exactness) and `mxgemm info`
 #   crossover  bench/crossover.py: the exact regime against cuBLASLt and the FP8 kernel at M = 1-128
-#   fp8-ncu  Nsight Compute on the fused FP8 kernel (lab/profile_kernel.py --kernel fused): throughput,
+#   fp8-ncu  Nsight Compute on the swap-AB FP8 kernel (lab/profile_kernel.py --kernel swap-ab): throughput,
 #           warp states, stalls
 #   small-m-ncu  Nsight Compute on the small-M kernel (lab/profile_kernel.py --kernel small-m; SM_N/SM_K/SM_M
 #           pick the shape, default 8B gate_up at M = 1): DRAM throughput, memory workload, warp states
 #   eager   bench/eager_calls.py: one eager call against bf16's, Llama-3-8B and Qwen2.5-7B projections
 #   e2e     bench/model_e2e.py: a 32-layer Llama at 8B dimensions through generate, bf16 vs mxgemm (E2E_MODES)
 #   load    bench/load_gpu.py: an 8B-dimension MXFP8 checkpoint loaded to the GPU (peak against final footprint)
-#   fused   lab/fused_fp8.py: the fused FP8 kernel against quantizer + GEMM, eager and under graph replay
 #   quant   lab/quantizers.py: the CUDA and Triton 1x128 quantizers under graph replay, alone and with cuBLASLt
 #   ulp     lab/ulp_margins.py: each hybrid_sm90 path's worst error against its exact product
 #   op      lab/op_overhead.py: host time of an eager call against the same call through mxgemm::linear
@@ -82,9 +81,6 @@ for stage in "$@"; do
       tail -12 "$out/pytest_gpu.txt" ;;
     load)
       timeout 500 python3 bench/load_gpu.py --json "$out/load-gpu-h200.json" 2>&1 | tail -14 ;;
-    fused)
-      timeout "${FUSED_S:-300}" python3 lab/fused_fp8.py --json "$out/fused-fp8-h200.json" > /tmp/fused.log 2>&1
-      tail -60 /tmp/fused.log ;;
     e2e)  # E2E_MODES: eager (default), graphs, or "eager graphs" (about 8 min at model_e2e's defaults: 9 eager
           # rounds, 5 with graphs);
           # E2E_ARGS: more arguments of model_e2e.py (e.g. --no-fuse, --batches 1)
@@ -92,9 +88,9 @@ for stage in "$@"; do
       timeout 570 python3 bench/model_e2e.py --modes $modes ${E2E_ARGS:-} --json "$out/$name.json" \
         --markdown "$out/$name.md" > /tmp/e2e.log 2>&1
       tail -12 /tmp/e2e.log ;;
-    fp8-ncu)  # Nsight Compute on the fused FP8 kernel (NCU_N/NCU_K/NCU_M pick the shape; default 8B o at M = 32)
+    fp8-ncu)  # Nsight Compute on the swap-AB FP8 kernel (NCU_N/NCU_K/NCU_M pick the shape; default 8B o at M = 32)
       timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters --section Occupancy \
-        -k regex:fp8_gemm -s 2 -c 1 -o "$out/fp8" -f python3 lab/profile_kernel.py --kernel fused \
+        -k regex:fp8_gemm -s 2 -c 1 -o "$out/fp8" -f python3 lab/profile_kernel.py --kernel swap-ab \
         --n "${NCU_N:-4096}" --k "${NCU_K:-4096}" --m "${NCU_M:-32}" > "$out/ncu.log" 2>&1
       ncu --import "$out/fp8.ncu-rep" --section SpeedOfLight --section WarpStateStats --section Occupancy \
         > "$out/ncu-fp8.txt" 2>&1
@@ -230,7 +226,7 @@ PY
         > "$out/grouped-variants.txt" 2>&1; tail -22 "$out/grouped-variants.txt"
       git apply lab/patches/grouped-wn160.patch && timeout 200 python3 -m pytest tests/gpu/test_gpu_grouped.py \
         -q -p no:warnings -x -k "wgmma or persistent" > "$out/wn160-tests.txt" 2>&1; tail -3 "$out/wn160-tests.txt" ;;
-    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|small-m-ncu|prefill|quant|ulp|eager|e2e|load|fused|lt-algos|bench-8b|bench-more|bench-all ..." >&2
+    *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|small-m-ncu|prefill|quant|ulp|eager|e2e|load|lt-algos|bench-8b|bench-more|bench-all ..." >&2
        exit 2 ;;
   esac
 done

@@ -6,7 +6,7 @@ Per call, ``--calls`` back to back, synchronized once at the end, best of ``--re
 runs a 1024 x 1024 weight (device time a few µs, under the host's), at M = 4 (the small-M kernel) and M = 24 (the
 quantizer and the FP8 GEMM): the module call on [M, 1, K] and on [M, K] activations; ``mxgemm.linear``;
 ``run_planned``; the weight's plan (the backend's closures); the kernel binding's launcher, graphed (one launch of
-the plan's CUDA graph) and not (two launches, and the fused kernel); its ctypes call alone into a buffer allocated
+the plan's CUDA graph) and not (two launches); its ctypes call alone into a buffer allocated
 once; ``torch.empty`` of its buffer (a size tuple and as integers) and the slice of the output rows. Then the launch
 primitives: one and two CUDA quantizer launches on 4 x 128 activations, and a CUDA graph of each replayed.
 
@@ -61,12 +61,8 @@ def path_rows(m: int) -> dict:
         call = lambda: fn(address, x.data_ptr(), None, out.data_ptr(), raw_stream(0))  # noqa: E731
         rows = m
     else:
-        graphed = fp8_gemm.linear_plan(qd, bs, n, k, m, tactic.config, fused=False)
-        launches = {
-            "launcher, 2 launches": fp8_gemm.linear_plan(qd, bs, n, k, m, tactic.config, False, graphed=False),
-            # the fused kernel where the config has one (else the two launches)
-            "launcher, fused (auto)": fp8_gemm.linear_plan(qd, bs, n, k, m, tactic.config, "auto", graphed=False),
-        }
+        graphed = fp8_gemm.linear_plan(qd, bs, n, k, m, tactic.config)
+        launches = {"launcher, 2 launches": fp8_gemm.linear_plan(qd, bs, n, k, m, tactic.config, graphed=False)}
         address = ctypes.addressof(graphed.plans[torch.bfloat16, False])
         fn = fp8_gemm.library(capability).mxgemm_fp8_linear_run
         call = lambda: fn(address, x.data_ptr(), x.stride(0), None, out.data_ptr(), raw_stream(0))  # noqa: E731

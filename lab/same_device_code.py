@@ -29,18 +29,44 @@ LIBRARIES = [
 ]
 
 
-def sections(cubin: bytes) -> dict[str, bytes]:
-    """The named sections of an ELF64 little-endian file, with their bytes (empty for those without file bytes)."""
+def sections(cubin: bytes) -> tuple[dict[str, bytes], list[str]]:
+    """The named sections of an ELF64 little-endian file with their bytes (a size for those without file bytes), and
+    the names of its symbols by index."""
     (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    names = headers[shstrndx]
-    strtab = cubin[names[4] : names[4] + names[5]]
+
+    def data(h) -> bytes:
+        return cubin[h[4] : h[4] + h[5]]
+
+    def name(table: bytes, at: int) -> str:
+        return table[at : table.index(b"\0", at)].decode()
+
+    names = data(headers[shstrndx])
     out = {}
-    for name, kind, _, _, offset, size, *_ in headers:
-        label = strtab[name : strtab.index(b"\0", name)].decode()
-        out[label] = f"{size} bytes".encode() if kind == 8 else cubin[offset : offset + size]  # SHT_NOBITS: a size
-    return out
+    for h in headers:
+        out[name(names, h[0])] = f"{h[5]} bytes".encode() if h[1] == 8 else data(h)  # SHT_NOBITS: a size
+    symtab = next(h for h in headers if h[1] == 2)  # SHT_SYMTAB, its strings in the section it links
+    strings = data(headers[symtab[6]])
+    symbols = [name(strings, struct.unpack_from("<I", data(symtab), i)[0]) for i in range(0, symtab[5], 24)]
+    return out, symbols
+
+
+def info_records(info: bytes, symbols: list[str]) -> bytes:
+    """A kernel's ``.nv.info`` section with the symbol index that its constant bank record (EIATTR_PARAM_CBANK) holds
+    written as that symbol's name: the index moves when other kernels come or go, the kernel does not."""
+    out, i = [], 0
+    while i < len(info):
+        fmt, attr = info[i], info[i + 1]
+        size = struct.unpack_from("<H", info, i + 2)[0] if fmt == 4 else 2 if fmt == 3 else 0
+        start = i + (4 if fmt == 4 else 2)
+        payload = info[start : start + size]
+        if attr == 0x0A and size >= 4:
+            symbol = _ANONYMOUS.sub("(anonymous)", symbols[struct.unpack_from("<I", payload)[0]])
+            payload = symbol.encode() + payload[4:]
+        out.append(bytes([fmt, attr]) + payload)
+        i = start + size
+    return b"|".join(out)
 
 
 # the anonymous namespace's mangled name, which carries a hash of the file's path
@@ -49,13 +75,16 @@ _ANONYMOUS = re.compile(r"\d+_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]{8}")
 
 def kernels(cubin: bytes) -> dict[str, dict[str, bytes]]:
     """Each kernel's sections by the kernel's mangled name (its anonymous namespace's hash left out):
-    ``.text.<name>`` and every other section named after it."""
-    secs = sections(cubin)
+    ``.text.<name>`` and every other section named after it (``.nv.info.<name>`` as :func:`info_records` reads it)."""
+    secs, symbols = sections(cubin)
     names = [s[len(".text.") :] for s in secs if s.startswith(".text.")]
-    return {
-        _ANONYMOUS.sub("(anonymous)", n): {s[: -len(n)]: b for s, b in secs.items() if s.endswith("." + n)}
-        for n in names
-    }
+    out = {}
+    for n in names:
+        own = {s[: -len(n)]: b for s, b in secs.items() if s.endswith("." + n)}
+        if ".nv.info." in own:
+            own[".nv.info."] = info_records(own[".nv.info."], symbols)
+        out[_ANONYMOUS.sub("(anonymous)", n)] = own
+    return out
 
 
 def compile_all(kernels_dir: Path, out: Path) -> dict[str, dict[str, dict[str, bytes]]]:
@@ -96,8 +125,9 @@ def main() -> None:
     problems = []
     for name, secs in sorted(old_kernels.items()):
         new_name = name
-        for old, new in renames:
+        for old, new in renames:  # in the name, and in the names its sections hold
             new_name = new_name.replace(old, new)
+            secs = {s: b.replace(old.encode(), new.encode()) for s, b in secs.items()}
         if new_name not in new_kernels:
             problems.append(f"only at {args.rev}: {name}")
             continue

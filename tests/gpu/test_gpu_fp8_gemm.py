@@ -118,65 +118,17 @@ def test_poisoned_output_is_fully_written():
         assert torch.isfinite(out).all(), cfg
 
 
-@pytest.mark.parametrize("m", [1, 17, 32, 33, 100])
-@pytest.mark.parametrize("n,k", [(130, 96), (4160, 4160), (1024, 14336)])
-def test_fused_kernel_gives_the_two_kernels_bits(m, n, k):
-    """One launch that quantizes in shared memory == quantizer + GEMM, bit for bit, for every config it is built for
-    (swap-AB, one row tile, up to 32 tokens; its stages in shared memory), with a bias, on dense and strided rows."""
-    q, s = random_mx_weight(n, k, seed=n + m, device="cuda")
-    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
-    qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
-    wide = random_act(m, k + 40, seed=k + m, device="cuda")
-    bias = torch.randn(n, device="cuda").bfloat16()
-    ran = 0
-    for x in (wide[:, :k].contiguous(), wide[:, 8 : k + 8]):  # dense rows, and rows 80 elements apart
-        for cfg in _configs(qd.shape[1]):
-            two = fp8_gemm.fp8_linear(x, qd, bs, n, cfg, bias, fused=False)
-            try:
-                one = fp8_gemm.fp8_linear(x, qd, bs, n, cfg, bias, fused=True)
-            except RuntimeError as exc:
-                assert "no fused kernel" in str(exc), cfg
-                assert isinstance(cfg, TokensAsM) or cfg.rw == 2 or cfg.tn > 32, cfg
-                continue
-            ran += 1
-            assert torch.equal(one, two), cfg
-    assert ran > 10
-
-
-def test_fused_kernel_refuses_what_it_cannot_read_and_auto_falls_back():
+def test_rows_off_alignment_and_fp16_rows_give_the_contiguous_bf16_calls_bits():
+    """Rows that start 2 bytes off 16-byte alignment give the bits of the same rows copied contiguous, and fp16 rows
+    run (the quantizer reads both)."""
     q, s = random_mx_weight(512, 256, device="cuda")
     w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
     qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
     cfg = SwapAB(32, splits=1, stages=2)
-    x = random_act(20, 256 + 1, device="cuda")[:, 1:]  # rows start 2 bytes off 16-byte alignment
-    two = fp8_gemm.fp8_linear(x, qd, bs, 512, cfg, fused=False)
-    assert torch.equal(fp8_gemm.fp8_linear(x, qd, bs, 512, cfg), two)
-    with pytest.raises(RuntimeError, match="failed to launch"):
-        fp8_gemm.fp8_linear(x, qd, bs, 512, cfg, fused=True)
-    with pytest.raises(RuntimeError, match="failed to launch"):
-        fp8_gemm.fp8_linear(x.contiguous().half(), qd, bs, 512, cfg, fused=True)  # bf16 only
+    x = random_act(20, 256 + 1, device="cuda")[:, 1:]
+    assert torch.equal(fp8_gemm.fp8_linear(x, qd, bs, 512, cfg), fp8_gemm.fp8_linear(x.contiguous(), qd, bs, 512, cfg))
     y16 = fp8_gemm.fp8_linear(x.contiguous().half(), qd, bs, 512, cfg)
     assert torch.isfinite(y16).all()
-
-
-def test_auto_runs_one_kernel_eagerly_and_two_under_capture():
-    q, s = random_mx_weight(4096, 4096, device="cuda")
-    w = mxgemm.prepare_weight(q, s, backend="hybrid_sm90")
-    qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
-    x = random_act(32, 4096, device="cuda")
-    cfg = fp8_default(32, *qd.shape, torch.cuda.get_device_properties(0).multi_processor_count)
-    plan = fp8_gemm.linear_plan(qd, bs, 4096, 4096, 32, cfg, graphed=False)
-    eager = plan(x, None)
-    names = kernels_launched(lambda: plan(x, None))
-    assert len(names) == 1 and "fp8_gemm_kernel" in names[0] and "true" in names[0], names
-    graph = torch.cuda.CUDAGraph()
-    plan(x, None)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        captured = plan(x, None)
-    names = kernels_launched(graph.replay)
-    assert any("quant_1x128" in n for n in names) and any("false" in n for n in names), names
-    assert torch.equal(captured, eager)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (24, 6144, 4096), (64, 4096, 14336), (100, 130, 416)])
@@ -189,7 +141,7 @@ def test_graphed_plans_give_the_direct_launches_bits_call_after_call(m, n, k):
     qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
     cfg = fp8_default(m, *qd.shape, torch.cuda.get_device_properties(0).multi_processor_count)
     graphed = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg)
-    direct = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, fused=False, graphed=False)
+    direct = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, graphed=False)
     for i in range(4):  # rows 8 * i elements apart beyond k: each call's activations and row stride are new
         x = random_act(m, k + 8 * i, seed=i, device="cuda")[:, :k]
         bias = torch.randn(n, device="cuda").bfloat16() if i % 2 else None
@@ -210,7 +162,7 @@ def test_graphed_plans_give_the_direct_launches_bits_call_after_call(m, n, k):
 def test_gated_calls_give_the_plain_calls_bits_on_the_product(m, dtype):
     """A plan's ``.gated`` (the gated quantizer, then the GEMM) == the plain call on ``silu(gate) * up`` as PyTorch
     computes it, bit for bit, on column views of one [M, 2K] output as a joined gate/up GEMM gives them, with and
-    without a bias, for plans of every launch kind (graphed, fused, direct), call after call on fresh inputs and
+    without a bias, for plans of both launch kinds (graphed, direct), call after call on fresh inputs and
     alternating with plain calls on the same plan; under capture it launches the two kernels."""
     n, k = 1024, 3584
     q, s = random_mx_weight(n, k, seed=m, device="cuda")
@@ -218,9 +170,9 @@ def test_gated_calls_give_the_plain_calls_bits_on_the_product(m, dtype):
     qd, bs = w.tensors["qdata"], w.tensors["block_scale"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     configs = {fp8_default(m, *qd.shape, sms), SwapAB(16, splits=2, stages=4), TokensAsM(64, 64, splits=2, stages=4)}
-    direct = {cfg: fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, fused=False, graphed=False) for cfg in configs}
-    for cfg, (fused, graphed) in itertools.product(configs, (("auto", True), (True, False), (False, False))):
-        plan = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, fused, graphed)
+    direct = {cfg: fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, graphed=False) for cfg in configs}
+    for cfg, graphed in itertools.product(configs, (True, False)):
+        plan = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg, graphed)
         for i in range(3):
             both = random_act(m, 2 * k, seed=i, dtype=dtype, device="cuda") * 4
             both[0, :4] = torch.tensor([-1e4, 1e4, -90.0, 90.0])
@@ -228,9 +180,8 @@ def test_gated_calls_give_the_plain_calls_bits_on_the_product(m, dtype):
             bias = torch.randn(n, device="cuda").bfloat16() if i % 2 else None
             product = torch.nn.functional.silu(gate) * up
             want = direct[cfg](product, bias)
-            assert torch.equal(plan.gated(gate, up, bias), want), (cfg, fused, graphed, i)
-            if fused is not True:  # (the fused kernel is built for some configs only, bf16 only)
-                assert torch.equal(plan(product, bias), want), (cfg, fused, graphed, i)
+            assert torch.equal(plan.gated(gate, up, bias), want), (cfg, graphed, i)
+            assert torch.equal(plan(product, bias), want), (cfg, graphed, i)
     plan = fp8_gemm.linear_plan(qd, bs, n, k, m, cfg)
     names = kernels_launched(lambda: plan.gated(gate, up, None))
     assert len(names) == 2 and any("quant_1x128" in n for n in names), names

@@ -287,7 +287,7 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
     for _ in range(2):
         assert run_gated(g, u, weight, bias) == ("gated", g, u, bias)
     config = hybrid_sm90.fp8_default(128, *weight.tensors["qdata"].shape, 132)
-    assert [a[3:] for a in fp8_made] == [(384, 128, config, False, {})]  # the quantizer and the GEMM, one plan
+    assert [a[3:] for a in fp8_made] == [(384, 128, config, {})]  # the quantizer and the GEMM, one plan
     assert run_gated(gate, up_, weight, bias) is gate
     t = weight.tensors
     assert seen == [(gate, t["qdata"], t["block_scale"], 256, bias, rows)]
@@ -329,8 +329,8 @@ def test_a_tuned_tactic_runs_the_gated_product_on_its_own_path(monkeypatch):
     monkeypatch.setattr(fp8_gemm, "quantize_1x128", lambda *a, **k: pytest.fail("quantized apart"))
     made, own = [], []
 
-    def linear_plan(qd, bs, n, k, m, config, fused, graphed=True):
-        made.append((m, config, fused, graphed))
+    def linear_plan(qd, bs, n, k, m, config, graphed=True):
+        made.append((m, config, graphed))
         launch = lambda x, bias: pytest.fail("the plan's own call")  # noqa: E731
         launch.gated = lambda g, u, b: g
         launch.entry = launch.gated.entry = None
@@ -342,7 +342,7 @@ def test_a_tuned_tactic_runs_the_gated_product_on_its_own_path(monkeypatch):
     )
     gate, up = random_act(300, 384), random_act(300, 384, seed=2)
     assert run_gated(gate, up, weight, None) is gate
-    assert made == [(300, tuned.config, False, True)]
+    assert made == [(300, tuned.config, True)]
     tactic = call_tactic(weight, gate)  # what the callers of the shared-rows routes hand them
     assert tactic == tuned
     assert backend.run_sharing(gate, weight, None, tactic) is None

@@ -61,10 +61,9 @@ class Path(StrEnum):
 
 
 def _fp8_plan(weight: PreparedWeight, m: int, config: Fp8Config):
-    """The FP8 route's plan for M rows: the 1x128 quantizer, then the GEMM (never the fused kernel, whose device time
-    is larger: :func:`fp8_gemm.linear_plan`)."""
+    """The FP8 route's plan for M rows: the 1x128 quantizer, then the GEMM (:func:`fp8_gemm.linear_plan`)."""
     t = weight.tensors
-    return fp8_gemm.linear_plan(t["qdata"], t["block_scale"], weight.out_features, weight.in_features, m, config, False)
+    return fp8_gemm.linear_plan(t["qdata"], t["block_scale"], weight.out_features, weight.in_features, m, config)
 
 
 def _fitting_tile(m: int) -> int:

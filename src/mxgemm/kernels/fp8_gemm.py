@@ -5,9 +5,7 @@ where cuBLASLt's blockwise kernel runs few CTAs. Two kernels: swap-AB (64 weight
 N; :class:`SwapAB`) and tokens as wgmma's M (64 or 128 tokens per CTA sharing a 64- or 128-row weight tile;
 :class:`TokensAsM`); which config runs is the backend's choice. The 1x128 activation quantizer is a CUDA kernel of
 the same library, and :func:`linear_plan` launches it and the GEMM (as its programmatic dependent) in one ctypes
-call, its arguments worked out once; outside CUDA-graph capture that call launches one fused kernel instead, which
-loads the bf16 activations with TMA and quantizes them in shared memory (the same bits, one launch's host time
-less). Built with nvcc on first use (``kernels/nvcc.py``), loaded with ctypes.
+call, its arguments worked out once. Built with nvcc on first use (``kernels/nvcc.py``), loaded with ctypes.
 """
 
 from __future__ import annotations
@@ -65,8 +63,6 @@ _QUANT_ARGS = [_P, _I, _I, _I, _I, _P, _P, _I, _I, _P]  # X, ldx, x_fp16, M, K, 
 _GATED_ARGS = [_P, _I, *_QUANT_ARGS]  # G, ldg, then U, ldu, ... as _QUANT_ARGS
 _RUN_ARGS = [_P, _P, _I, _P, _P, _P]  # plan, X, ldx, bias, Y, stream
 _GATED_RUN_ARGS = [_P, _P, _I, _P, _I, _P, _P, _P]  # plan, G, ldg, U, ldu, bias, Y, stream
-# how mxgemm_fp8_linear_run launches: quantizer + GEMM, the fused kernel, or that one unless the stream is capturing
-_FUSED = {False: 0, True: 1, "auto": 2}
 
 
 class _LinearPlan(ctypes.Structure):
@@ -91,7 +87,6 @@ class _LinearPlan(ctypes.Structure):
                 "kc",
                 "splits",
                 "stages",
-                "fused",
             )
         ]
         + [
@@ -293,30 +288,25 @@ def linear_plan(
     k: int,
     m: int,
     config: Fp8Config,
-    fused: bool | str = "auto",
     graphed: bool = True,
 ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
     """``(x, bias) -> y`` for M rows on this weight and config: ``x`` [M, k] bf16/fp16, or [..., k] whose leading
     dimensions hold M rows (copied first where its rows are not evenly strided with unit stride along K), ``bias``
     contiguous bf16 [n] or None, ``y`` bf16 [M, n] (or [..., n]). One ctypes call, whose arguments but for the pointers
-    of ``x``, ``bias`` and the fresh buffer are computed here, once, launches either the quantizer and the GEMM as its
-    programmatic dependent (``fused=False``) or one kernel that quantizes in shared memory (``True``: bf16 ``x`` with
-    16-byte aligned rows, a swap-AB config of one row tile and up to 32 tokens, its stages, which grow by the bf16 tile,
-    within shared memory); both give the same bits. ``"auto"``: the fused kernel where it can run and the stream is not
-    capturing a CUDA graph (it saves a launch's host time for more device time, below), else the two; the backends ask
-    for the two. ``graphed`` (with ``fused`` False or "auto"): outside stream capture, the plan's calls launch the
-    quantizer and the GEMM as one CUDA graph of the plan's (made on the first such call), their arguments set per call:
-    one launch's host time for both, and the two kernels' device time. ``.gated(gate, up, bias)``: the call on the
-    product a gated MLP feeds its down projection, ``silu(gate) * up`` as PyTorch computes it in their dtype ([M, k]
-    each, unit stride along K), quantized by one kernel that reads both, then the GEMM: the bits of the call on that
-    product (never the fused kernel; a graph of its own). ``.entry`` of both: their bf16 plans as C++ calls them, which
-    launch the kernels directly, the GEMM as the quantizer's programmatic dependent (``fused`` as asked, never graphed).
+    of ``x``, ``bias`` and the fresh buffer are computed here, once, launches the quantizer and the GEMM as its
+    programmatic dependent. ``graphed``: outside stream capture, the plan's calls launch the two as one CUDA graph of
+    the plan's (made on the first such call), their arguments set per call: one launch's host time for both.
+    ``.gated(gate, up, bias)``: the call on the product a gated MLP feeds its down projection, ``silu(gate) * up`` as
+    PyTorch computes it in their dtype ([M, k] each, unit stride along K), quantized by one kernel that reads both,
+    then the GEMM: the bits of the call on that product (a graph of its own). ``.entry`` of both: their bf16 plans as
+    C++ calls them, which launch the kernels directly, the GEMM as the quantizer's programmatic dependent (never
+    graphed).
 
     What each way costs in host and device time is measured in docs/performance.md ("Eager calls and whole
     models")."""
     np_, kp = qdata.shape
-    if not config.valid(kp) or fused not in _FUSED:
-        raise ValueError(f"the FP8 kernel cannot run config {config} (fused={fused!r}) on a [{np_}, {kp}] weight")
+    if not config.valid(kp):
+        raise ValueError(f"the FP8 kernel cannot run config {config} on a [{np_}, {kp}] weight")
     tokm = isinstance(config, TokensAsM)
     mp, _ = padded_1x128_shape(m, k, config.tn if tokm else 1)  # whole token tiles: no box reads past the tensor
     q_bytes = mp * kp
@@ -344,7 +334,6 @@ def linear_plan(
         1 if tokm else config.kc,
         config.splits,
         config.stages,
-        _FUSED[fused],
         ws_offset,
         q_bytes,
     )
@@ -358,9 +347,8 @@ def linear_plan(
         for entry in (False, True)
         if not entry or dtype == torch.bfloat16
     }
-    for (dtype, gated, entry), p in plans.items():
+    for (dtype, _, entry), p in plans.items():
         p.x_fp16 = int(dtype == torch.float16)
-        p.fused = 0 if gated and p.fused == 1 else p.fused
         p.graphed = 0 if entry else p.graphed
     addresses = {dtype: ctypes.addressof(plans[dtype, False, False]) for dtype in (torch.bfloat16, torch.float16)}
     gated_addresses = {dtype: ctypes.addressof(plans[dtype, True, False]) for dtype in (torch.bfloat16, torch.float16)}
@@ -381,7 +369,7 @@ def linear_plan(
             raw_stream(index),
         )
         if err:
-            _launch_failed(err, m, config, fused)
+            _launch_failed(err, m, config)
         return shaped_as(y, x, m, n)
 
     def gated(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -397,7 +385,7 @@ def linear_plan(
             raw_stream(index),
         )
         if err:
-            _launch_failed(err, m, config, fused)
+            _launch_failed(err, m, config)
         return shaped_as(y, gate, m, n)
 
     launch.gated = gated
@@ -408,9 +396,8 @@ def linear_plan(
     return launch
 
 
-def _launch_failed(err: int, m: int, config: Fp8Config, fused: bool | str) -> None:
-    why = f"cudaError {err}" if err > 0 else "no fused kernel for this config, or its stages exceed smem"
-    raise RuntimeError(f"mxgemm FP8 linear failed to launch ({why}) for M={m} config {config} fused={fused}")
+def _launch_failed(err: int, m: int, config: Fp8Config) -> None:
+    raise RuntimeError(f"mxgemm FP8 linear failed to launch (cudaError {err}) for M={m} config {config}")
 
 
 def fp8_linear(
@@ -420,9 +407,8 @@ def fp8_linear(
     n: int,
     config: Fp8Config,
     bias: torch.Tensor | None = None,
-    fused: bool | str = "auto",
 ) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16, quantized per 1x128, times the re-encoded weight (+ a bf16 ``bias``) -> bf16 [M, n]
-    (the numerics of ``cublaslt.blockwise_linear``); ``fused`` as for :func:`linear_plan`."""
+    (the numerics of ``cublaslt.blockwise_linear``)."""
     check_bf16_bias(bias, n)
-    return linear_plan(qdata, block_scale, n, x.shape[1], x.shape[0], config, fused)(x, bias)
+    return linear_plan(qdata, block_scale, n, x.shape[1], x.shape[0], config)(x, bias)

@@ -18,13 +18,9 @@
 // A second kernel, fp8_gemm_tokm_kernel, turns the roles round for M > 32: tokens are wgmma's M (64 per consumer
 // warpgroup) and 64 or 128 weight rows its N, so one weight tile serves 64-128 tokens and each thread promotes with
 // two token scales per block; same ring, K split and numerics.
-// The fused variant of the swap-AB kernel (QX; one row tile, up to 32 tokens) takes the bf16 activations instead:
-// TMA copies each K block's rows into the stage unswizzled, and the consumer warpgroups that multiply the stage first
-// quantize them into the e4m3 tile (the quantizer's rule, the layout TMA's swizzle would give) and the token scales.
-// One launch instead of two, the same bits; its device time grows with the tokens (the quantization sits on the
-// consumers' path and every CTA reads the same rows), so mxgemm runs it where an eager call waits on the host anyway.
-// What limits it, and the variants measured and dropped: docs/performance.md.
-// The 1x128 quantizer the GEMMs read (and the fused kernels' rule) is in quant_1x128.cuh; the SM90 helpers in sm90.cuh.
+// What limits it, and the variants measured and dropped (a fused kernel that quantized the bf16 rows in shared
+// memory among them): docs/performance.md.
+// The 1x128 quantizer the GEMMs read is in quant_1x128.cuh, the SM90 helpers in sm90.cuh.
 #include <cooperative_groups.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -45,58 +41,6 @@ using namespace sm90;
 namespace {
 
 constexpr int ROWS = 64;  // weight rows per wgmma: its M
-
-// 8 bf16 (one uint4) -> floats
-__device__ __forceinline__ void unpack8(uint4 raw, float* v) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
-    v[2 * i] = __low2float(b);
-    v[2 * i + 1] = __high2float(b);
-  }
-}
-
-// In-kernel quantization (the fused kernels): the ROWS bf16 activation rows of one 128-deep K block, as TMA copied
-// them (unswizzled, 256 bytes a row, zeros past M and K), into e4m3 at `dst` laid out as TMA's 128-byte swizzle would
-// have written them, and their scales into `xsc`, by the WARPS warps that share the tile (this one: w). 8 lanes take
-// a row, 4 rows a warp at a time: lane j holds elements 8j..8j+7 and 64+8j..64+8j+7 (conflict-free reads), and the
-// loads of two such passes are in flight together. Then the async-proxy fence (wgmma reads `dst`) and the group's
-// named barrier `bar`.
-template <int ROWS, int WARPS>
-__device__ __forceinline__ void quantize_tile(const uint8_t* src, uint8_t* dst, float* xsc, int w, int lane,
-                                              int bar) {
-  constexpr int PASSES = (ROWS + 4 * WARPS - 1) / (4 * WARPS);
-  const int j = lane % 8;
-#pragma unroll
-  for (int p0 = 0; p0 < PASSES; p0 += 2) {
-    uint4 raw[2][2];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int r = ((p0 + q) * WARPS + w) * 4 + lane / 8;
-      if (p0 + q < PASSES && r < ROWS) {
-        raw[q][0] = lds_u4(src + r * 2 * BK + 16 * j);
-        raw[q][1] = lds_u4(src + r * 2 * BK + BK + 16 * j);
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int base = ((p0 + q) * WARPS + w) * 4, r = base + lane / 8;
-      if (p0 + q >= PASSES || base >= ROWS) continue;  // warp-uniform: ROWS % 4 == 0
-      float v[16];
-      unpack8(raw[q][0], v);
-      unpack8(raw[q][1], v + 8);
-      uint32_t bits[4];
-      const float scale = quant_values<16, 8>(v, bits);
-      uint8_t* row = dst + r * BK + 8 * (j % 2);
-      sts_u2(row + (((j / 2) ^ (r % 8)) * 16), make_uint2(bits[0], bits[1]));
-      sts_u2(row + (((4 + j / 2) ^ (r % 8)) * 16), make_uint2(bits[2], bits[3]));
-      if (j == 0) sts_f32(xsc + r, scale);
-    }
-  }
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(32 * WARPS) : "memory");
-}
 
 // K split over the cluster (gridDim.y > 1): rank 0 adds the other ranks' results (N floats per consumer thread of
 // CT) into its own, in rank order; returns false on the other ranks, which are done then. The ring holds the partials
@@ -152,23 +96,22 @@ __device__ __forceinline__ void mma_block(float (&blk)[N / 2], uint64_t* full, i
 // The producer warp's lane 0 of either kernel: each 128-deep K block's weight tile (WR rows, in boxes of 64, at byte
 // WOFF of the stage) and activation tile (TN tokens at byte XOFF) into the ring's next stage with TMA, and its token
 // scales (a bulk copy of xs_bytes) into xsc, all completing on the stage's `full` mbarrier; a stage is refilled once
-// its `empty` mbarrier says the consumers are done with it. QX (the fused kernels): the activation tile is the bf16
-// rows themselves (TN x 256 bytes at XOFF, unswizzled), which the consumers quantize; no token scales are copied.
+// its `empty` mbarrier says the consumers are done with it.
 // The weight does not depend on the kernel before this one (the activation quantizer, or whatever wrote the
 // activations): with programmatic dependent launch this grid starts early, so the first stages' weight tiles load
 // while that kernel runs.
-template <int ST, int STAGE, int WR, int WOFF, int TN, int XOFF, bool QX>
+template <int ST, int STAGE, int WR, int WOFF, int TN, int XOFF>
 __device__ __forceinline__ void produce(const CUtensorMap& wmap, const CUtensorMap& xmap, const Args& a,
                                         uint8_t* smem, float* xsc, uint64_t* full, uint64_t* empty, int row0, int tok0,
                                         int kb0, int xs_bytes) {
-  const int tx = WR * BK + (QX ? TN * 2 * BK : TN * BK + xs_bytes);
+  const int tx = WR * BK + TN * BK + xs_bytes;
   auto weights = [&](int s, int it) {
     for (int r = 0; r < WR / ROWS; ++r)
       tma_load(smem + s * STAGE + WOFF + r * ROWS * BK, &wmap, (kb0 + it) * BK, row0 + r * ROWS, &full[s]);
   };
   auto activations = [&](int s, int it) {
     tma_load(smem + s * STAGE + XOFF, &xmap, (kb0 + it) * BK, tok0, &full[s]);
-    if (!QX) bulk_load(xsc + s * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[s]);
+    bulk_load(xsc + s * TN, a.XS + (size_t)(kb0 + it) * a.Mp + tok0, xs_bytes, &full[s]);
   };
   const int pre = a.kblocks < ST ? a.kblocks : ST;
   for (int it = 0; it < pre; ++it) {
@@ -186,13 +129,12 @@ __device__ __forceinline__ void produce(const CUtensorMap& wmap, const CUtensorM
   }
 }
 
-template <int TN, int RW, int ST, int KC, bool QX>
+template <int TN, int RW, int ST, int KC>
 __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __grid_constant__ CUtensorMap wmap,
                                                                  const __grid_constant__ CUtensorMap xmap,
                                                                  const Args a) {
   constexpr int WB = RW * ROWS * BK;  // weight bytes per stage
-  // + e4m3 activation bytes (+ with QX their bf16 rows after them); a multiple of 1024, as the swizzle needs
-  constexpr int STAGE = WB + TN * BK + (QX ? TN * 2 * BK : 0);
+  constexpr int STAGE = WB + TN * BK;  // + e4m3 activation bytes; a multiple of 1024, as the swizzle needs
   static_assert(STAGE % 1024 == 0, "stages must stay 1024-byte aligned");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -219,11 +161,9 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
 #pragma unroll
   for (int i = 0; i < TN / 2; ++i) acc[i] = 0.f;
 
-  if (wg == RW * KC) {  // producer: weight tiles first in the stage, the activation tile after them (QX: the bf16
-                        // rows after the e4m3 tile that the consumers write)
+  if (wg == RW * KC) {  // producer: weight tiles first in the stage, the activation tile after them
     if (lane == 0)
-      produce<ST, STAGE, RW * ROWS, 0, TN, QX ? WB + TN * BK : WB, QX>(wmap, xmap, a, smem, xsc, full, empty, row0,
-                                                                      tok0, kb0, xs_bytes);
+      produce<ST, STAGE, RW * ROWS, 0, TN, WB>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0, xs_bytes);
   } else {  // consumers: RW x KC warpgroups
     // the weight scales (which do not depend on the kernel before either) staged once, while the first tiles load
     for (int i = tid; i < RW * a.kblocks; i += NC)
@@ -231,7 +171,7 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
     // the token-scale slots past Mp are never copied: zero them once (their tokens' activations are zero-filled, and
     // stale shared memory could hold a NaN), so that the loop reads every slot unmasked
     const int valid = a.Mp - tok0;
-    if (!QX && valid < TN)
+    if (valid < TN)
       for (int i = tid; i < ST * TN; i += NC)
         if (i % TN >= valid) xsc[i] = 0.f;
     // the stage-0 descriptors of this warpgroup's weight tile and of the activation tile; stage s adds s * STAGE / 16
@@ -242,11 +182,6 @@ __global__ void __launch_bounds__(128 * RW * KC + 32) fp8_gemm_kernel(const __gr
     for (int i = 0; i < TN / 2; ++i) blk[i] = 0.f;
     for (int it = kc; it < a.kblocks; it += KC) {
       const int s = it % ST;
-      if constexpr (QX) {  // the RW warpgroups of this K-block group quantize the stage's activations together
-        mbar_wait(&full[s], (it / ST) & 1);
-        quantize_tile<TN, 4 * RW>(smem + s * STAGE + WB + TN * BK, smem + s * STAGE + WB, xsc + s * TN,
-                                  4 * r + warp % 4, lane, 2 + kc);
-      }
       mma_block<TN, ST, STAGE>(blk, full, it, dw0, dx0);
       const float sw = lds(wsc + r * a.kblocks + it);
       float tsc[TN / 8][2];  // this thread's tokens' scales times the weight block's (zero past Mp)
@@ -330,7 +265,7 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
 
   if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it
     if (lane == 0)
-      produce<ST, STAGE, WN, XB, TN, 0, false>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0, xs_bytes);
+      produce<ST, STAGE, WN, XB, TN, 0>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, kb0, xs_bytes);
   } else {  // consumers
     for (int i = tid; i < a.kblocks; i += CT) wsc[i] = __ldg(a.S + (size_t)(row0 / 128) * a.s_stride + kb0 + i);
     const int valid = a.Mp - tok0;  // token-scale slots past Mp zeroed once, as in the swap-AB kernel
@@ -378,10 +313,9 @@ __global__ void __launch_bounds__(128 * TW + 32) fp8_gemm_tokm_kernel(const __gr
   }
 }
 
-// a 2-D tensor map over a row-major matrix [rows, cols] with row stride `ld` elements, boxes of [box_rows x 128]:
-// e4m3 with the 128-byte swizzle, or (bf16) bf16 unswizzled (the fused kernels' activations; ld % 8 == 0 and a
-// 16-byte aligned `ptr`); elements past the matrix read as zeros
-int make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int ld, int box_rows, bool bf16) {
+// a 2-D tensor map over a row-major e4m3 matrix [rows, cols] with row stride `ld` bytes, boxes of [box_rows x 128]
+// in the 128-byte swizzle; elements past the matrix read as zeros
+int make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int ld, int box_rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (!encode) {
     void* fn = nullptr;
@@ -392,60 +326,45 @@ int make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int ld, int 
       return (int)cudaErrorNotSupported;
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
-  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)ld * (bf16 ? 2 : 1)};
+  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)ld};
   const cuuint32_t box[2] = {BK, (cuuint32_t)box_rows}, elem[2] = {1, 1};
-  const CUresult res = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
-                              const_cast<void*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              bf16 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides, box, elem,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return res == CUDA_SUCCESS ? 0 : (int)cudaErrorInvalidValue;
 }
 
-// make_map through a small per-thread cache: a map encodes only the pointer, shape, stride, box and type, so an entry
-// with the same six stays valid (eager calls reuse the weight's map, and the activation buffer's whenever the
+// make_map through a small per-thread cache: a map encodes only the pointer, shape, stride and box, so an entry with
+// the same five stays valid (eager calls reuse the weight's map, and the activation buffer's whenever the
 // allocator hands the same address back)
-int cached_map(CUtensorMap* map, const void* ptr, int rows, int cols, int ld, int box_rows, bool bf16) {
+int cached_map(CUtensorMap* map, const void* ptr, int rows, int cols, int ld, int box_rows) {
   struct Entry {
     const void* ptr;
     int rows, cols, ld, box_rows;
-    bool bf16;
     CUtensorMap map;
   };
   thread_local Entry cache[64] = {};
   Entry& e = cache[((reinterpret_cast<uintptr_t>(ptr) >> 7) ^ (uintptr_t)rows ^ ((uintptr_t)box_rows << 3)) % 64];
-  if (e.ptr == ptr && e.rows == rows && e.cols == cols && e.ld == ld && e.box_rows == box_rows && e.bf16 == bf16) {
+  if (e.ptr == ptr && e.rows == rows && e.cols == cols && e.ld == ld && e.box_rows == box_rows) {
     *map = e.map;
     return 0;
   }
-  const int err = make_map(map, ptr, rows, cols, ld, box_rows, bf16);
-  if (!err) e = Entry{ptr, rows, cols, ld, box_rows, bf16, *map};
+  const int err = make_map(map, ptr, rows, cols, ld, box_rows);
+  if (!err) e = Entry{ptr, rows, cols, ld, box_rows, *map};
   return err;
 }
 
-// what the fused launch returns for a config it is not built for or whose larger stages exceed the device's shared
-// memory: the automatic choice then runs the two kernels
-constexpr int kNoFusedKernel = -1;
-
 using Kernel = void (*)(const CUtensorMap, const CUtensorMap, const Args);
 
-// The activations a GEMM kernel reads: the quantizer's e4m3 [Mp, Kp] (bf16 false), or for the fused kernels the
-// bf16 rows [M, k] themselves with row stride `ld`
-struct Activations {
-  const void* ptr;
-  bool bf16;
-  int ld, k;
-};
-
-// Launches either kernel: weight tensor map in boxes of 64 rows, activation map in boxes of `tokens` rows, a grid of
+// Launches either kernel on the quantizer's output XQ [Mp, Kp]: weight tensor map in boxes of 64 rows, activation
+// map in boxes of `tokens` rows, a grid of
 // (weight tiles of `rows`, K splits as one cluster, token tiles), `smem` bytes of shared memory (raised to the
 // device's opt-in limit once per kernel: `max_smem`, per device), as a programmatic dependent when `pdl`.
-int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const Activations& x, const Args& a, int splits,
+int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const void* XQ, const Args& a, int splits,
                   int rows, int tokens, int threads, int smem, int pdl, cudaStream_t st) {
   CUtensorMap wmap, xmap;
-  int err = cached_map(&wmap, W, a.Np, a.Kp, a.Kp, ROWS, false);
-  if (!err)
-    err = x.bf16 ? cached_map(&xmap, x.ptr, a.M, x.k, x.ld, tokens, true)
-                 : cached_map(&xmap, x.ptr, a.Mp, a.Kp, a.Kp, tokens, false);
+  int err = cached_map(&wmap, W, a.Np, a.Kp, a.Kp, ROWS);
+  if (!err) err = cached_map(&xmap, XQ, a.Mp, a.Kp, a.Kp, tokens);
   if (err) return err;
   int device = 0;
   cudaError_t cerr = cudaGetDevice(&device);
@@ -457,7 +376,7 @@ int launch_kernel(Kernel kernel, int (&max_smem)[64], const void* W, const Activ
     if (cerr != cudaSuccess) return (int)cerr;
     if (device < 64) max_smem[device] = limit;
   }
-  if (smem > limit) return kNoFusedKernel;  // only the fused kernels' stages: valid configs fit unfused
+  if (smem > limit) return (int)cudaErrorInvalidValue;  // (every valid config fits)
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((a.Np + rows - 1) / rows, splits, (a.M + tokens - 1) / tokens);
   config.blockDim = dim3(threads);
@@ -490,22 +409,22 @@ constexpr int smem_bytes(int ST, int stage, int TN, int wsc, int red) {
   return (ring > red ? ring : red) + 1024;
 }
 
-template <int TN, int RW, int ST, int KC, bool QX>
-int launch(const void* W, const Activations& x, Args a, int splits, int pdl, cudaStream_t st) {
+template <int TN, int RW, int ST, int KC>
+int launch(const void* W, const void* XQ, Args a, int splits, int pdl, cudaStream_t st) {
   if (!split_k(a, splits)) return (int)cudaErrorInvalidValue;
   static int max_smem[64] = {};
-  const int stage = RW * ROWS * BK + TN * BK + (QX ? TN * 2 * BK : 0);
+  const int stage = RW * ROWS * BK + TN * BK;
   const int smem = smem_bytes(ST, stage, TN, RW * a.kblocks, RW * TN / 2 * 128 * 4);
-  return launch_kernel(fp8_gemm_kernel<TN, RW, ST, KC, QX>, max_smem, W, x, a, splits, RW * ROWS, TN,
+  return launch_kernel(fp8_gemm_kernel<TN, RW, ST, KC>, max_smem, W, XQ, a, splits, RW * ROWS, TN,
                        128 * RW * KC + 32, smem, pdl, st);
 }
 
 template <int WN, int TW, int ST>
-int launch_tokm(const void* W, const Activations& x, Args a, int splits, int pdl, cudaStream_t st) {
+int launch_tokm(const void* W, const void* XQ, Args a, int splits, int pdl, cudaStream_t st) {
   if (!split_k(a, splits)) return (int)cudaErrorInvalidValue;
   static int max_smem[64] = {};
   const int smem = smem_bytes(ST, (64 * TW + WN) * BK, 64 * TW, a.kblocks, WN / 2 * 128 * TW * 4);
-  return launch_kernel(fp8_gemm_tokm_kernel<WN, TW, ST>, max_smem, W, x, a, splits, WN, 64 * TW, 128 * TW + 32, smem,
+  return launch_kernel(fp8_gemm_tokm_kernel<WN, TW, ST>, max_smem, W, XQ, a, splits, WN, 64 * TW, 128 * TW + 32, smem,
                        pdl, st);
 }
 
@@ -519,10 +438,10 @@ int by_stages(int stages, F f) {
 }
 
 template <int RW, int KC>
-int launch_tn(const void* W, const Activations& x, const Args& a, int tn, int splits, int stages, int pdl,
+int launch_tn(const void* W, const void* XQ, const Args& a, int tn, int splits, int stages, int pdl,
               cudaStream_t st) {
   auto tile = [&](auto tn) {
-    return by_stages(stages, [&](auto s) { return launch<tn.value, RW, s.value, KC, false>(W, x, a, splits, pdl, st); });
+    return by_stages(stages, [&](auto s) { return launch<tn.value, RW, s.value, KC>(W, XQ, a, splits, pdl, st); });
   };
   if (tn == 8) return tile(std::integral_constant<int, 8>{});
   if (tn == 16) return tile(std::integral_constant<int, 16>{});
@@ -533,10 +452,10 @@ int launch_tn(const void* W, const Activations& x, const Args& a, int tn, int sp
 }
 
 // The GEMM on the quantizer's output, any config
-int gemm(const void* W, const Activations& x, const Args& a, int tokm, int tn, int rows, int kc, int splits,
+int gemm(const void* W, const void* XQ, const Args& a, int tokm, int tn, int rows, int kc, int splits,
          int stages, int pdl, cudaStream_t st) {
   auto tokm_st = [&](auto wn, auto tw) {
-    return by_stages(stages, [&](auto s) { return launch_tokm<wn.value, tw.value, s.value>(W, x, a, splits, pdl, st); });
+    return by_stages(stages, [&](auto s) { return launch_tokm<wn.value, tw.value, s.value>(W, XQ, a, splits, pdl, st); });
   };
   using I64 = std::integral_constant<int, 64>;
   using I128 = std::integral_constant<int, 128>;
@@ -549,30 +468,10 @@ int gemm(const void* W, const Activations& x, const Args& a, int tokm, int tn, i
     if (tn == 128 && rows == 128) return tokm_st(I128{}, I2{});
     return (int)cudaErrorInvalidValue;
   }
-  if (rows == 2 && kc == 1) return launch_tn<2, 1>(W, x, a, tn, splits, stages, pdl, st);
-  if (rows == 1 && kc == 1) return launch_tn<1, 1>(W, x, a, tn, splits, stages, pdl, st);
-  if (rows == 1 && kc == 2) return launch_tn<1, 2>(W, x, a, tn, splits, stages, pdl, st);
+  if (rows == 2 && kc == 1) return launch_tn<2, 1>(W, XQ, a, tn, splits, stages, pdl, st);
+  if (rows == 1 && kc == 1) return launch_tn<1, 1>(W, XQ, a, tn, splits, stages, pdl, st);
+  if (rows == 1 && kc == 2) return launch_tn<1, 2>(W, XQ, a, tn, splits, stages, pdl, st);
   return (int)cudaErrorInvalidValue;
-}
-
-// The fused GEMM (bf16 activations quantized in shared memory): built for the swap-AB kernel with one row tile and
-// up to 32 tokens, where it saves host time without costing more device time than an eager call waits anyway; other
-// configs answer kNoFusedKernel
-int gemm_fused(const void* W, const Activations& x, const Args& a, int tokm, int tn, int rows, int kc, int splits,
-               int stages, cudaStream_t st) {
-  if (tokm || rows != 1 || (kc != 1 && kc != 2)) return kNoFusedKernel;
-  auto tile = [&](auto tn, auto kc) {
-    return by_stages(stages, [&](auto s) { return launch<tn.value, 1, s.value, kc.value, true>(W, x, a, splits, 0, st); });
-  };
-  using K1 = std::integral_constant<int, 1>;
-  using K2 = std::integral_constant<int, 2>;
-  auto tiles = [&](auto kc) {
-    if (tn == 8) return tile(std::integral_constant<int, 8>{}, kc);
-    if (tn == 16) return tile(std::integral_constant<int, 16>{}, kc);
-    if (tn == 32) return tile(std::integral_constant<int, 32>{}, kc);
-    return kNoFusedKernel;
-  };
-  return kc == 1 ? tiles(K1{}) : tiles(K2{});
 }
 
 int gemm_xq(const void* W, const void* S, int s_stride, const void* XQ, const void* XS, const void* bias, void* Y,
@@ -581,7 +480,7 @@ int gemm_xq(const void* W, const void* S, int s_stride, const void* XQ, const vo
   if (M < 1 || M > Mp) return (int)cudaErrorInvalidValue;
   const Args a{(const float*)S, s_stride, (const float*)XS, (__nv_bfloat16*)Y, M, Mp, N, Np, Kp, ldy, 0,
                (const __nv_bfloat16*)bias};
-  return gemm(W, Activations{XQ, false, Kp, Kp}, a, tokm, tn, rows, kc, splits, stages, pdl, st);
+  return gemm(W, XQ, a, tokm, tn, rows, kc, splits, stages, pdl, st);
 }
 
 // The 1x128 quantizer of X, or (U not null) of the product a gated MLP feeds its down projection, silu(X) * U as
@@ -600,31 +499,11 @@ int quant_1x128(const void* X, int ldx, const void* U, int ldu, int x_fp16, int 
 }
 
 // One call for a whole FP8 linear on X, or (U not null) on silu(X) * U (tokm: tokens-as-M kernel with `rows` = wn,
-// else swap-AB with `rows` = rw; other arguments as for mxgemm_fp8_gemm below), one of two ways with the same result
-// bit for bit: the quantizer into XQ / XS, then the GEMM as its programmatic dependent (fused = 0); or one fused
-// kernel that loads the bf16 rows with TMA and quantizes them in shared memory (fused = 1: bf16 x, ldx % 8 == 0, x
-// 16-byte aligned, a config gemm_fused is built for whose larger stages fit in shared memory). fused = 2: the fused
-// kernel where it can run and the stream is not being captured (it saves a launch's host time; under graph replay the
-// two kernels' device time is what counts), else the two. With U: the gated quantizer (quant_1x128), then the GEMM;
-// never the fused kernel (fused = 1 is refused).
+// else swap-AB with `rows` = rw; other arguments as for mxgemm_fp8_gemm below): the quantizer (quant_1x128) into XQ /
+// XS, then the GEMM as its programmatic dependent.
 int fp8_linear(const void* X, int ldx, const void* U, int ldu, int x_fp16, int K, void* XQ, void* XS, const void* W,
                const void* S, int s_stride, const void* bias, void* Y, int ldy, int M, int Mp, int N, int Np, int Kp,
-               int tokm, int tn, int rows, int kc, int splits, int stages, int fused, cudaStream_t st) {
-  const bool fusable =
-      !U && !x_fp16 && ldx % 8 == 0 && reinterpret_cast<uintptr_t>(X) % 16 == 0 && K % 32 == 0 && K <= Kp;
-  if (fused == 1 && !fusable) return (int)cudaErrorInvalidValue;
-  if (fused == 2 && fusable) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    const cudaError_t cerr = cudaStreamIsCapturing(st, &capture);
-    if (cerr != cudaSuccess) return (int)cerr;
-    if (capture != cudaStreamCaptureStatusNone) fused = 0;
-  }
-  if (fused && fusable && M >= 1) {
-    const Args a{(const float*)S, s_stride, nullptr, (__nv_bfloat16*)Y, M, M, N, Np, Kp, ldy, 0,
-                 (const __nv_bfloat16*)bias};
-    const int err = gemm_fused(W, Activations{X, true, ldx, K}, a, tokm, tn, rows, kc, splits, stages, st);
-    if (err != kNoFusedKernel || fused == 1) return err;
-  }
+               int tokm, int tn, int rows, int kc, int splits, int stages, cudaStream_t st) {
   const int err = quant_1x128(X, ldx, U, ldu, x_fp16, M, K, XQ, XS, Mp, Kp, st);
   if (err) return err;
   return gemm_xq(W, S, s_stride, XQ, XS, bias, Y, ldy, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages, 1, st);
@@ -674,12 +553,12 @@ extern "C" int mxgemm_quant_gated_1x128(const void* G, int ldg, const void* U, i
 struct LinearPlan {
   const void* W;
   const void* S;
-  int s_stride, x_fp16, K, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages, fused;
+  int s_stride, x_fp16, K, M, Mp, N, Np, Kp, tokm, tn, rows, kc, splits, stages;
   long long ws_offset, q_bytes;
   void* graph;
   int graphed, reserved;
 };
-static_assert(sizeof(LinearPlan) == 112, "fp8_gemm._LinearPlan mirrors this layout");
+static_assert(sizeof(LinearPlan) == 104, "fp8_gemm._LinearPlan mirrors this layout");
 
 namespace {
 
@@ -688,19 +567,14 @@ int run_plan(const LinearPlan* p, const void* X, int ldx, const void* U, int ldu
              cudaStream_t stream) {
   uint8_t* xq = static_cast<uint8_t*>(Y) + p->ws_offset;
   return fp8_linear(X, ldx, U, ldu, p->x_fp16, p->K, xq, xq + p->q_bytes, p->W, p->S, p->s_stride, bias, Y, p->N,
-                    p->M, p->Mp, p->N, p->Np, p->Kp, p->tokm, p->tn, p->rows, p->kc, p->splits, p->stages, p->fused,
-                    stream);
+                    p->M, p->Mp, p->N, p->Np, p->Kp, p->tokm, p->tn, p->rows, p->kc, p->splits, p->stages, stream);
 }
 
 int run_graphed(LinearPlan* p, const void* X, int ldx, const void* U, int ldu, const void* bias, void* Y,
                 cudaStream_t stream) {
-  if (p->graphed && p->fused != 1) {  // fused = 1 asks for the fused kernel itself
-    // the quantizer and the GEMM, never the fused kernel: launched as one graph (graph_launch.cuh), two kernels cost
-    // no more host time, and they take less device time
-    LinearPlan two = *p;
-    two.fused = 0;
+  if (p->graphed) {  // the quantizer and the GEMM launched as one graph (graph_launch.cuh): one launch's host time
     const int err = graph_launch::run_as_graph(
-        &p->graph, [&](cudaStream_t s) { return run_plan(&two, X, ldx, U, ldu, bias, Y, s); }, stream);
+        &p->graph, [&](cudaStream_t s) { return run_plan(p, X, ldx, U, ldu, bias, Y, s); }, stream);
     if (err != graph_launch::kNotGraphed) return err;
   }
   return run_plan(p, X, ldx, U, ldu, bias, Y, stream);
@@ -713,8 +587,7 @@ extern "C" int mxgemm_fp8_linear_run(LinearPlan* p, const void* X, int ldx, cons
 }
 
 // The plan's call on the product a gated MLP feeds its down projection, silu(g) * u (mxgemm_quant_gated_1x128), with
-// the plain call's bits on that product: the gated quantizer, then the GEMM (fused = 1 is refused by fp8_linear: the
-// fused kernel quantizes plain activations). A plan's graph is made for the kind of call it ran first; the other kind
+// the plain call's bits on that product: the gated quantizer, then the GEMM. A plan's graph is made for the kind of call it ran first; the other kind
 // may launch directly: give each kind a plan of its own.
 extern "C" int mxgemm_fp8_linear_gated_run(LinearPlan* p, const void* G, int ldg, const void* U, int ldu,
                                            const void* bias, void* Y, void* stream) {
