@@ -160,7 +160,7 @@ def measure(models: dict, resident: dict, kept: dict, mode: str, batch: int, arg
         if key:
             times[who][key].append(seconds)
 
-    with torch.inference_mode():
+    with torch.inference_mode() if args.grad_mode == "inference" else torch.no_grad():
         for who in models:  # warm-up: kernels built and plans made; graphs compiled, recorded and captured at this
             for _ in range(2 if mode == "graphs" else 1):  # cache length, which takes a second call
                 run(who, "", ids, args.new, **kwargs)
@@ -212,6 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a few-MB model: a smoke test of this script")
     parser.add_argument("--no-fuse", action="store_true", help="each projection a GEMM of its own (fuse=False)")
+    parser.add_argument(
+        "--grad-mode",
+        choices=("inference", "no_grad"),
+        default="inference",
+        help="the calls under torch.inference_mode (default) or torch.no_grad, as generate alone runs them",
+    )
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
@@ -246,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
                         "skip": args.skip,
                         "fuse": not args.no_fuse,
                         "eager_graphs": settings.eager_graphs_enabled(),
+                        "grad_mode": args.grad_mode,
                         "order": "interleaved",
                         "quantize_report": reports,
                     }
@@ -293,7 +300,8 @@ def markdown(rows: list[dict], args, env) -> str:
     lines = [
         f"{model_name(args)}, {args.layers} layers, random weights, Hugging "
         f"Face `generate` (greedy, {args.prompt}-token prompt, {args.new} new tokens; bf16 and mxgemm calls "
-        f"alternating, medians of {args.eager_repeats} rounds eager, {args.repeats} with graphs); mxgemm quantizes "
+        f"alternating, medians of {args.eager_repeats} rounds eager, {args.repeats} with graphs; under "
+        f"`torch.{'inference_mode' if args.grad_mode == 'inference' else 'no_grad'}`); mxgemm quantizes "
         f"every linear layer{' and the experts (not the routers)' if args.moe else ''}"
         f"{' but ' + ', '.join(args.skip) if args.skip else ''}"
         f"{graphs_note if args.moe else ''}. {env}",

@@ -35,6 +35,8 @@
 #   new-lengths  lab/new_lengths.py: eager prefills of prompt lengths not seen before (plans made) and again
 #   prefill-host  lab/prefill_host.py: the eager prefill's host time by route above fusion.MAX_ROWS
 #   bench-hf  the llama3-8b-hf set (Hugging Face's unfused projections, lm_head included)
+#   moe-apart  the MoE e2e's prefill and eager batch 16 with no tuning file: this tree under inference_mode and
+#           no_grad, and f0b8c98's tree (git worktree), three runs of one machine (~3 x 60 s at 24 layers)
 #   moe-gate / moe-bench / moe-tune / moe-e2e / moe-graphs  the experts: their GPU tests, mxgemm bench --moe (DeepGEMM
 #           beside where .anchors/deepgemm was carried), mxgemm tune --moe merged into the shipped tuning file, the
 #           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
@@ -207,6 +209,19 @@ PY
       timeout "${MOE_E2E_S:-560}" python3 bench/model_e2e.py --moe --layers "$layers" --batches 1 16 --new 64 \
         --repeats 2 --eager-repeats 3 --json "$out/e2e-moe-${GPU_TAG:-h200}.json" \
         --markdown "$out/e2e-moe-${GPU_TAG:-h200}.md" > "$out/moe-e2e.log" 2>&1; tail -12 "$out/moe-e2e.log" ;;
+    moe-apart)  # the MoE e2e's prefill and eager batch 16 taken apart, no tuning file in any: this tree under
+      # inference_mode and under no_grad, and f0b8c98's tree (the run before the q/k/v and eager-graph changes)
+      args="--moe --layers ${MOE_APART_LAYERS:-24} --modes eager --batches 16 --new 8 --repeats 1 --eager-repeats 3"
+      git worktree add -f /tmp/f0b8c98 f0b8c98 > /dev/null 2>&1; rm -f /tmp/f0b8c98/src/mxgemm/tuned/*.json
+      mkdir -p /tmp/tuned-off && mv src/mxgemm/tuned/*.json /tmp/tuned-off/
+      for run in tree:inference tree:no_grad f0b8c98:inference; do
+        tree=${run%:*} grad=${run#*:} root=$PWD; [ "$tree" = tree ] || root=/tmp/$tree
+        extra=""; [ "$tree" = tree ] && extra="--grad-mode $grad"
+        PYTHONPATH="$root/src" timeout 170 python3 "$root/bench/model_e2e.py" $args $extra \
+          --json "$out/moe-apart-$tree-$grad.json" > "$out/moe-apart-$tree-$grad.log" 2>&1
+        echo "== $run"; grep -E "^\| eager|prefill over" "$out/moe-apart-$tree-$grad.log" | cut -c1-300
+      done
+      mv /tmp/tuned-off/*.json src/mxgemm/tuned/ ;;
     moe-graphs)  # eager decode with MXFP8Experts' graphs against without (MXGEMM_EAGER_GRAPHS), 4 layers
       for g in 0 1; do MXGEMM_EAGER_GRAPHS=$g timeout 200 python3 lab/moe_layer_host.py --layers 4 \
         --tokens 1 > "$out/moe-layer-host-graphs$g.txt" 2>&1; tail -8 "$out/moe-layer-host-graphs$g.txt"; done ;;

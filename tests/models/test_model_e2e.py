@@ -5,6 +5,9 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 _spec = importlib.util.spec_from_file_location("model_e2e", Path(__file__).parents[2] / "bench" / "model_e2e.py")
 model_e2e = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(model_e2e)
@@ -89,3 +92,24 @@ def test_moe_rows_quantize_the_experts(tmp_path):
     by = {r["who"]: r["weights_bytes"] for r in result["rows"]}
     assert by["mxgemm"] < 0.7 * by["bf16"]  # the experts' bytes counted at about a byte a parameter
     assert (tmp_path / "e2e.md").read_text().startswith("Qwen3-MoE at tiny dimensions, 1 layers")
+
+
+@pytest.mark.parametrize("grad_mode", ["inference", "no_grad"])
+def test_the_calls_run_in_the_grad_mode_asked_for(tmp_path, monkeypatch, grad_mode):
+    """``--grad-mode``: every generate call under torch.inference_mode (the default) or torch.no_grad, and the JSON
+    and the table's heading say which."""
+    modes = []
+    timed = model_e2e.Timer.generate
+
+    def generate(self, *args, **kwargs):
+        modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return timed(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_e2e.Timer, "generate", generate)
+    out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
+    args = ["--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "--modes", "eager", "--repeats", "1"]
+    args += ["--eager-repeats", "1", "--prompt", "8", "--new", "2", "--prefill", "8", "--grad-mode", grad_mode]
+    model_e2e.main([*args, "--json", str(out), "--markdown", str(md)])
+    assert modes and set(modes) == {(grad_mode == "inference", False)}
+    assert json.loads(out.read_text())["grad_mode"] == grad_mode
+    assert f"`torch.{'inference_mode' if grad_mode == 'inference' else 'no_grad'}`" in md.read_text()
