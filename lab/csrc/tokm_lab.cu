@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(128 * TW + (WG3 ? 128 : 32), 1)
       if constexpr (MC)
         produce_mc<ST, STAGE, WN, XB, TN>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, xs_bytes, rank);
       else
-        produce<ST, STAGE, WN, XB, TN, 0, false>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, 0, xs_bytes);
+        produce<ST, STAGE, WN, XB, TN, 0>(wmap, xmap, a, smem, xsc, full, empty, row0, tok0, 0, xs_bytes);
     }
   } else {
     // the registers the producer gives up, shared by the consumers: (65536 - 128 * 40) / (128 * TW), in steps of 8
@@ -186,8 +186,8 @@ int lab_launch(const void* W, const Args& a, const void* XQ, cudaStream_t st) {
   const int tiles = (a.M + TN - 1) / TN;
   if (MC && tiles % 2) return (int)cudaErrorInvalidValue;
   CUtensorMap wmap, xmap;
-  int err = cached_map(&wmap, W, a.Np, a.Kp, a.Kp, ROWS, false);
-  if (!err) err = cached_map(&xmap, XQ, a.Mp, a.Kp, a.Kp, TN, false);
+  int err = cached_map(&wmap, W, a.Np, a.Kp, a.Kp, ROWS);
+  if (!err) err = cached_map(&xmap, XQ, a.Mp, a.Kp, a.Kp, TN);
   if (err) return err;
   cudaError_t cerr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (cerr != cudaSuccess) return (int)cerr;

@@ -1,5 +1,6 @@
-// SM90 (sm_90a) device helpers of the TMA/wgmma kernels: shared-memory addresses and accesses, mbarriers,
-// programmatic dependent launch, TMA and bulk copies, and wgmma on e4m3 operands in the 128-byte swizzle.
+// SM90 (sm_90a) helpers of the TMA/wgmma kernels: on the device, shared-memory addresses and accesses, mbarriers,
+// programmatic dependent launch, TMA and bulk copies, and wgmma on e4m3 operands in the 128-byte swizzle; on the
+// host, the tensor maps of e4m3 tiles TMA reads through.
 #pragma once
 
 #include <cuda.h>
@@ -148,6 +149,27 @@ __device__ __forceinline__ void promote_rows(float (&acc)[WN / 2], const float (
     acc[4 * j + 2] = fmaf(blk[4 * j + 2], x1, acc[4 * j + 2]);
     acc[4 * j + 3] = fmaf(blk[4 * j + 3], x1, acc[4 * j + 3]);
   }
+}
+
+// a 2-D tensor map over a row-major [rows, cols] e4m3 matrix with row stride `ld` bytes (a multiple of 16), boxes of
+// [box_rows x 128] in the 128-byte swizzle; elements past the matrix read as zeros. 0, or the CUDA error.
+inline int make_map(CUtensorMap* map, const void* ptr, long long rows, long long cols, long long ld, int box_rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (!encode) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return (int)cudaErrorNotSupported;
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)ld};
+  const cuuint32_t box[2] = {(cuuint32_t)BK, (cuuint32_t)box_rows}, elem[2] = {1, 1};
+  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides, box, elem,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? 0 : (int)cudaErrorInvalidValue;
 }
 
 }  // namespace sm90
