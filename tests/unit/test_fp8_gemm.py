@@ -1,9 +1,11 @@
 """The FP8 kernel's configs without a GPU: the hybrid backend's default per shape, what the kernel refuses."""
 
+import pytest
+
 from mxgemm.backends.base import Tactic
 from mxgemm.backends.hybrid_sm90 import Path, fp8_beats_cublas, fp8_configs
 from mxgemm.backends.hybrid_sm90 import fp8_default as default_config
-from mxgemm.kernels import fp8_gemm
+from mxgemm.kernels import fp8_gemm, nvcc
 from mxgemm.kernels.fp8_gemm import SwapAB, TokensAsM
 
 
@@ -137,3 +139,17 @@ def test_launch_plans_mirror_the_c_structures():
 
     assert ctypes.sizeof(fp8_gemm._LinearPlan) == asserted("fp8_gemm.cu", "LinearPlan") == 104
     assert ctypes.sizeof(small_m._Plan) == asserted("small_m.cu", "SmallMPlan") == 72
+
+
+@pytest.mark.skipif(nvcc.find_nvcc() is None, reason="no nvcc on this machine")
+def test_the_library_compiles_for_sm90a_and_loads_with_every_entry_point(monkeypatch, tmp_path):
+    """Where nvcc exists the FP8 GEMM's library (the GEMMs, the quantizer of quant_1x128.cuh, the helpers of
+    sm90.cuh, the LinearPlan layout's static_assert) compiles for sm_90a and loads with each symbol it binds."""
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
+    fp8_gemm.library.cache_clear()
+    try:
+        lib = fp8_gemm.library((9, 0))
+        assert hasattr(lib, "mxgemm_fp8_linear_run") and hasattr(lib, "mxgemm_quant_gated_1x128")
+        assert len(list((tmp_path / "kernels").glob("fp8_gemm-sm90a-*.so"))) == 1
+    finally:
+        fp8_gemm.library.cache_clear()
