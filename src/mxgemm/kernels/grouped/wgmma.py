@@ -24,7 +24,7 @@ logger = logging.getLogger("mxgemm")
 __all__ = ["WgmmaConfig", "grouped_wgmma", "library", "wgmma_status"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "grouped_fp8.cu"
-SM90_HEADERS = Path(__file__).parents[1] / "csrc"  # sm90.cuh, the device helpers it shares with the dense kernels
+_HEADERS = Path(__file__).parents[1] / "csrc"  # sm90.cuh, the device helpers it shares with the dense kernels
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 # W, S, s_expert, s_stride, XQ, XS, ld_xs, x_rows, offsets, dst, Y, ldy, y_fp16, rows, E, N, K, tn, wn, stages,
 # slots, persistent, stream
@@ -34,7 +34,7 @@ _ARGS = [_P, _P, _L, _I, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I,
 @functools.cache
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel for sm_90a. Raises RuntimeError when it cannot be built."""
-    lib = nvcc.build(_SOURCE, capability, suffix="a", symbols=("mxgemm_grouped_fp8",), include_dirs=(SM90_HEADERS,))
+    lib = nvcc.build(_SOURCE, capability, suffix="a", symbols=("mxgemm_grouped_fp8",), include_dirs=(_HEADERS,))
     lib.mxgemm_grouped_fp8.argtypes, lib.mxgemm_grouped_fp8.restype = _ARGS, _I
     return lib
 
