@@ -14,17 +14,23 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import logging
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from .errors import MXGemmError
+
+logger = logging.getLogger("mxgemm")
+_T = TypeVar("_T")
 
 __all__ = [
     "UnsafeFileError",
     "UnsafeFolderError",
+    "build_in_cache",
     "cache_folders",
     "check_trusted_dir",
     "locked",
@@ -54,6 +60,22 @@ def cache_folders(sub: str) -> list[Path]:
     from .settings import cache_dir
 
     return [cache_dir() / sub, temp_root() / sub]
+
+
+def build_in_cache(sub: str, what: str, build: Callable[[Path], _T]) -> _T:
+    """``build(folder)`` in the first of :func:`cache_folders` (``sub``) where it raises no OSError: a folder other
+    users could change (:class:`UnsafeFolderError`) is named on the ``mxgemm`` logger and passed over, as is one that
+    cannot be written. Raises RuntimeError naming each folder and why where none serves ``what``."""
+    refused = []
+    for folder in cache_folders(sub):
+        try:
+            return build(folder)
+        except UnsafeFolderError as exc:
+            logger.warning("mxgemm: %s", exc)
+            refused.append(str(exc))
+        except OSError as exc:
+            refused.append(f"{folder} ({exc.strerror or exc})")
+    raise RuntimeError(f"no folder to build {what} in: {'; '.join(refused)}")
 
 
 def _trusted_owner(st: os.stat_result) -> bool:

@@ -28,7 +28,7 @@ import torch
 
 from . import settings, tuning
 from .availability import Availability
-from .cache import UnsafeFolderError, cache_folders, locked, private_dir
+from .cache import build_in_cache, locked, private_dir
 
 __all__ = ["extension", "register", "status"]
 
@@ -48,23 +48,16 @@ def extension():
         raise RuntimeError("ninja, which torch.utils.cpp_extension builds with, is not installed (pip install ninja)")
     key = b"\0".join([_SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode()])
     name = f"mxgemm_fast_call_{hashlib.sha256(key).hexdigest()[:16]}"
-    unwritable = []
-    for root in cache_folders("ext"):
+
+    def build_in(root: Path):
         folder = root / name
-        try:
-            with locked(folder):  # makes the folders private where they are new, checks them where they are not
-                module = _build_and_load(cpp_extension, name, folder)
-        except UnsafeFolderError as exc:
-            logger.warning("mxgemm: %s", exc)
-            unwritable.append(str(exc))
-            continue
-        except OSError as exc:
-            unwritable.append(f"{folder} ({exc.strerror or exc})")
-            continue
-        module.set_generation(tuning.generation())
-        tuning.on_change(module.set_generation)  # entries made before tuning changed a cache are stale
-        return module
-    raise RuntimeError(f"no folder to build {_SOURCE.name} in: {'; '.join(unwritable)}")
+        with locked(folder):  # makes the folders private where they are new, checks them where they are not
+            return _build_and_load(cpp_extension, name, folder)
+
+    module = build_in_cache("ext", _SOURCE.name, build_in)
+    module.set_generation(tuning.generation())
+    tuning.on_change(module.set_generation)  # entries made before tuning changed a cache are stale
+    return module
 
 
 def _build_and_load(cpp_extension, name: str, folder: Path):

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..cache import UnsafeFolderError, cache_folders, check_trusted_dir, locked
+from ..cache import build_in_cache, check_trusted_dir, locked
 
 logger = logging.getLogger("mxgemm")
 
@@ -95,30 +95,23 @@ def build(
     architecture-specific features (sm_90a: wgmma). ``symbols``: what the library must export; ``include_dirs``:
     header folders beyond the toolkit's. Raises RuntimeError saying why when it cannot be built or loaded."""
     nvcc, flags, name = _build_key(source, capability, suffix, include_dirs)
-    unwritable = []
-    for folder in cache_folders("kernels"):
+
+    def build_in(folder: Path) -> ctypes.CDLL:
         target = folder / name
-        try:
-            if os.path.lexists(folder):
-                check_trusted_dir(folder)
-                lib = _load_verified(target, symbols)
-                if lib is not None:
-                    return lib
-            with locked(target):  # makes the folder private where it is new
-                if _load_verified(target, symbols) is None:  # not built by another process meanwhile
-                    _compile(nvcc, flags, source, target)
-        except UnsafeFolderError as exc:
-            logger.warning("mxgemm: %s", exc)
-            unwritable.append(str(exc))
-            continue
-        except OSError as exc:  # a folder that cannot be written: try the next
-            unwritable.append(f"{folder} ({exc.strerror or exc})")
-            continue
+        if os.path.lexists(folder):  # checked before anything in it is loaded; a folder that cannot be written still
+            check_trusted_dir(folder)  # serves the builds it holds
+            lib = _load_verified(target, symbols)
+            if lib is not None:
+                return lib
+        with locked(target):  # makes the folder private where it is new
+            if _load_verified(target, symbols) is None:  # not built by another process meanwhile
+                _compile(nvcc, flags, source, target)
         lib = _load_verified(target, symbols)
         if lib is None:
             raise RuntimeError(f"{target} was built but does not load or lacks {', '.join(symbols) or 'its symbols'}")
         return lib
-    raise RuntimeError(f"no folder to build {source.name} in: {'; '.join(unwritable)}")
+
+    return build_in_cache("kernels", source.name, build_in)
 
 
 def _build_key(
