@@ -1,4 +1,4 @@
-// SM90 (sm_90a) helpers of the TMA/wgmma kernels: on the device, shared-memory addresses and accesses, mbarriers,
+// SM90 (sm_90a) helpers of the TMA/wgmma kernels: on the device, shared-memory addresses and loads, mbarriers,
 // programmatic dependent launch, TMA and bulk copies, and wgmma on e4m3 operands in the 128-byte swizzle; on the
 // host, the tensor maps of e4m3 tiles TMA reads through.
 #pragma once
@@ -63,19 +63,6 @@ __device__ __forceinline__ float2 lds2(const float* p) {  // p 8-byte aligned
   float2 v;
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_u32(p)));
   return v;
-}
-
-__device__ __forceinline__ uint4 lds_u4(const void* p) {  // p 16-byte aligned
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(smem_u32(p)));
-  return v;
-}
-__device__ __forceinline__ void sts_u2(void* p, uint2 v) {  // p 8-byte aligned
-  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(smem_u32(p)), "r"(v.x), "r"(v.y) : "memory");
-}
-__device__ __forceinline__ void sts_f32(float* p, float v) {
-  asm volatile("st.shared.f32 [%0], %1;" ::"r"(smem_u32(p)), "f"(v) : "memory");
 }
 
 // shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128-byte swizzle: 8-row groups 1024
