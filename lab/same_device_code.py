@@ -1,5 +1,6 @@
 """Whether an edit of the CUDA sources changed the device code: each library of the package's kernels compiled to a
-cubin at a git revision and in the working tree (nvcc as ``mxgemm.kernels.nvcc`` calls it, no GPU needed), and the
+cubin at a git revision and in the working tree (the device-code flags of ``mxgemm.kernels.nvcc``: -O3 and each
+library's architecture and include folders, which LIBRARIES repeats from the bindings; no GPU needed), and the
 bytes of every kernel's sections compared (its machine code ``.text``, the ``.nv.info`` that gives its registers and
 parameters, its shared and constant memory). Kernels are matched by name; ``--rename OLD=NEW`` pairs names an edit
 changed (a substring of the mangled name replaced). Exit status 0 when every kernel of the revision is in the tree
