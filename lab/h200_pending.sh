@@ -37,6 +37,8 @@
 #   bench-hf  the llama3-8b-hf set (Hugging Face's unfused projections, lm_head included)
 #   moe-apart  the MoE e2e's prefill and eager batch 16 with no tuning file: this tree under inference_mode and
 #           no_grad, and f0b8c98's tree (git worktree), three runs of one machine (~3 x 60 s at 24 layers)
+#   moe-kernels  lab/moe_prefill_kernels.py: the MoE prefill's GPU time by kernel, this tree and f0b8c98's, each with
+#           its shipped tuning file and with none
 #   moe-gate / moe-bench / moe-tune / moe-e2e / moe-graphs  the experts: their GPU tests, mxgemm bench --moe (DeepGEMM
 #           beside where .anchors/deepgemm was carried), mxgemm tune --moe merged into the shipped tuning file, the
 #           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
@@ -222,6 +224,18 @@ PY
         echo "== $run"; grep -E "^\| eager|prefill over" "$out/moe-apart-$tree-$grad.log" | cut -c1-300
       done
       mv /tmp/tuned-off/*.json src/mxgemm/tuned/ ;;
+    moe-kernels)  # the MoE prefill taken apart (lab/moe_prefill_kernels.py), runs of TREE:FILES:WHO (MOE_KERNEL_RUNS):
+      # this tree or f0b8c98's, its shipped tuning file or none, bf16 or mxgemm
+      git worktree add -f /tmp/f0b8c98 f0b8c98 > /dev/null 2>&1
+      for run in ${MOE_KERNEL_RUNS:-tree:tuned:mxgemm f0b8c98:tuned:mxgemm tree:none:mxgemm f0b8c98:none:mxgemm}; do
+        IFS=: read -r tree files who <<< "$run"; root=$PWD; [ "$tree" = tree ] || root=/tmp/$tree
+        [ "$files" = none ] && mkdir -p "/tmp/off-$tree" && mv "$root"/src/mxgemm/tuned/*.json "/tmp/off-$tree/"
+        name="moe-kernels-$tree-$files-$who"
+        PYTHONPATH="$root/src" timeout 150 python3 lab/moe_prefill_kernels.py --layers ${MOE_APART_LAYERS:-24} \
+          --who "$who" --json "$out/$name.json" > "$out/$name.txt" 2>&1
+        [ "$files" = none ] && mv "/tmp/off-$tree"/*.json "$root/src/mxgemm/tuned/"
+        echo "== $run"; grep -A10 "wall" "$out/$name.txt" | cut -c1-200
+      done ;;
     moe-graphs)  # eager decode with MXFP8Experts' graphs against without (MXGEMM_EAGER_GRAPHS), 4 layers
       for g in 0 1; do MXGEMM_EAGER_GRAPHS=$g timeout 200 python3 lab/moe_layer_host.py --layers 4 \
         --tokens 1 > "$out/moe-layer-host-graphs$g.txt" 2>&1; tail -8 "$out/moe-layer-host-graphs$g.txt"; done ;;
