@@ -1,7 +1,9 @@
 """Host time of an MXFP8Experts call at prefill and decode sizes, and of each step inside it: the module's forward, the
-functional call, the op, its implementation, the tactic lookups, and each launch of the wgmma path (the sort, the
-gathered quantization, gate/up, the gated quantization, down, the weighted sum), each called back to back and timed
-until the last call returns (before synchronising). Qwen3-30B-A3B's experts (128, hidden 2048, width 768, top-8).
+functional call, the op, its implementation, the backend's plan of the call (where gate/up's tactic is the wgmma
+kernel, the whole block in one C call), the same launches one by one, the tactic lookups, and each launch of the
+wgmma path (the sort, the gathered quantization, gate/up, the gated quantization, down, the weighted sum), each called
+back to back and timed until the last call returns (before synchronising). Qwen3-30B-A3B's experts (128, hidden 2048,
+width 768, top-8).
 
 Run on the device: PYTHONPATH=src python3 lab/moe_experts_host.py [--tokens 2048 16]
 """
@@ -54,6 +56,8 @@ def steps(experts: mxgemm.MXFP8Experts, tokens: int, topk: int) -> dict[str, flo
     gu, dn, b = experts.gate_up, experts.down, get_backend(experts.backend)
     rows = ids.numel()
     tactics = tuple(autotune.tactic_for_grouped_call(b, wt, rows, x) for wt in (gu, dn))
+    plan = b.plan_experts(gu, dn, tokens, topk, x.dtype, tactics)
+    print(f"T = {tokens}: the op's plan is {type(plan).__name__}")
     op_args = (x, ids, w, gu.op_tensors, dn.op_tensors, gu.backend, gu.op_meta, dn.op_meta)
     offsets, src = sort_by_expert(ids, e)
     xq, xs = quantize_rows(x, src, topk)
@@ -69,7 +73,8 @@ def steps(experts: mxgemm.MXFP8Experts, tokens: int, topk: int) -> dict[str, flo
         "moe_experts": host_us(lambda: mxgemm.moe_experts(x, ids, w, gu, dn)),
         "moe_experts_op": host_us(lambda: moe_experts_op(*op_args)),
         "_moe_experts (the op's body)": host_us(lambda: _moe_experts(*op_args)),
-        "run_experts": host_us(lambda: b.run_experts(x, ids, w, gu, dn, tactics)),
+        "the op's plan": host_us(lambda: plan(x, ids, w, gu, dn)),
+        "run_experts (launch by launch)": host_us(lambda: b.run_experts(x, ids, w, gu, dn, tactics)),
         "two tactic lookups": host_us(lambda: [autotune.tactic_for_grouped_call(b, wt, rows, x) for wt in (gu, dn)]),
         "sort_by_expert": host_us(lambda: sort_by_expert(ids, e)),
         "quantize_rows, gathered": host_us(lambda: quantize_rows(x, src, topk)),

@@ -178,14 +178,18 @@ def _moe_experts(
     gate_up_meta: str,
     down_meta: str,
 ) -> Tensor:
-    b = get_backend(backend)
-    weights = (
-        PreparedGroupedWeight.from_op_args(backend, gate_up, gate_up_meta),
-        PreparedGroupedWeight.from_op_args(backend, down, down_meta),
-    )
-    rows = topk_ids.numel()  # the token copies, sorted by expert
-    tactics = tuple(autotune.tactic_for_grouped_call(b, w, rows, x) for w in weights)
-    return b.run_experts(x, topk_ids, topk_weights, *weights, tactics)
+    up = PreparedGroupedWeight.from_op_args(backend, gate_up, gate_up_meta)
+    dn = PreparedGroupedWeight.from_op_args(backend, down, down_meta)
+    tokens, k = topk_ids.shape
+    # the plan of this shape, dtype, tuning generation and down projection, with gate/up's plans
+    key = ("experts", tokens, k, x.dtype, tuning.generation(), down_meta)
+    plan = up.plans.launch.get(key)
+    if plan is None:
+        b = get_backend(backend)
+        rows = tokens * k  # the token copies, sorted by expert
+        tactics = tuple(autotune.tactic_for_grouped_call(b, w, rows, x) for w in (up, dn))
+        plan = up.cached("launch", key, lambda: b.plan_experts(up, dn, tokens, k, x.dtype, tactics))
+    return plan(x, topk_ids, topk_weights, up, dn)
 
 
 def _moe_experts_fake(

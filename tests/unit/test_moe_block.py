@@ -89,6 +89,35 @@ def test_the_fused_block_is_the_composition_of_its_steps(routing, dtype):
         assert torch.equal(y, mxgemm.moe_experts(x, kept, zeroed, gate_up, down))
 
 
+def test_a_shape_of_the_block_is_planned_once_with_gate_ups_plans(monkeypatch):
+    """``mxgemm::moe_experts`` plans each (tokens, top-k, dtype) once (its tactics looked up then) and keeps the plan
+    with gate/up's plans; another routing of the shape reuses it, another shape or a new tuning generation plans
+    anew, and the plan's bits are those of the call it stands for."""
+    gate_up, down = _experts()
+    triton = get_backend("triton")
+    made = []
+    plan_experts = type(triton).plan_experts
+
+    def counted(self, gu, dn, tokens, topk, dtype, tactics):
+        made.append((tokens, topk, dtype))
+        return plan_experts(self, gu, dn, tokens, topk, dtype, tactics)
+
+    monkeypatch.setattr(type(triton), "plan_experts", counted)
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(3, 2, generator=g).softmax(-1).bfloat16()
+    x = random_act(3, H)
+    for ids in (torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.tensor([[3, 3], [0, 2], [-1, 1]])):
+        y = mxgemm.moe_experts(x, ids, w, gate_up, down)
+        assert torch.equal(y, GroupedWeights.run_experts(triton, x, ids, w, gate_up, down))
+    assert made == [(3, 2, torch.bfloat16)]
+    mxgemm.moe_experts(random_act(5, H), torch.zeros(5, 2, dtype=torch.long), w[:1].expand(5, 2), gate_up, down)
+    mxgemm.tuning.changed()
+    mxgemm.moe_experts(x, ids, w, gate_up, down)
+    assert made == [(3, 2, torch.bfloat16), (5, 2, torch.bfloat16), (3, 2, torch.bfloat16)]
+    assert all(key[0] == "experts" for key in gate_up.plans.launch) and len(gate_up.plans.launch) == 3
+    assert not down.plans
+
+
 def test_every_config_shape_of_the_fused_projections():
     from mxgemm.kernels.grouped.fp8 import GroupedConfig, grouped_block_linear, grouped_down, grouped_gate_up
     from mxgemm.kernels.grouped.routing import sort_by_expert

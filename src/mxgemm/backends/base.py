@@ -104,7 +104,8 @@ class PlanCache:
     """What a prepared weight's calls work out once and keep, each kind in a table of its own:
 
     - ``launch``: the plans eager and compiled calls run (:meth:`Backend.plan`), by (M, activation dtype, tuning
-      generation);
+      generation); a grouped gate/up weight's, the routed block's (``GroupedWeights.plan_experts``), by ("experts",
+      tokens, top-k, activation dtype, tuning generation, the down projection's meta);
     - ``tactics``: each call's tactic (:func:`mxgemm.ops.call_tactic`), held as a 1-tuple, by the same key;
     - ``gated``: the routes that take a gated MLP's product (:meth:`GatedInput.gated_plan`, False where none), by the
       same key;

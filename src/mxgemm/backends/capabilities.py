@@ -120,6 +120,21 @@ class GroupedWeights(ABC):
         ``x``'s device; expert 0 starts at row 0); rows at or past ``offsets[-1]`` answer zeros. Inputs are already
         validated; the offsets' values are not read on the host."""
 
+    def plan_experts(
+        self,
+        gate_up: PreparedGroupedWeight,
+        down: PreparedGroupedWeight,
+        tokens: int,
+        topk: int,
+        x_dtype: torch.dtype,
+        tactics: tuple[Any, Any] = (None, None),
+    ) -> Callable[..., torch.Tensor]:
+        """What an eager call of :meth:`run_experts` on ``tokens`` tokens of ``topk`` copies in ``x_dtype`` with
+        ``tactics`` runs: ``(x, topk_ids, topk_weights, gate_up, down) -> y``, the same bits, with whatever the shape
+        fixes worked out once. It lives in ``gate_up.plans.launch`` and takes both weights at each call (it holds
+        neither: see :meth:`Backend.plan`). This default: :meth:`run_experts`."""
+        return lambda x, ids, weights, gu, dn: self.run_experts(x, ids, weights, gu, dn, tactics)
+
     def run_experts(
         self,
         x: torch.Tensor,

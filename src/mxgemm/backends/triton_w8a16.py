@@ -200,14 +200,11 @@ class TritonBackend(Backend, GroupedWeights):
         topk = topk_ids.shape[1]
         offsets, src = sort_by_expert(topk_ids, gate_up.experts)
         rows = src.shape[0]
-        default = _default_grouped(-(-rows // gate_up.experts), x.device, gate_up.in_features)
-        first = tactics[0] or default
-        second = tactics[1] if tactics[1] is not None and tactics[1].path == first.path else None
+        first, second = _experts_tactics(rows, gate_up, tactics)
         if first.path == Path.WGMMA:
             from ..kernels.grouped.quant import quantize_rows
             from ..kernels.grouped.wgmma import grouped_wgmma
 
-            second = second or (default if default.path == Path.WGMMA else first)
             xq, xs = quantize_rows(x, src, topk)
             h = grouped_wgmma(xq, xs, rows, gu_q, gu_s, offsets, gate_up.out_features, x.dtype, first.config)
             pq, ps = quantize_rows(h, gated=True)
@@ -229,6 +226,18 @@ def _wgmma_runs(device: torch.device) -> bool:
     from ..kernels.grouped.wgmma import wgmma_status
 
     return bool(wgmma_status((9, 0)))
+
+
+def _experts_tactics(rows: int, gate_up: PreparedGroupedWeight, tactics: tuple) -> tuple[Tactic, Tactic | None]:
+    """The routed block's two tactics for ``rows`` token copies from the caller's (None: the default): gate/up's; down's
+    where it is of gate/up's kernel, else (wgmma) that kernel's default or gate/up's config, else (Triton) None, the
+    Triton kernel's default."""
+    default = _default_grouped(-(-rows // gate_up.experts), gate_up.device, gate_up.in_features)
+    first = tactics[0] or default
+    second = tactics[1] if tactics[1] is not None and tactics[1].path == first.path else None
+    if first.path == Path.WGMMA:
+        second = second or (default if default.path == Path.WGMMA else first)
+    return first, second
 
 
 def _default_grouped(per_expert: int, device: torch.device, k: int) -> Tactic:
