@@ -227,16 +227,17 @@ PY
       done
       mv /tmp/tuned-off/*.json src/mxgemm/tuned/ ;;
     moe-kernels)  # the MoE prefill taken apart (lab/moe_prefill_kernels.py), runs of TREE:FILES:WHO (MOE_KERNEL_RUNS):
-      # this tree or f0b8c98's, its shipped tuning file or none, bf16 or mxgemm
+      # this tree or f0b8c98's, its shipped tuning file or none, bf16 or mxgemm; MOE_KERNEL_ARGS="--generate 32" adds
+      # an eager decode token's host time by part
       git worktree add -f /tmp/f0b8c98 f0b8c98 > /dev/null 2>&1
       for run in ${MOE_KERNEL_RUNS:-tree:tuned:mxgemm f0b8c98:tuned:mxgemm tree:none:mxgemm f0b8c98:none:mxgemm}; do
         IFS=: read -r tree files who <<< "$run"; root=$PWD; [ "$tree" = tree ] || root=/tmp/$tree
         [ "$files" = none ] && mkdir -p "/tmp/off-$tree" && mv "$root"/src/mxgemm/tuned/*.json "/tmp/off-$tree/"
         name="moe-kernels-$tree-$files-$who"
         PYTHONPATH="$root/src" timeout 150 python3 lab/moe_prefill_kernels.py --layers ${MOE_APART_LAYERS:-24} \
-          --who "$who" --json "$out/$name.json" > "$out/$name.txt" 2>&1
+          --who "$who" ${MOE_KERNEL_ARGS:-} --json "$out/$name.json" > "$out/$name.txt" 2>&1
         [ "$files" = none ] && mv "/tmp/off-$tree"/*.json "$root/src/mxgemm/tuned/"
-        echo "== $run"; grep -A10 "wall" "$out/$name.txt" | cut -c1-200
+        echo "== $run"; grep -A10 "wall" "$out/$name.txt" | cut -c1-300; grep "a decode token" "$out/$name.txt"
       done ;;
     moe-c-launch)  # lab/patches/moe-c-launch.patch applied to this copy of the tree (the routed block's wgmma path in
       # one C call; the grouped GEMM's device code unchanged, so the tuning files' record follows the digest), its GPU

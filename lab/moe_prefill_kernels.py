@@ -46,6 +46,30 @@ def host_us(fn, sync, n: int = 20) -> float:
     return seconds / n * 1e6
 
 
+def decode_parts(model, ids, new: int, parts: dict, timing: list, sync) -> dict[str, float]:
+    """Eager ``generate`` of ``new`` tokens less that of one token (the 512-token prompt's prefill in both), each part's
+    host ms (and the call's wall ms) a decode token, the medians of 3 pairs."""
+
+    def call(n: int) -> dict[str, float]:
+        parts.clear()
+        sync()
+        timing[0] = True
+        t0 = time.perf_counter()
+        model.generate(ids[:, :512], max_new_tokens=n, min_new_tokens=n, do_sample=False, disable_compile=True)
+        sync()
+        wall = time.perf_counter() - t0
+        timing[0] = False
+        return {"wall": wall, **parts}
+
+    for n in (new, 1):  # warm: the plans and graphs of both shapes
+        call(n)
+    pairs = [(call(new), call(1)) for _ in range(3)]
+    return {
+        name: statistics.median((many.get(name, 0) - one.get(name, 0)) * 1e3 / (new - 1) for many, one in pairs)
+        for name in pairs[0][0]
+    }
+
+
 def cprofiled(fn, n: int, sync) -> str:
     """cProfile of ``n`` calls of ``fn``: the functions by own time, then by cumulative time."""
     profile = cProfile.Profile()
@@ -68,6 +92,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=16)
     parser.add_argument("--who", default="mxgemm", choices=["bf16", "mxgemm"])
+    parser.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        help="also eager generate of this many tokens (512-token prompt): host by part",
+    )
     parser.add_argument("--cprofile", type=int, default=0, help="cProfile this many calls of layer 0's experts")
     parser.add_argument("--tiny", action="store_true", help="a few-MB model on the CPU: a smoke test of this script")
     parser.add_argument("--json")
@@ -96,9 +126,13 @@ def main() -> None:
 
     def after(module, _args, _out):
         if timing[0]:
-            parts[PART_NAMES.get(type(module).__name__, type(module).__name__)] += (
-                time.perf_counter() - started[id(module)]
-            )
+            name = names.get(id(module)) or PART_NAMES.get(type(module).__name__, type(module).__name__)
+            parts[name] += time.perf_counter() - started[id(module)]
+
+    names = {id(model): "the model's forward", id(model.lm_head): "lm_head"}  # parts named apart from their class
+    for module in (model, model.lm_head):
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
 
     first_experts = model.model.layers[0].mlp.experts
     captured = []  # (args) of layer 0's experts' call: the routing of a real prefill
@@ -118,6 +152,7 @@ def main() -> None:
         with torch.profiler.profile(activities=[getattr(torch.profiler.ProfilerActivity, device.upper())]) as prof:
             for _ in range(args.repeats):
                 prefill()
+        decode = decode_parts(model, ids, args.generate, parts, timing, sync) if args.generate else {}
         experts_host = statistics.median(host_us(lambda: first_experts(*captured[0]), sync) for _ in range(5))
         profiled = cprofiled(lambda: first_experts(*captured[0]), args.cprofile, sync) if args.cprofile else ""
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -141,6 +176,11 @@ def main() -> None:
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     for name, (us, calls) in ranked[: args.top]:
         print(f"| {us:.0f} | {calls:.0f} | {name[:150]} |")
+    if decode:
+        print(
+            f"eager generate, a decode token (the {args.generate}-token call less the 1-token one): "
+            + ", ".join(f"{name} {ms:.2f} ms" for name, ms in decode.items())
+        )
     print(profiled)
     if args.json:
         doc = {
@@ -149,6 +189,7 @@ def main() -> None:
             "walls_ms": [w * 1e3 for w in walls],
             "busy_us": busy,
             "experts_host_us": experts_host,
+            "decode_token_ms": decode,
             "host_parts_ms": {n: v * 1e3 / args.repeats for n, v in parts.items()},
             "kernels": {n: {"us": us, "calls": c} for n, (us, c) in ranked},
         }
