@@ -23,8 +23,6 @@ import torch
 
 import mxgemm
 
-PART_NAMES = {"Qwen3MoeRMSNorm": "input norm"}  # the other parts by their class's name
-
 
 def e2e_module():
     """The bench/model_e2e.py of the tree whose mxgemm is imported."""
@@ -126,21 +124,24 @@ def main() -> None:
 
     def after(module, _args, _out):
         if timing[0]:
-            name = names.get(id(module)) or PART_NAMES.get(type(module).__name__, type(module).__name__)
-            parts[name] += time.perf_counter() - started[id(module)]
+            parts[names[id(module)]] += time.perf_counter() - started[id(module)]
 
-    names = {id(model): "the model's forward", id(model.lm_head): "lm_head"}  # parts named apart from their class
-    for module in (model, model.lm_head):
+    names: dict[int, str] = {}  # each watched module's part
+
+    def watch(module, name: str | None = None) -> None:
+        names[id(module)] = name or type(module).__name__
         module.register_forward_pre_hook(before)
         module.register_forward_hook(after)
 
+    watch(model, "the model's forward")
+    watch(model.lm_head, "lm_head")
     first_experts = model.model.layers[0].mlp.experts
     captured = []  # (args) of layer 0's experts' call: the routing of a real prefill
     first_experts.register_forward_pre_hook(lambda _m, a: captured.append(a) if not captured else None)
     for layer in model.model.layers:
-        for module in (layer, layer.self_attn, layer.mlp, layer.mlp.gate, layer.mlp.experts, layer.input_layernorm):
-            module.register_forward_pre_hook(before)
-            module.register_forward_hook(after)
+        for module in (layer, layer.self_attn, layer.mlp, layer.mlp.gate, layer.mlp.experts):
+            watch(module)
+        watch(layer.input_layernorm, "input norm")
 
     with torch.inference_mode():
         for _ in range(2):

@@ -101,12 +101,18 @@ def c_struct(path: Path, name: str) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(
-    "structure, source, name",
-    [(fp8_gemm._LinearPlan, CSRC / "fp8_gemm.cu", "LinearPlan"), (small_m._Plan, CSRC / "small_m.cu", "SmallMPlan")],
+    "structure, source, name, size",
+    [
+        (fp8_gemm._LinearPlan, CSRC / "fp8_gemm.cu", "LinearPlan", 104),
+        (small_m._Plan, CSRC / "small_m.cu", "SmallMPlan", 72),
+    ],
 )
-def test_every_ctypes_structure_is_the_c_struct_it_mirrors(structure, source, name):
+def test_every_ctypes_structure_is_the_c_struct_it_mirrors(structure, source, name, size):
+    """Its fields (names, types, order), and its size the one the CUDA source asserts for the struct."""
     mirrored = [(field, _ctype(t)) for field, t in structure._fields_]
     assert mirrored == c_struct(source, name)
+    asserted = re.search(rf"static_assert\(sizeof\({name}\) == (\d+)", source.read_text()).group(1)
+    assert ctypes.sizeof(structure) == int(asserted) == size
 
 
 def test_the_cpp_tables_call_kinds_are_the_python_constants_and_the_functions_registered_as_them():
