@@ -39,8 +39,8 @@
 #           no_grad, and f0b8c98's tree (git worktree), three runs of one machine (~3 x 60 s at 24 layers)
 #   moe-kernels  lab/moe_prefill_kernels.py: the MoE prefill's GPU time by kernel, this tree and f0b8c98's, each with
 #           its shipped tuning file and with none
-#   moe-c-launch  lab/patches/moe-c-launch.patch applied (the routed block's wgmma path in one C call): its GPU tests,
-#           the block's host time by step (lab/moe_experts_host.py), the 24-layer MoE prefill bf16 and mxgemm
+#   moe-host  the routed block's host time by step (lab/moe_experts_host.py), the 24-layer MoE prefill taken apart
+#           (lab/moe_prefill_kernels.py), bf16 and mxgemm
 #   moe-gate / moe-bench / moe-tune / moe-e2e / moe-graphs  the experts: their GPU tests, mxgemm bench --moe (DeepGEMM
 #           beside where .anchors/deepgemm was carried), mxgemm tune --moe merged into the shipped tuning file, the
 #           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
@@ -239,21 +239,13 @@ PY
         [ "$files" = none ] && mv "/tmp/off-$tree"/*.json "$root/src/mxgemm/tuned/"
         echo "== $run"; grep -A10 "wall" "$out/$name.txt" | cut -c1-300; grep "a decode token" "$out/$name.txt"
       done ;;
-    moe-c-launch)  # lab/patches/moe-c-launch.patch applied to this copy of the tree (the routed block's wgmma path in
-      # one C call; the grouped GEMM's device code unchanged, so the tuning files' record follows the digest), its GPU
-      # tests, the block's host time by step, and the 24-layer MoE prefill taken apart, bf16 and mxgemm
-      git apply lab/patches/moe-c-launch.patch || { echo "the patch does not apply"; exit 1; }
-      digest=$(python3 -c "from mxgemm.kernels import source_digest; print(source_digest())")
-      sed -i "s/\"kernels\": \"[0-9a-f]*\"/\"kernels\": \"$digest\"/" src/mxgemm/tuned/*.json
-      timeout 240 python3 -m pytest tests/gpu/test_gpu_grouped.py -q -p no:warnings --tb=short -x \
-        -k "c_launch or composition or graph_replays or two_threads or every_earlier" > "$out/moe-c-launch-tests.txt" 2>&1
-      rc=$?; tail -15 "$out/moe-c-launch-tests.txt"; [ "$rc" -eq 0 ] || { echo "GPU tests failed (rc $rc)"; exit 1; }
-      timeout 90 python3 lab/moe_experts_host.py --tokens 2048 256 > "$out/moe-c-launch-host.txt" 2>&1
-      tail -18 "$out/moe-c-launch-host.txt"
+    moe-host)  # the routed block's host time by step (lab/moe_experts_host.py) and the 24-layer MoE prefill taken
+      # apart (lab/moe_prefill_kernels.py), bf16 and mxgemm
+      timeout 90 python3 lab/moe_experts_host.py --tokens 2048 256 > "$out/moe-host.txt" 2>&1; tail -18 "$out/moe-host.txt"
       for who in mxgemm bf16; do
         timeout 120 python3 lab/moe_prefill_kernels.py --layers ${MOE_APART_LAYERS:-24} --top 10 --who $who \
-          --json "$out/moe-c-launch-prefill-$who.json" > "$out/moe-c-launch-prefill-$who.txt" 2>&1
-        grep -A2 "wall" "$out/moe-c-launch-prefill-$who.txt" | cut -c1-300
+          --json "$out/moe-host-prefill-$who.json" > "$out/moe-host-prefill-$who.txt" 2>&1
+        grep -A2 "wall" "$out/moe-host-prefill-$who.txt" | cut -c1-300
       done ;;
     moe-graphs)  # eager decode with MXFP8Experts' graphs against without (MXGEMM_EAGER_GRAPHS), 4 layers
       for g in 0 1; do MXGEMM_EAGER_GRAPHS=$g timeout 200 python3 lab/moe_layer_host.py --layers 4 \

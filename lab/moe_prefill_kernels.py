@@ -115,7 +115,7 @@ def main() -> None:
         sync()
         return time.perf_counter() - t0, t1 - t0
 
-    parts: dict[str, float] = defaultdict(float)  # host seconds by part, over the timed prefills
+    timed: dict[str, float] = defaultdict(float)  # host seconds by part while timing[0], what the hooks add to
     started: dict[int, float] = {}
     timing = [False]
 
@@ -124,7 +124,7 @@ def main() -> None:
 
     def after(module, _args, _out):
         if timing[0]:
-            parts[names[id(module)]] += time.perf_counter() - started[id(module)]
+            timed[names[id(module)]] += time.perf_counter() - started[id(module)]
 
     names: dict[int, str] = {}  # each watched module's part
 
@@ -149,11 +149,12 @@ def main() -> None:
         timing[0] = True
         times = [prefill() for _ in range(args.repeats)]
         timing[0] = False
+        parts = dict(timed)  # host seconds by part, over the timed prefills
         walls, hosts = [t[0] for t in times], [t[1] for t in times]
         with torch.profiler.profile(activities=[getattr(torch.profiler.ProfilerActivity, device.upper())]) as prof:
             for _ in range(args.repeats):
                 prefill()
-        decode = decode_parts(model, ids, args.generate, parts, timing, sync) if args.generate else {}
+        decode = decode_parts(model, ids, args.generate, timed, timing, sync) if args.generate else {}
         experts_host = statistics.median(host_us(lambda: first_experts(*captured[0]), sync) for _ in range(5))
         profiled = cprofiled(lambda: first_experts(*captured[0]), args.cprofile, sync) if args.cprofile else ""
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])

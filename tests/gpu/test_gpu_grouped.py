@@ -286,6 +286,43 @@ def test_the_fused_block_is_the_composition_of_its_steps(tokens, dtype):
     assert torch.isfinite(y).all() and torch.equal(y, steps)
 
 
+@pytest.mark.parametrize(
+    "tokens, experts, k, ids_dtype, dtype, hidden",
+    [
+        (700, 16, 4, torch.int64, torch.bfloat16, 512),
+        (1, 16, 3, torch.int64, torch.bfloat16, 512),  # 3 copies: one sorting block, rows padded to 4
+        (3000, 16, 8, torch.int32, torch.float16, 512),  # 24000 copies: 24 sorting blocks
+        (600, 256, 8, torch.int64, torch.bfloat16, 256),  # DeepSeek-V3's 256 experts: the sort's shared memory
+        (257, 64, 6, torch.int16, torch.bfloat16, 2080),  # ids converted; combine's columns past a 2048 block
+    ],
+)
+def test_the_routed_blocks_c_launch_is_its_launches_one_by_one(tokens, experts, k, ids_dtype, dtype, hidden):
+    """The wgmma path's block in one C call (ExpertsLaunch: CUDA sort, gathered quantization, gate/up, gated
+    quantization, down, weighted sum) bit for bit the Triton backend's launches one by one (Triton sort, quantizers
+    and sum around the same GEMMs), for the default configs and a persistent / 64-row pair, copies routed outside
+    [0, E) adding nothing, on a poisoned allocator."""
+    from mxgemm.backends.base import Tactic
+    from mxgemm.backends.triton_w8a16 import Path
+    from mxgemm.kernels.grouped.wgmma import ExpertsLaunch
+
+    if not wgmma_status(torch.cuda.get_device_capability()):
+        pytest.skip("the grouped wgmma kernel runs on SM90 only")
+    gate_up, down = _block(experts, hidden, 128)
+    ids, weights = _top_k(tokens, experts, k, seed=tokens)
+    ids[0, k - 1], ids[-1, 0] = -1, experts  # expert parallelism's other ranks' experts
+    ids = ids.to(ids_dtype)
+    x = random_act(tokens, hidden, device="cuda", dtype=dtype, seed=tokens)
+    weights = weights.to(dtype)
+    triton = get_backend("triton")
+    for first, second in [(WgmmaConfig(), WgmmaConfig()), (WgmmaConfig(64, 128, 6, True), WgmmaConfig(64, 64, 4))]:
+        tactics = (Tactic(Path.WGMMA, first), Tactic(Path.WGMMA, second))
+        launch = ExpertsLaunch.make(tokens, k, gate_up, down, dtype, first, second)
+        poison_cuda_allocator()
+        y = launch(x, ids, weights, gate_up, down)
+        steps = triton.run_experts(x, ids.long(), weights, gate_up, down, tactics)
+        assert torch.isfinite(y).all() and torch.equal(y, steps), (first, second)
+
+
 @pytest.mark.parametrize("tokens", [16, 1024], ids=["triton-kernel", "wgmma-kernel-on-sm90"])
 def test_one_graph_replays_any_routing_of_the_block(tokens):
     gate_up, down = _block(32, 1024, 512)

@@ -214,6 +214,17 @@ class TritonBackend(Backend, GroupedWeights):
             y = grouped_down(product, dn_q, dn_s, offsets, src, down.out_features, second and second.config)
         return combine(y, topk_weights)
 
+    def plan_experts(self, gate_up, down, tokens, topk, x_dtype, tactics=(None, None)):
+        """Where gate/up's tactic is the wgmma kernel, the whole block in one C call
+        (:class:`mxgemm.kernels.grouped.wgmma.ExpertsLaunch`: the same seven launches and bits as :meth:`run_experts`,
+        without their host time); else :meth:`run_experts`."""
+        first, second = _experts_tactics(tokens * topk, gate_up, tactics)
+        if first.path != Path.WGMMA or tokens == 0 or gate_up.device.type != "cuda":
+            return super().plan_experts(gate_up, down, tokens, topk, x_dtype, tactics)
+        from ..kernels.grouped.wgmma import ExpertsLaunch
+
+        return ExpertsLaunch.make(tokens, topk, gate_up, down, x_dtype, first.config, second.config)
+
     def export_grouped_mx(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_block128_to_mx(weight.tensors["qdata"], weight.tensors["block_scale"])
 

@@ -31,6 +31,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "moe_routing.cuh"
 #include "sm90.cuh"
 
 using namespace sm90;
@@ -281,17 +282,11 @@ int launch_config(const CUtensorMap& w, const CUtensorMap& x, const Args& a, int
 
 }  // namespace
 
-// The entry point mxgemm calls through ctypes; returns a cudaError_t (0: launched).
-// W [E, N, K] e4m3 (row stride K, K % 16 == 0); S fp32 block scales (expert stride s_expert, 128-row block stride
-// s_stride, unit stride along K); XQ [x_rows, Kp] e4m3 rows sorted by expert (Kp = 128 * ceil(K / 128), 16-byte
-// aligned) and XS [Kp / 128, ld_xs] fp32 their scales (ld_xs % 4 == 0, x_rows <= ld_xs); offsets int32 [E]; dst
-// int32 [rows] or null; Y [.., ldy] bf16 (y_fp16 = 0) or fp16; rows: the rows sorted by expert (<= x_rows); tn rows
-// (64, 128) by wn weight rows (64, 128) per CTA; stages: ring depth (2, 4, 6); slots: token-tile slots that hold
-// any routing's tiles; persistent: 0 for a CTA per slot and weight tile, else as many CTAs as fit on the GPU.
-extern "C" int mxgemm_grouped_fp8(const void* W, const void* S, long long s_expert, int s_stride, const void* XQ,
-                                  const void* XS, int ld_xs, int x_rows, const int* offsets, const int* dst, void* Y,
-                                  int ldy, int y_fp16, int rows, int E, int N, int K, int tn, int wn, int stages,
-                                  int slots, int persistent, void* stream) {
+namespace {
+
+int grouped_gemm(const void* W, const void* S, long long s_expert, int s_stride, const void* XQ, const void* XS,
+                 int ld_xs, int x_rows, const int* offsets, const int* dst, void* Y, int ldy, int y_fp16, int rows,
+                 int E, int N, int K, int tn, int wn, int stages, int slots, int persistent, cudaStream_t st) {
   const int kblocks = (K + BK - 1) / BK;
   if (rows < 1 || rows > x_rows || x_rows > ld_xs || ld_xs % 4 || K % 16 || E < 1 || N < 1 || slots < 1)
     return (int)cudaErrorInvalidValue;
@@ -302,7 +297,106 @@ extern "C" int mxgemm_grouped_fp8(const void* W, const void* S, long long s_expe
   const Args a{(const float*)S, s_expert, s_stride, offsets, dst, (const float*)XS, ld_xs, Y, rows, E, N, kblocks,
                ldy};
   const Grid grid{slots, persistent};
-  const cudaStream_t st = (cudaStream_t)stream;
   return y_fp16 ? launch_config<__half>(wmap, xmap, a, tn, wn, stages, grid, st)
                 : launch_config<__nv_bfloat16>(wmap, xmap, a, tn, wn, stages, grid, st);
+}
+
+// token-tile slots that hold the tiles of any routing of `rows` rows over E experts (kernels/grouped/fp8.py's
+// token_tile_slots): each of at most min(E + 1, rows) non-empty groups adds at most one partial tile
+int token_tile_slots(long long rows, int E, int tn) {
+  return (int)((rows + tn - 1) / tn + std::min<long long>(E + 1, rows));
+}
+
+// The routed block's scratch, each part 256-byte aligned: the sort's counts, offsets [E] and src [rows]; the gate/up
+// input quantized (e4m3 [Sp, Kp1], scales [Kp1 / 128, Sp]); its output h [rows, 2I]; the down input quantized (e4m3
+// [Sp, Kp2], scales [Kp2 / 128, Sp]); the down output y [rows, H] (rows = T * k copies, Sp rows rounded up to 4,
+// Kp1 and Kp2 H and I rounded up to 128)
+struct MoeSpace {
+  size_t counts, offsets, src, xq, xs, h, pq, ps, y, bytes;
+  long long rows, sp, kp1, kp2;
+  MoeSpace(long long T, int k, int E, int H, int I, int elem) {
+    rows = T * k, sp = (rows + 3) / 4 * 4, kp1 = (H + BK - 1) / BK * BK, kp2 = (I + BK - 1) / BK * BK;
+    size_t at = 0;
+    auto take = [&](long long bytes) {
+      const size_t here = at;
+      at += ((size_t)bytes + 255) / 256 * 256;
+      return here;
+    };
+    counts = take((long long)moe::sort_blocks(rows) * (E + 1) * 4), offsets = take((long long)E * 4);
+    src = take(rows * 4), xq = take(sp * kp1), xs = take(kp1 / BK * sp * 4), h = take(rows * 2 * I * elem);
+    pq = take(sp * kp2), ps = take(kp2 / BK * sp * 4), y = take(rows * H * elem);
+    bytes = at;
+  }
+};
+
+template <typename T>
+int moe_experts(const void* X, const void* ids, int ids_64, const void* weights, const void* W1, const void* S1,
+                long long s1_expert, int s1_stride, const void* W2, const void* S2, long long s2_expert, int s2_stride,
+                uint8_t* ws, void* out, long long T_, int k, int E, int H, int I, const int (&c1)[4],
+                const int (&c2)[4], cudaStream_t st) {
+  const MoeSpace m(T_, k, E, H, I, sizeof(T));
+  const int rows = (int)m.rows, sp = (int)m.sp, kp1 = (int)m.kp1, kp2 = (int)m.kp2, fp16 = std::is_same_v<T, __half>;
+  int* offsets = (int*)(ws + m.offsets);
+  int* src = (int*)(ws + m.src);
+  T* h = (T*)(ws + m.h);
+  T* y = (T*)(ws + m.y);
+  cudaError_t err = ids_64 ? moe::sort_by_expert((const long long*)ids, m.rows, E, (int*)(ws + m.counts), offsets, src, st)
+                           : moe::sort_by_expert((const int*)ids, m.rows, E, (int*)(ws + m.counts), offsets, src, st);
+  if (err != cudaSuccess) return (int)err;
+  moe::gather_quant_kernel<T><<<dim3(sp / 4, kp1 / BK), 128, 0, st>>>((const T*)X, H, (int)T_, H, src, k, rows,
+                                                                     (uint32_t*)(ws + m.xq), (float*)(ws + m.xs), sp, kp1);
+  if ((err = cudaGetLastError()) != cudaSuccess) return (int)err;
+  int e = grouped_gemm(W1, S1, s1_expert, s1_stride, ws + m.xq, ws + m.xs, sp, sp, offsets, nullptr, h, 2 * I, fp16,
+                       rows, E, 2 * I, H, c1[0], c1[1], c1[2], token_tile_slots(rows, E, c1[0]), c1[3], st);
+  if (e) return e;
+  err = launch_quant<T, true>(h, 2 * I, h + I, 2 * I, rows, I, ws + m.pq, ws + m.ps, sp, kp2, st);
+  if (err != cudaSuccess) return (int)err;
+  e = grouped_gemm(W2, S2, s2_expert, s2_stride, ws + m.pq, ws + m.ps, sp, sp, offsets, src, y, H, fp16, rows, E, H,
+                   I, c2[0], c2[1], c2[2], token_tile_slots(rows, E, c2[0]), c2[3], st);
+  if (e) return e;
+  moe::combine_kernel<T><<<dim3((unsigned)T_, (H + 2047) / 2048), 256, 0, st>>>(y, (const T*)weights, (T*)out, H, k);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+// The entry points mxgemm calls through ctypes; each returns a cudaError_t (0: launched).
+// mxgemm_grouped_fp8: W [E, N, K] e4m3 (row stride K, K % 16 == 0); S fp32 block scales (expert stride s_expert,
+// 128-row block stride s_stride, unit stride along K); XQ [x_rows, Kp] e4m3 rows sorted by expert (Kp = 128 *
+// ceil(K / 128), 16-byte aligned) and XS [Kp / 128, ld_xs] fp32 their scales (ld_xs % 4 == 0, x_rows <= ld_xs);
+// offsets int32 [E]; dst int32 [rows] or null; Y [.., ldy] bf16 (y_fp16 = 0) or fp16; rows: the rows sorted by expert
+// (<= x_rows); tn rows (64, 128) by wn weight rows (64, 128) per CTA; stages: ring depth (2, 4, 6); slots: token-tile
+// slots that hold any routing's tiles; persistent: 0 for a CTA per slot and weight tile, else as many CTAs as fit on
+// the GPU.
+extern "C" int mxgemm_grouped_fp8(const void* W, const void* S, long long s_expert, int s_stride, const void* XQ,
+                                  const void* XS, int ld_xs, int x_rows, const int* offsets, const int* dst, void* Y,
+                                  int ldy, int y_fp16, int rows, int E, int N, int K, int tn, int wn, int stages,
+                                  int slots, int persistent, void* stream) {
+  return grouped_gemm(W, S, s_expert, s_stride, XQ, XS, ld_xs, x_rows, offsets, dst, Y, ldy, y_fp16, rows, E, N, K, tn,
+                      wn, stages, slots, persistent, (cudaStream_t)stream);
+}
+
+// mxgemm_moe_workspace: the bytes of scratch mxgemm_moe_experts takes for T tokens of k copies, E experts, hidden
+// size H, expert width I and elem-byte activations
+extern "C" long long mxgemm_moe_workspace(long long T, int k, int E, int H, int I, int elem) {
+  return (long long)MoeSpace(T, k, E, H, I, elem).bytes;
+}
+
+// mxgemm_moe_experts: the routed block of a mixture of experts in seven launches (the Triton backend's wgmma path,
+// the same bits): the copies sorted by expert (two), gathered and quantized, gate/up [E, 2I, H] (W1, S1) on them,
+// silu(gate) * up quantized, down [E, H, I] (W2, S2) writing each copy to its token's place, the weighted sum. X [T, H]
+// and weights [T, k] bf16 (fp16 = 0) or fp16, contiguous; ids [T, k] int64 (ids_64) or int32, contiguous; ws:
+// mxgemm_moe_workspace bytes (256-byte aligned); out [T, H]; c1, c2: each GEMM's tn, wn, stages, persistent.
+extern "C" int mxgemm_moe_experts(const void* X, const void* ids, int ids_64, const void* weights, const void* W1,
+                                  const void* S1, long long s1_expert, int s1_stride, const void* W2, const void* S2,
+                                  long long s2_expert, int s2_stride, void* ws, void* out, long long T, int k, int E,
+                                  int H, int I, int fp16, int tn1, int wn1, int stages1, int persistent1, int tn2,
+                                  int wn2, int stages2, int persistent2, void* stream) {
+  if (T < 1 || k < 1 || E < 1 || H % 32 || I % 32 || T * k > INT_MAX / 2) return (int)cudaErrorInvalidValue;
+  const int c1[4] = {tn1, wn1, stages1, persistent1}, c2[4] = {tn2, wn2, stages2, persistent2};
+  const cudaStream_t st = (cudaStream_t)stream;
+  return fp16 ? moe_experts<__half>(X, ids, ids_64, weights, W1, S1, s1_expert, s1_stride, W2, S2, s2_expert,
+                                    s2_stride, (uint8_t*)ws, out, T, k, E, H, I, c1, c2, st)
+              : moe_experts<__nv_bfloat16>(X, ids, ids_64, weights, W1, S1, s1_expert, s1_stride, W2, S2, s2_expert,
+                                           s2_stride, (uint8_t*)ws, out, T, k, E, H, I, c1, c2, st);
 }
