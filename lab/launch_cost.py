@@ -57,13 +57,13 @@ def path_rows(m: int) -> dict:
     if m <= small_m.MAX_M:
         graphed = small_m.linear_plan(qd, bs, n, k, m, tactic.config)
         launches = {"launcher, not graphed": small_m.linear_plan(qd, bs, n, k, m, tactic.config, graphed=False)}
-        address, fn = ctypes.addressof(graphed.plans[0]), small_m.library(capability).mxgemm_small_m_run
+        address, fn = ctypes.addressof(graphed.keep), small_m.library(capability).mxgemm_small_m_run
         call = lambda: fn(address, x.data_ptr(), None, out.data_ptr(), raw_stream(0))  # noqa: E731
         rows = m
     else:
         graphed = fp8_gemm.linear_plan(qd, bs, n, k, m, tactic.config)
         launches = {"launcher, 2 launches": fp8_gemm.linear_plan(qd, bs, n, k, m, tactic.config, graphed=False)}
-        address = ctypes.addressof(graphed.plans[torch.bfloat16, False])
+        address = ctypes.addressof(graphed.keep[torch.bfloat16, False, False])  # the Python launcher's bf16 plan
         fn = fp8_gemm.library(capability).mxgemm_fp8_linear_run
         call = lambda: fn(address, x.data_ptr(), x.stride(0), None, out.data_ptr(), raw_stream(0))  # noqa: E731
         rows = m + 256  # at least the launcher's buffer: the output, the quantized activations, their scales

@@ -1,17 +1,17 @@
 """Eager calls from the layer to the kernel launch with no Python in between.
 
-A launch plan of the CUDA kernels can be called from C++: its ``entry`` (:class:`mxgemm.kernels.LaunchEntry`) names
-its C entry point, the plan's address and the buffer a call writes. When the Python path (:func:`ops.run_planned`,
-``Backend.run_gated``) makes such a plan for bf16 activations, the prepared weight's table (``PreparedWeight.fast``,
-made then) takes it under its M; :func:`mxgemm.linear`, :meth:`MXFP8Linear.on_gated` and so every eager call of a
-layer call the table first. One C++ function (``csrc/fast_call.cpp``, a pybind11 extension built with
-``torch.utils.cpp_extension`` on first use and cached on disk) checks the activations as the plan's Python launcher
-takes them, allocates the output and calls the entry on the current stream: the same plan, the same bits, without the
-Python layers, launcher and ctypes call between (on the H200 machine's host, with a C function that returns at once in
-the kernel's place, a module call through one pybind11 function takes 2.9 µs against 8.1 through the Python path:
-``lab/eager_mechanisms.py``). Where it answers None (an M without a plan yet, fp16 or fp32 activations, rows
-the kernels read only from a copy, a bias they do not add, gradients, tensor subclasses, a dispatch mode, tuning
-changed since the plan was made), the Python path runs.
+A launch plan of the CUDA kernels (:class:`mxgemm.kernels.Launch`) can be called from C++: its ``entry``
+(:class:`mxgemm.kernels.LaunchEntry`) names its C entry point, the plan's address and the buffer a call writes. When the
+Python path (:func:`ops.run_planned`, ``Backend.run_gated``) makes such a plan for bf16 activations, the prepared
+weight's table (``PreparedWeight.fast``, made then) takes it under its M; :func:`mxgemm.linear`,
+:meth:`MXFP8Linear.on_gated` and so every eager call of a layer call the table first. One C++ function
+(``csrc/fast_call.cpp``, a pybind11 extension built with ``torch.utils.cpp_extension`` on first use and cached on disk)
+checks the activations as the plan's Python launcher takes them, allocates the output and calls the entry on the current
+stream: the same plan, the same bits, without the Python layers, launcher and ctypes call between (on the H200 machine's
+host, with a C function that returns at once in the kernel's place, a module call through one pybind11 function takes
+2.9 µs against 8.1 through the Python path: ``lab/eager_mechanisms.py``). Where it answers None (an M without a plan
+yet, fp16 or fp32 activations, rows the kernels read only from a copy, a bias they do not add, gradients, tensor
+subclasses, a dispatch mode, tuning changed since the plan was made), the Python path runs.
 
 ``MXGEMM_FAST_CALLS=0`` turns it off; :func:`status` says whether it runs here and why not.
 """
@@ -29,6 +29,7 @@ import torch
 from . import settings, tuning
 from .availability import Availability
 from .cache import build_in_cache, locked, private_dir
+from .kernels import Launch
 
 __all__ = ["extension", "register", "status"]
 
@@ -101,9 +102,10 @@ def status() -> Availability:
 
 def register(weight, m: int, dtype: torch.dtype, plan) -> None:
     """Put ``plan``, just made by the Python path for M rows of ``dtype`` on ``weight`` (a :class:`PreparedWeight`; a
-    plan of ``Backend.plan`` or a route of ``Backend.run_gated``), into the weight's table where it has an ``entry``
-    and the activations are bf16, if the extension runs here; the table keeps the plan alive."""
-    entry = getattr(plan, "entry", None)
+    plan of ``Backend.plan`` or a route of ``Backend.run_gated``), into the weight's table where it is a
+    :class:`~mxgemm.kernels.Launch` with an ``entry`` and the activations are bf16, if the extension runs here; the
+    table keeps the plan alive."""
+    entry = plan.entry if isinstance(plan, Launch) else None
     if entry is None or dtype != torch.bfloat16 or not status():
         return
     table = weight.fast

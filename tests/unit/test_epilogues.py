@@ -10,7 +10,7 @@ import mxgemm
 from mxgemm.backends import hybrid_sm90
 from mxgemm.backends.base import PreparedWeight
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
-from mxgemm.kernels import cublaslt, fp8_gemm
+from mxgemm.kernels import Launch, cublaslt, fp8_gemm
 
 N, K = 200, 512  # N padded to 208 for the kernels and cuBLASLt
 
@@ -33,9 +33,7 @@ class _StandIn:
             y = (torch.arange(x.shape[0] * N, dtype=torch.float32).reshape(x.shape[0], N) / 7).bfloat16()
             return y if bias is None else (y.float() + bias.float()).bfloat16()
 
-        launch.gated = lambda gate, up, bias: launch(gate, bias)
-        launch.entry = launch.gated.entry = None  # no C entry point: calls run the launcher
-        return launch
+        return Launch(launch, gated=Launch(lambda gate, up, bias: launch(gate, bias)))  # no C entry: the launcher runs
 
 
 @pytest.mark.parametrize("path", ["small_m", "fp8"])
@@ -141,10 +139,11 @@ def test_planned_calls_share_the_rows_their_buffer_holds(monkeypatch):
 
     def linear_plan(qd, bs, n, k, m, x_dtype):
         made.append((qd, bs, n, k, m, x_dtype))
-        launch = lambda x, bias: runs.append(("own call", m, bias)) or x  # noqa: E731
-        launch.sharing = lambda x, bias: runs.append(("sharing", m, bias)) or (x, shared_rows(m))
-        launch.on_quantized = lambda rows, x, bias: runs.append(("gemm", rows, bias)) or x
-        return launch
+        return Launch(
+            lambda x, bias: runs.append(("own call", m, bias)) or x,
+            sharing=lambda x, bias: runs.append(("sharing", m, bias)) or (x, shared_rows(m)),
+            on_quantized=lambda rows, x, bias: runs.append(("gemm", rows, bias)) or x,
+        )
 
     def shared_rows(m):
         return hybrid_sm90.cublaslt.PlannedRows("the first call's buffer", 1, 2, m, K)

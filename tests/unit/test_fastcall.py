@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mxgemm
 from mxgemm import fastcall, tuning
-from mxgemm.kernels import GATED, NO_BIAS, ROWS_BIAS, SMALL_M, LaunchEntry
+from mxgemm.kernels import GATED, NO_BIAS, ROWS_BIAS, SMALL_M, Launch, LaunchEntry
 
 K, N = 64, 64  # the stand-in kernels copy rows of x into rows of y: n = k
 P, INT = ctypes.c_void_p, ctypes.c_int
@@ -232,8 +232,7 @@ def test_linear_calls_the_table_first(ext, monkeypatch):
     def plan(x, weight, m):
         made = python_path(x, weight, m)
         if m == 4:
-            made = lambda x, bias, made=made: made(x, bias)  # noqa: E731
-            made.entry = stand_in.entry()
+            made = Launch(made, entry=stand_in.entry())
         return made
 
     monkeypatch.setattr(mxgemm.ops, "_plan", plan)
@@ -253,8 +252,7 @@ def test_turned_off(ext, monkeypatch):
         assert not fastcall.status() and "MXGEMM_FAST_CALLS" in fastcall.status().reason
         q, s = random_mx_weight(N, K)
         w = mxgemm.prepare_weight(q, s, backend="emulation")
-        plan = lambda x, bias: x  # noqa: E731
-        plan.entry = StandIn(ROWS_BIAS, 4).entry()
+        plan = Launch(lambda x, bias: x, entry=StandIn(ROWS_BIAS, 4).entry())
         fastcall.register(w, 4, torch.bfloat16, plan)
         assert w.fast is None
     finally:
@@ -270,8 +268,7 @@ def test_the_table_empties_with_the_plans_and_is_not_copied(ext, monkeypatch):
 
     q, s = random_mx_weight(N, K)
     w = mxgemm.prepare_weight(q, s, backend="emulation")
-    plan = lambda x, bias: x  # noqa: E731
-    plan.entry = StandIn(ROWS_BIAS, 4).entry()
+    plan = Launch(lambda x, bias: x, entry=StandIn(ROWS_BIAS, 4).entry())
     w.cached("launch", (4, torch.bfloat16, tuning.generation()), lambda: plan)
     fastcall.register(w, 4, torch.bfloat16, plan)
     assert len(w.fast) == 1

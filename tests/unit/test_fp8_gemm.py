@@ -5,7 +5,7 @@ import pytest
 from mxgemm.backends.base import Tactic
 from mxgemm.backends.hybrid_sm90 import Path, fp8_beats_cublas, fp8_configs
 from mxgemm.backends.hybrid_sm90 import fp8_default as default_config
-from mxgemm.kernels import fp8_gemm, nvcc
+from mxgemm.kernels import Launch, fp8_gemm, nvcc
 from mxgemm.kernels.fp8_gemm import SwapAB, TokensAsM
 
 
@@ -87,9 +87,8 @@ def test_hybrid_routes_the_quantized_regime_to_the_fp8_kernel(monkeypatch):
             ran.append(("fp8", config))
             return torch.zeros(x.shape[0], n, dtype=torch.bfloat16)
 
-        launch.gated = lambda gate, up, bias: None
-        launch.entry = launch.gated.entry = ("entry", config)
-        return launch
+        entry = ("entry", config)
+        return Launch(launch, entry=entry, gated=Launch(lambda gate, up, bias: None, entry=entry))
 
     monkeypatch.setattr(fp8_gemm, "linear_plan", fake_plan)
     monkeypatch.setattr("mxgemm.backends.hybrid_sm90.blockwise_linear", lambda *a, **k: ran.append(("cublas", None)))

@@ -15,7 +15,7 @@ from mxgemm.backends import hybrid_sm90
 from mxgemm.backends.base import MAX_PLANS
 from mxgemm.backends.hybrid_sm90 import HybridSM90Backend
 from mxgemm.gated import GATED, fuse_gated_mlps
-from mxgemm.kernels import fp8_gemm
+from mxgemm.kernels import Launch, fp8_gemm
 from mxgemm.ops import call_tactic, run_gated, run_planned
 
 transformers = pytest.importorskip("transformers")
@@ -270,10 +270,8 @@ def test_hybrid_runs_the_gated_product_on_the_route_its_call_takes(monkeypatch):
     def plan_with_gated(made_here):
         def linear_plan(*args, **launch_kinds):
             made_here.append((*args, launch_kinds))
-            launch = lambda x, bias: pytest.fail("the plan's own call")  # noqa: E731
-            launch.gated = lambda g, u, b: ("gated", g, u, b)
-            launch.entry = launch.gated.entry = None
-            return launch
+            gated = Launch(lambda g, u, b: ("gated", g, u, b))
+            return Launch(lambda x, bias: pytest.fail("the plan's own call"), gated=gated)
 
         return linear_plan
 
@@ -331,10 +329,7 @@ def test_a_tuned_tactic_runs_the_gated_product_on_its_own_path(monkeypatch):
 
     def linear_plan(qd, bs, n, k, m, config, graphed=True):
         made.append((m, config, graphed))
-        launch = lambda x, bias: pytest.fail("the plan's own call")  # noqa: E731
-        launch.gated = lambda g, u, b: g
-        launch.entry = launch.gated.entry = None
-        return launch
+        return Launch(lambda x, bias: pytest.fail("the plan's own call"), gated=Launch(lambda g, u, b: g))
 
     monkeypatch.setattr(fp8_gemm, "linear_plan", linear_plan)
     monkeypatch.setattr(

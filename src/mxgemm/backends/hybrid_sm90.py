@@ -25,7 +25,7 @@ import torch
 
 from ..block128 import BLOCK128_ROWS, block128_to_mx, prepare_block128
 from ..device import DeviceInfo
-from ..kernels import cublaslt, fp8_gemm
+from ..kernels import Launch, cublaslt, fp8_gemm
 from ..kernels.cublaslt import blockwise_device_check, blockwise_linear
 from ..kernels.fp8_gemm import STAGES, TOKEN_TILES, Fp8Config, SwapAB, TokensAsM
 from ..kernels.small_m import MAX_M, SmallMConfig, small_m_status
@@ -302,8 +302,7 @@ class HybridSM90Backend(Backend, JoinsRows, SharesQuantizedInput, GatedInput):
             def fp8_route(gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
                 return epilogue(gate, bias, up)
 
-            fp8_route.entry = epilogue.entry
-            return fp8_route
+            return Launch(fp8_route, entry=epilogue.entry)
         planned = _rows_plan(weight, m, x_dtype)
         if planned:  # the route holds the plan itself, whose cuBLASLt handle lives as long as the plan
             return lambda gate, up, bias: planned.gated(gate, up, bias)
@@ -378,12 +377,14 @@ def _triton_default(m: int, weight: PreparedWeight):
     return default_config(m, weight.out_features, weight.in_features, block_scaled=True)
 
 
-def _bf16_epilogue(launch, gated: bool = False):
-    """``(x, bias) -> y`` in ``x.dtype`` around a launcher ``(x, bias)`` that writes bf16 [..., N] and adds a contiguous
+def _bf16_epilogue(launch: Launch, gated: bool = False) -> Launch:
+    """``(x, bias) -> y`` in ``x.dtype`` around a launch ``(x, bias)`` that writes bf16 [..., N] and adds a contiguous
     bf16 bias in its epilogue: any other bias is added after it, and fp16 callers get the output converted. ``gated``:
-    ``(gate, bias, up) -> y`` around the launcher's ``.gated(gate, up, bias)``. It holds the launcher, whose plans (and
-    their CUDA graphs) live as long as the launcher does."""
-    run = launch.gated if gated else launch
+    ``(gate, bias, up) -> y`` around the launch's ``gated(gate, up, bias)``. It keeps the launch, whose plans (and
+    their CUDA graphs) live as long as the launch does, and takes its entry (the C++ call of bf16 activations, its
+    bias checked as here)."""
+    planned = launch.gated if gated else launch
+    run = planned.run  # the launcher itself: one Python call less
 
     def call(x: torch.Tensor, bias: torch.Tensor | None, *up: torch.Tensor) -> torch.Tensor:
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
@@ -391,7 +392,4 @@ def _bf16_epilogue(launch, gated: bool = False):
         y = run(x, *up, bias)
         return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
-    call.launcher = launch
-    call.entry = getattr(run, "entry", None)  # the C++ call of bf16 activations, its bias checked as above
-
-    return call
+    return Launch(call, entry=planned.entry, keep=launch)

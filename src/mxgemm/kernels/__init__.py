@@ -13,8 +13,9 @@ import hashlib
 import re
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -115,12 +116,33 @@ class LaunchEntry(NamedTuple):
     cols: int
 
 
+@dataclass(eq=False)
+class Launch:
+    """A kernel's launch plan of one shape, called as its Python launcher (``run``), with what else it offers:
+    ``entry``, the plan as C++ calls it for bf16 activations (:mod:`mxgemm.fastcall`), or None; ``gated``, the plan of
+    the call on the product ``silu(gate) * up`` a gated MLP feeds its down projection (a Launch called ``(gate, up,
+    bias)``), or None; ``sharing`` and ``on_quantized``, cuBLASLt's call that also answers the rows it quantized and
+    its GEMM alone on such rows, or None; ``keep``, what the launch needs alive as long as it lives (the C structures
+    its addresses point into, the plan it wraps). What the plan made in C (CUDA graphs, cuBLASLt descriptors) is
+    freed when the Launch is dropped (:func:`free_with`)."""
+
+    run: Callable[..., torch.Tensor]
+    entry: LaunchEntry | None = None
+    gated: Launch | None = None
+    sharing: Callable[..., tuple[torch.Tensor, Any]] | None = None
+    on_quantized: Callable[..., torch.Tensor] | None = None
+    keep: Any = None
+
+    def __call__(self, *args: torch.Tensor | None) -> torch.Tensor:
+        return self.run(*args)
+
+
 def address(fn) -> int:
     """The address of a ctypes function."""
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-def free_with(launch: Callable, free: Callable, plans: Iterable[ctypes.Structure]) -> None:
+def free_with(launch: Launch, free: Callable, plans: Iterable[ctypes.Structure]) -> None:
     """When ``launch`` is dropped, ``free`` (a C function taking a plan's address) releases what each of ``plans``
     made (their CUDA graphs); the structures stay alive until then."""
     weakref.finalize(launch, _free_each, free, list(plans))

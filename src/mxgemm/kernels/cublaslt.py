@@ -23,7 +23,7 @@ from ..availability import Availability, probe_against_twin, probe_operands, pro
 from ..block128 import padded_1x128_shape
 from ..device import DeviceInfo
 from ..layouts import finish_output, round_up
-from . import NO_BIAS, LaunchEntry, address, nvcc, raw_stream, rows_in_place, shaped_as
+from . import NO_BIAS, Launch, LaunchEntry, address, nvcc, raw_stream, rows_in_place, shaped_as
 
 logger = logging.getLogger("mxgemm")
 
@@ -175,17 +175,15 @@ class PlannedRows(NamedTuple):
     kp: int
 
 
-def linear_plan(
-    qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, x_dtype: torch.dtype
-) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """``(x, bias) -> y`` for M rows of ``x_dtype`` (bf16/fp16 [M, k], or [..., k] whose leading dimensions hold M
-    rows; copied first where its rows are not evenly strided with unit stride along K) on a padded 128x128-block
-    weight (``qdata`` E4M3 [Np, Kp], ``block_scale`` fp32 [Np/128, Kp/128]) -> [M, n] (or [..., n]) in ``x.dtype``
-    (+ ``bias``): the numerics of :func:`blockwise_linear` with the CUDA quantizer. One ctypes call
-    quantizes and runs ``cublasLtMatmul`` with the descriptors and algorithm made here, once (:func:`plan_status` says
-    whether it runs on a device); ``.sharing`` also answers the quantized rows, for other plans' ``.on_quantized`` to
-    run their GEMM alone on; ``.entry`` (bf16 activations, weights of whole 128-row blocks) the call without a bias as
-    C++ calls it. Raises RuntimeError when cuBLASLt refuses the problem."""
+def linear_plan(qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, m: int, x_dtype: torch.dtype) -> Launch:
+    """The :class:`~mxgemm.kernels.Launch` ``(x, bias) -> y`` for M rows of ``x_dtype`` (bf16/fp16 [M, k], or [..., k]
+    whose leading dimensions hold M rows; copied first where its rows are not evenly strided with unit stride along K)
+    on a padded 128x128-block weight (``qdata`` E4M3 [Np, Kp], ``block_scale`` fp32 [Np/128, Kp/128]) -> [M, n] (or
+    [..., n]) in ``x.dtype`` (+ ``bias``): the numerics of :func:`blockwise_linear` with the CUDA quantizer. One ctypes
+    call quantizes and runs ``cublasLtMatmul`` with the descriptors and algorithm made here, once (:func:`plan_status`
+    says whether it runs on a device); ``.sharing`` also answers the quantized rows, for other plans' ``.on_quantized``
+    to run their GEMM alone on; ``.entry`` (bf16 activations, weights of whole 128-row blocks) the call without a bias
+    as C++ calls it. Raises RuntimeError when cuBLASLt refuses the problem."""
     from .fp8_gemm import library as fp8_library
 
     np_, kp = qdata.shape
@@ -292,13 +290,16 @@ def linear_plan(
         gemm_alone(xq, xq + mp * kp, buf, lt_offset)
         return finish(buf, gate, bias)
 
-    launch.sharing = sharing
-    launch.gated = gated
-    if as_is:  # as C++ calls it: bf16 without a bias, the output the buffer's first M rows
-        launch.entry = LaunchEntry(NO_BIAS, address(run), handle.value, rows, np_)
-    launch.on_quantized = on_quantized
-    weakref.finalize(launch, lib.mxgemm_blockwise_plan_destroy, handle)
-    return launch
+    planned = Launch(
+        launch,
+        # as C++ calls it: bf16 without a bias, the output the buffer's first M rows
+        entry=LaunchEntry(NO_BIAS, address(run), handle.value, rows, np_) if as_is else None,
+        gated=Launch(gated),
+        sharing=sharing,
+        on_quantized=on_quantized,
+    )
+    weakref.finalize(planned, lib.mxgemm_blockwise_plan_destroy, handle)
+    return planned
 
 
 def _why(err: int) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from ..block128 import padded_1x128_shape
 from . import (
     GATED,
     ROWS_BIAS,
+    Launch,
     LaunchEntry,
     address,
     check_bf16_bias,
@@ -289,18 +289,18 @@ def linear_plan(
     m: int,
     config: Fp8Config,
     graphed: bool = True,
-) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """``(x, bias) -> y`` for M rows on this weight and config: ``x`` [M, k] bf16/fp16, or [..., k] whose leading
-    dimensions hold M rows (copied first where its rows are not evenly strided with unit stride along K), ``bias``
-    contiguous bf16 [n] or None, ``y`` bf16 [M, n] (or [..., n]). One ctypes call, whose arguments but for the pointers
-    of ``x``, ``bias`` and the fresh buffer are computed here, once, launches the quantizer and the GEMM as its
-    programmatic dependent. ``graphed``: outside stream capture, the plan's calls launch the two as one CUDA graph of
-    the plan's (made on the first such call), their arguments set per call: one launch's host time for both.
-    ``.gated(gate, up, bias)``: the call on the product a gated MLP feeds its down projection, ``silu(gate) * up`` as
-    PyTorch computes it in their dtype ([M, k] each, unit stride along K), quantized by one kernel that reads both,
-    then the GEMM: the bits of the call on that product (a graph of its own). ``.entry`` of both: their bf16 plans as
-    C++ calls them, which launch the kernels directly, the GEMM as the quantizer's programmatic dependent (never
-    graphed).
+) -> Launch:
+    """The :class:`~mxgemm.kernels.Launch` ``(x, bias) -> y`` for M rows on this weight and config: ``x`` [M, k]
+    bf16/fp16, or [..., k] whose leading dimensions hold M rows (copied first where its rows are not evenly strided with
+    unit stride along K), ``bias`` contiguous bf16 [n] or None, ``y`` bf16 [M, n] (or [..., n]). One ctypes call, whose
+    arguments but for the pointers of ``x``, ``bias`` and the fresh buffer are computed here, once, launches the
+    quantizer and the GEMM as its programmatic dependent. ``graphed``: outside stream capture, the plan's calls launch
+    the two as one CUDA graph of the plan's (made on the first such call), their arguments set per call: one launch's
+    host time for both. ``.gated(gate, up, bias)``: the call on the product a gated MLP feeds its down projection,
+    ``silu(gate) * up`` as PyTorch computes it in their dtype ([M, k] each, unit stride along K), quantized by one
+    kernel that reads both, then the GEMM: the bits of the call on that product (a graph of its own). ``.entry`` of
+    both: their bf16 plans as C++ calls them, which launch the kernels directly, the GEMM as the quantizer's
+    programmatic dependent (never graphed).
 
     What each way costs in host and device time is measured in docs/performance.md ("Eager calls and whole
     models")."""
@@ -388,12 +388,15 @@ def linear_plan(
             _launch_failed(err, m, config)
         return shaped_as(y, gate, m, n)
 
-    launch.gated = gated
-    launch.entry = LaunchEntry(ROWS_BIAS, address(fn), ctypes.addressof(plans[torch.bfloat16, False, True]), rows, n)
-    gated.entry = LaunchEntry(GATED, address(gated_fn), ctypes.addressof(plans[torch.bfloat16, True, True]), rows, n)
-    launch.plans = plans  # the structures the addresses point into live as long as the launcher
-    free_with(launch, lib.mxgemm_fp8_linear_plan_free, plans.values())
-    return launch
+    gated_entry = LaunchEntry(GATED, address(gated_fn), ctypes.addressof(plans[torch.bfloat16, True, True]), rows, n)
+    planned = Launch(
+        launch,
+        entry=LaunchEntry(ROWS_BIAS, address(fn), ctypes.addressof(plans[torch.bfloat16, False, True]), rows, n),
+        gated=Launch(gated, entry=gated_entry),
+        keep=plans,  # the structures the addresses point into
+    )
+    free_with(planned, lib.mxgemm_fp8_linear_plan_free, plans.values())
+    return planned
 
 
 def _launch_failed(err: int, m: int, config: Fp8Config) -> None:

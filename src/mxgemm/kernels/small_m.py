@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 
 from ..availability import Availability
 from ..recipes import SMALL_M_MAX
-from . import SMALL_M, LaunchEntry, address, check_bf16_bias, free_with, nvcc, raw_stream, shaped_as
+from . import SMALL_M, Launch, LaunchEntry, address, check_bf16_bias, free_with, nvcc, raw_stream, shaped_as
 
 logger = logging.getLogger("mxgemm")
 
@@ -115,13 +114,13 @@ def linear_plan(
     m: int,
     config: SmallMConfig,
     graphed: bool = True,
-) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """``(x, bias) -> y`` for M rows (M <= 16): ``x`` bf16 [M, k], or [..., k] whose leading dimensions hold M rows
-    (copied first where strided or misaligned), ``bias`` contiguous bf16 [n] or None, ``y`` bf16 [M, n] (or [..., n]);
-    ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128]. One ctypes call per launch, its arguments
-    but the call's pointers computed here, once. ``graphed``: outside stream capture, the kernel launches as a CUDA
-    graph of the plan's (made on the first such call), its arguments set per call, which costs less host time than a
-    launch (``csrc/graph_launch.cuh``)."""
+) -> Launch:
+    """The :class:`~mxgemm.kernels.Launch` ``(x, bias) -> y`` for M rows (M <= 16): ``x`` bf16 [M, k], or [..., k] whose
+    leading dimensions hold M rows (copied first where strided or misaligned), ``bias`` contiguous bf16 [n] or None,
+    ``y`` bf16 [M, n] (or [..., n]); ``qdata`` uint8/e4m3 [Np, Kp], ``block_scale`` fp32 [>= Np/128, Kp/128]. One ctypes
+    call per launch, its arguments but the call's pointers computed here, once. ``graphed``: outside stream capture, the
+    kernel launches as a CUDA graph of the plan's (made on the first such call), its arguments set per call, which costs
+    less host time than a launch (``csrc/graph_launch.cuh``). Its ``entry``: the plan as C++ calls it."""
     np_, kp = qdata.shape
     if not 1 <= m <= MAX_M or not config.valid(np_, kp):
         raise ValueError(f"the small-M kernel cannot run M={m} with config {config} on a [{np_}, {kp}] weight")
@@ -155,10 +154,9 @@ def linear_plan(
             raise RuntimeError(f"mxgemm small-M kernel failed to launch (cudaError {err}) for M={m} config {config}")
         return y if x.dim() == 2 else shaped_as(y, x, m, n)
 
-    launch.plan = plan  # the structure the address points into lives as long as the launcher
-    launch.entry = LaunchEntry(SMALL_M, address(fn), plan_address, m, n)  # as C++ calls it
-    free_with(launch, lib.mxgemm_small_m_plan_free, [plan])
-    return launch
+    planned = Launch(launch, entry=LaunchEntry(SMALL_M, address(fn), plan_address, m, n), keep=plan)
+    free_with(planned, lib.mxgemm_small_m_plan_free, [plan])
+    return planned
 
 
 def small_m_linear(
