@@ -112,12 +112,29 @@ def test_which_kernel_a_grouped_call_takes(monkeypatch):
     assert _default_grouped(128, gpu, 2048).path == Path.GROUPED
 
 
+def _moe_workspace(t: int, k: int, e: int, h: int, i: int, elem: int) -> int:
+    """mxgemm_moe_workspace's layout: the sort's counts (E + 1 per block of 1024 copies), offsets and sources; gate/up's
+    quantized rows (rows rounded up to 4, H to 128) and their scales; its output; down's quantized rows and scales; its
+    output."""
+    rows = t * k
+    sp, kp1, kp2 = -(-rows // 4) * 4, -(-h // 128) * 128, -(-i // 128) * 128
+    parts = [-(-rows // 1024) * (e + 1) * 4, e * 4, rows * 4, sp * kp1, kp1 // 128 * sp * 4, rows * 2 * i * elem]
+    parts += [sp * kp2, kp2 // 128 * sp * 4, rows * h * elem]
+    return sum(-(-part // 256) * 256 for part in parts)
+
+
 @pytest.mark.skipif(nvcc.find_nvcc() is None, reason="no nvcc on this machine")
 def test_the_kernel_compiles_for_sm90_and_loads(monkeypatch, tmp_path):
     monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
     wgmma.library.cache_clear()
     try:
-        assert hasattr(wgmma.library((9, 0)), "mxgemm_grouped_fp8")
+        lib = wgmma.library((9, 0))
+        assert hasattr(lib, "mxgemm_grouped_fp8") and hasattr(lib, "mxgemm_moe_experts")
         assert len(list((tmp_path / "kernels").glob("grouped_fp8-sm90a-*.so"))) == 1
+        # the routed block's scratch (a host function): its parts, each 256-byte aligned, for Qwen3's, DeepSeek-V3's
+        # and Mixtral's shapes at one and 4096 tokens, bf16 and fp32-sized activations
+        for t, k, e, h, i in [(1, 8, 128, 2048, 768), (4096, 8, 256, 7168, 2048), (4096, 2, 8, 4096, 14336)]:
+            for elem in (2, 4):
+                assert lib.mxgemm_moe_workspace(t, k, e, h, i, elem) == _moe_workspace(t, k, e, h, i, elem)
     finally:
         wgmma.library.cache_clear()
