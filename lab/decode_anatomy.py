@@ -1,12 +1,14 @@
-"""Where a compiled (CUDA-graph) decode step of a Llama at 8B dimensions spends its time, bf16 against mxgemm, as
-``bench/model_e2e.py``'s graphs mode runs it: the step's wall time, the GPU's busy time within it, its kernels by kind
-(projections, attention, Inductor's fused kernels, the rest), the host gaps between them, and the model's
-projections replayed alone in model order (one CUDA graph of every linear call a step makes).
+"""Where a compiled (CUDA-graph) decode step of a Llama at 8B dimensions (``--moe``: the Qwen3-MoE at Qwen3-30B-A3B
+dimensions) spends its time, bf16 against mxgemm, as ``bench/model_e2e.py``'s graphs mode runs it: the step's wall
+time, the GPU's busy time within it, its kernels by kind (projections, the experts, attention, Inductor's fused
+kernels, the rest), the host gaps between them, and the model's projections replayed alone in model order (one CUDA
+graph of every linear call a step makes; with ``--moe`` the attention's and lm_head, the experts apart).
 
 The decode steps' kernels are those of ``generate`` with 1 + S new tokens less those of ``generate`` with one (the
 prefill, eager in both modes, and the first token).
 
 Run on the device: PYTHONPATH=src python3 lab/decode_anatomy.py --layers 32 --batch 1 --json anatomy.json
+(``--moe --layers 24`` for the MoE model).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from model_e2e import build
+from model_e2e import build, config
 
-KINDS = (
+KINDS = (  # the first kind whose keys a kernel's name holds
+    ("experts", ("grouped", "moe::", "_rows_kernel", "_count_kernel", "_place_kernel", "_combine_kernel")),
     ("mxgemm", ("small_m", "fp8_gemm", "quant_1x128")),
     ("cublas", ("gemm", "gemv", "nvjet", "cutlass", "xmma")),
     ("attention", ("flash", "fmha", "attn", "attention", "sdpa", "cudnn")),
@@ -82,13 +85,16 @@ def projections_alone_us(model, batch: int) -> float:
     down, then lm_head) on [batch, 1, K] inputs, in model order."""
     cfg = model.config
     x = torch.randn(batch, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    xd = torch.randn(batch, 1, cfg.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    xd = torch.randn(batch, 1, getattr(cfg, "intermediate_size", 1), device="cuda", dtype=torch.bfloat16)
+
+    xo = torch.randn(batch, 1, cfg.num_attention_heads * cfg.head_dim, device="cuda", dtype=torch.bfloat16)
 
     def step():
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            a.q_proj(x), a.k_proj(x), a.v_proj(x), a.o_proj(x)
-            m.gate_proj(x), m.up_proj(x), m.down_proj(xd)
+            a.q_proj(x), a.k_proj(x), a.v_proj(x), a.o_proj(xo)
+            if hasattr(m, "gate_proj"):  # a dense MLP; the MoE's experts are not linear layers
+                m.gate_proj(x), m.up_proj(x), m.down_proj(xd)
         model.lm_head(x)
 
     stream = torch.cuda.Stream()
@@ -113,12 +119,12 @@ def projections_alone_us(model, batch: int) -> float:
 
 
 def anatomy(who: str, args) -> dict:
-    model, _ = build(args.layers, who, ())
+    model, _ = build(config(args.layers, False, args.moe), who, ())
     kw = {"cache_implementation": "static", "compile_config": transformers.CompileConfig(dynamic=False)}
     g = torch.Generator(device="cuda").manual_seed(args.batch)
     ids = torch.randint(1, model.config.vocab_size, (args.batch, 512), device="cuda", generator=g)
     steps = args.steps
-    result = {"who": who, "batch": args.batch, "layers": args.layers, "steps": steps}
+    result = {"who": who, "batch": args.batch, "layers": args.layers, "moe": args.moe, "steps": steps}
     with torch.inference_mode():
         for _ in range(2):  # compile, record, capture
             wall(model, ids, 1 + steps, kw)
@@ -171,6 +177,7 @@ def anatomy(who: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--moe", action="store_true", help="the Qwen3-MoE at Qwen3-30B-A3B dimensions")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)

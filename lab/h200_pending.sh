@@ -21,7 +21,8 @@
 #   prefill lab/prefill_anatomy.py (PREFILL_ARGS, default --max-rows 1024): the eager 2048-token prefill's
 #           wall and GPU time by kernel kind, bf16 vs mxgemm
 #   anatomy lab/decode_anatomy.py (ANATOMY_ARGS, default --layers 32 --batch 1): a graphed decode step's
-#           wall time, GPU busy time, kernels by kind and the projections alone, bf16 vs mxgemm
+#           wall time, GPU busy time, kernels by kind and the projections alone, bf16 vs mxgemm; the MoE model's with
+#           ANATOMY_ARGS="--moe --layers 24 --batch 1"
 #   ttft    lab/ttft_probe.py (TTFT_ARGS, default --modes eager --batches 1 --repeats 9): every generate call
 #           with its time, its garbage-collector time and the CUDA allocator's segments and retries
 #   mechanisms  lab/eager_mechanisms.py --device cuda: host time of an eager layer call by mechanism (Python,
