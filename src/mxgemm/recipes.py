@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from .thresholds import SM90, Thresholds
+
 __all__ = ["MX_ACT_SCALE_MODE", "RECIPES", "Recipe", "StrEnum", "hybrid_crossover"]
 
 
@@ -46,23 +48,20 @@ MX_ACT_SCALE_MODE = "floor"  # w8a8-mx quantizes activations with the OCP scale 
 SMALL_M_MAX = 16  # the largest M the small-M CUDA kernel of the hybrid recipe runs (two 8-token MMA tiles)
 
 
-def hybrid_crossover(n: int, k: int, small_m: bool = True, fp8: bool = False) -> int:
+def hybrid_crossover(n: int, k: int, small_m: bool = True, fp8: bool = False, table: Thresholds = SM90) -> int:
     """``hybrid-block128``'s crossover for an ``[n, k]`` weight: the M from which activations are quantized per 1x128
     (below it they are taken as given). It depends on the kernels that run the weight (``small_m``: the small-M CUDA
-    kernel is built; ``fp8``: the hand-written FP8 GEMM is), so that each regime runs where it is faster; a prepared
-    weight records its crossover (``info["crossover"]``), and its emulated twin reads it from there.
-
-    Measured on the H200. The FP8 kernel, with 8 or 16 tokens per CTA, streams large weights faster than the exact
-    kernels from M = 1: it wins from M = 1 on every weight of 96Mi elements or more (117M-470M), from M = 16 on the
-    51M-84M ones (at M = 8 2-9% slower on four of five). On the 17M and 25M ones it takes over from M = 17, where the
-    CUDA kernel stops: at M = 16-32 the two are within 9% of each other under graph replay, and an eager call of the
-    Triton kernel between them would pay Triton's Python launcher (40-80 µs on the H200). Without the FP8 kernel:
-    against the Triton kernel cuBLASLt wins at M = 16 on weights of 117M and 470M elements, from M = 48 on
-    16.7M-67M-element weights, and from M = 96 on the K = 14336 down projection; the CUDA kernel beats cuBLASLt up to
-    M = 8 on every measured weight and at M = 16 on all but the 8B gate_up (3% slower there), so with it no crossover
-    falls below M = 17.
-    """
+    kernel is built; ``fp8``: the hand-written FP8 GEMM is), so that each regime runs where it is faster, and on the
+    switch points measured for the device's architecture (``table``, :mod:`mxgemm.thresholds`); never inside the
+    small-M kernel's rows where it runs, save M = 1 for large weights where the FP8 kernel does. A prepared weight
+    records its crossover (``info["crossover"]``), and its emulated twin reads it from there."""
+    t, elements = table, n * k
     if fp8:
-        return 1 if n * k >= 96 * 2**20 else 16 if n * k >= 32 * 2**20 else SMALL_M_MAX + 1
-    rule = 1 if n * k >= 96 * 2**20 else 96 if k >= 12288 else 48
+        if elements >= t.crossover_large_elements:
+            return 1
+        return t.crossover_mid_m if elements >= t.crossover_mid_elements else SMALL_M_MAX + 1
+    if elements >= t.crossover_large_elements:
+        rule = 1
+    else:
+        rule = t.crossover_deep_m if k >= t.crossover_deep_k else t.crossover_m
     return max(rule, SMALL_M_MAX + 1) if small_m else rule

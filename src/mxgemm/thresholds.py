@@ -21,6 +21,18 @@ class Thresholds:
     """The switch points of one architecture's default routes, and the GPUs they were measured on."""
 
     measured_on: str
+    # hybrid-block128's crossover (the M from which activations are quantized per 1x128), where the FP8 kernel runs:
+    # M = 1 on weights of at least crossover_large_elements elements, crossover_mid_m on those of
+    # crossover_mid_elements or more, else where the small-M kernel's rows end ("The regimes of hybrid_sm90 and what
+    # limits each": the crossover)
+    crossover_large_elements: int
+    crossover_mid_elements: int
+    crossover_mid_m: int
+    # ... where it does not (cuBLASLt against the Triton kernel): M = 1 on the large weights as above,
+    # crossover_deep_m from K = crossover_deep_k, else crossover_m (the same section and bullet)
+    crossover_deep_k: int
+    crossover_deep_m: int
+    crossover_m: int
     # triton (w8a16): from this M, the weight dequantized into bf16 for cuBLAS instead of the exact kernel
     # ("The regimes of hybrid_sm90 and what limits each": dequantize + cuBLAS against the Triton kernel)
     dequant_min_m: int
@@ -42,6 +54,12 @@ class Thresholds:
 
 SM90 = Thresholds(
     measured_on="NVIDIA H200 (dense routes) and H100 80GB HBM3 (grouped weights)",
+    crossover_large_elements=96 * 2**20,
+    crossover_mid_elements=32 * 2**20,
+    crossover_mid_m=16,
+    crossover_deep_k=12288,
+    crossover_deep_m=96,
+    crossover_m=48,
     dequant_min_m=256,
     shared_input_max_rows=1024,
     joined_max_rows=4096,

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .. import thresholds
 from ..block128 import BLOCK128_ROWS, block128_to_mx, prepare_block128
 from ..device import DeviceInfo
 from ..kernels import Launch, cublaslt, fp8_gemm
@@ -176,7 +177,9 @@ class HybridSM90Backend(Backend, JoinsRows, SharesQuantizedInput, GatedInput):
         if fp8_gemm.fp8_gemm_status(capability):
             info["fp8_sms"] = torch.cuda.get_device_properties(qdata.device).multi_processor_count
         info["blockwise_plan"] = capability is not None and bool(cublaslt.plan_status(qdata.device.index, capability))
-        info["crossover"] = hybrid_crossover(*qdata.shape, small_m=info["small_m"], fp8="fp8_sms" in info)
+        info["crossover"] = hybrid_crossover(
+            *qdata.shape, small_m=info["small_m"], fp8="fp8_sms" in info, table=thresholds.for_device(qdata.device)
+        )
         return PreparedWeight(self.name, recipe, *qdata.shape, tensors, info)
 
     @staticmethod
@@ -328,7 +331,11 @@ class HybridSM90Backend(Backend, JoinsRows, SharesQuantizedInput, GatedInput):
         return {
             **info,
             "crossover": hybrid_crossover(
-                out_features, members[0].in_features, small_m=info["small_m"], fp8="fp8_sms" in info
+                out_features,
+                members[0].in_features,
+                small_m=info["small_m"],
+                fp8="fp8_sms" in info,
+                table=thresholds.for_device(members[0].device),
             ),
         }
 
