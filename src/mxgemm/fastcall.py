@@ -7,11 +7,10 @@ weight's table (``PreparedWeight.fast``, made then) takes it under its M; :func:
 :meth:`MXFP8Linear.on_gated` and so every eager call of a layer call the table first. One C++ function
 (``csrc/fast_call.cpp``, a pybind11 extension built with ``torch.utils.cpp_extension`` on first use and cached on disk)
 checks the activations as the plan's Python launcher takes them, allocates the output and calls the entry on the current
-stream: the same plan, the same bits, without the Python layers, launcher and ctypes call between (on the H200 machine's
-host, with a C function that returns at once in the kernel's place, a module call through one pybind11 function takes
-2.9 µs against 8.1 through the Python path: ``lab/eager_mechanisms.py``). Where it answers None (an M without a plan
-yet, fp16 or fp32 activations, rows the kernels read only from a copy, a bias they do not add, gradients, tensor
-subclasses, a dispatch mode, tuning changed since the plan was made), the Python path runs.
+stream: the same plan, the same bits, without the Python layers, launcher and ctypes call between (what each costs:
+docs/performance.md, "Eager calls and whole models"). Where it answers None (an M without a plan yet, fp16 or fp32
+activations, rows the kernels read only from a copy, a bias they do not add, gradients, tensor subclasses, a dispatch
+mode, tuning changed since the plan was made), the Python path runs.
 
 ``MXGEMM_FAST_CALLS=0`` turns it off; :func:`status` says whether it runs here and why not.
 """
