@@ -182,13 +182,13 @@ def _moe_experts(
     dn = PreparedGroupedWeight.from_op_args(backend, down, down_meta)
     tokens, k = topk_ids.shape
     # the plan of this shape, dtype, tuning generation and down projection, with gate/up's plans
-    key = ("experts", tokens, k, x.dtype, tuning.generation(), down_meta)
-    plan = up.plans.launch.get(key)
+    key = (tokens, k, x.dtype, tuning.generation(), down_meta)
+    plan = up.plans.experts.get(key)
     if plan is None:
         b = get_backend(backend)
         rows = tokens * k  # the token copies, sorted by expert
         tactics = tuple(autotune.tactic_for_grouped_call(b, w, rows, x) for w in (up, dn))
-        plan = up.cached("launch", key, lambda: b.plan_experts(up, dn, tokens, k, x.dtype, tactics))
+        plan = up.cached("experts", key, lambda: b.plan_experts(up, dn, tokens, k, x.dtype, tactics))
     return plan(x, topk_ids, topk_weights, up, dn)
 
 

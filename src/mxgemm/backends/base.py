@@ -104,21 +104,23 @@ class PlanCache:
     """What a prepared weight's calls work out once and keep, each kind in a table of its own:
 
     - ``launch``: the plans eager and compiled calls run (:meth:`Backend.plan`), by (M, activation dtype, tuning
-      generation); a grouped gate/up weight's, the routed block's (``GroupedWeights.plan_experts``), by ("experts",
-      tokens, top-k, activation dtype, tuning generation, the down projection's meta);
+      generation);
     - ``tactics``: each call's tactic (:func:`mxgemm.ops.call_tactic`), held as a 1-tuple, by the same key;
     - ``gated``: the routes that take a gated MLP's product (:meth:`GatedInput.gated_plan`, False where none), by the
       same key;
-    - ``shared``: a backend's plans of the rows it shares with weights of the same input, by (M, activation dtype).
+    - ``shared``: a backend's plans of the rows it shares with weights of the same input, by (M, activation dtype);
+    - ``experts``: a grouped gate/up weight's plans of the routed block (``GroupedWeights.plan_experts``), by (tokens,
+      top-k, activation dtype, tuning generation, the down projection's meta).
     """
 
     launch: dict[tuple, Callable] = field(default_factory=dict)
     tactics: dict[tuple, tuple] = field(default_factory=dict)
     gated: dict[tuple, Any] = field(default_factory=dict)
     shared: dict[tuple, Any] = field(default_factory=dict)
+    experts: dict[tuple, Callable] = field(default_factory=dict)
 
     def tables(self) -> tuple[dict, ...]:
-        return (self.launch, self.tactics, self.gated, self.shared)
+        return (self.launch, self.tactics, self.gated, self.shared, self.experts)
 
     def __len__(self) -> int:
         return sum(map(len, self.tables()))

@@ -131,7 +131,7 @@ class GroupedWeights(ABC):
     ) -> Callable[..., torch.Tensor]:
         """What an eager call of :meth:`run_experts` on ``tokens`` tokens of ``topk`` copies in ``x_dtype`` with
         ``tactics`` runs: ``(x, topk_ids, topk_weights, gate_up, down) -> y``, the same bits, with whatever the shape
-        fixes worked out once. It lives in ``gate_up.plans.launch`` and takes both weights at each call (it holds
+        fixes worked out once. It lives in ``gate_up.plans.experts`` and takes both weights at each call (it holds
         neither: see :meth:`Backend.plan`). This default: :meth:`run_experts`."""
         return lambda x, ids, weights, gu, dn: self.run_experts(x, ids, weights, gu, dn, tactics)
 
