@@ -153,3 +153,17 @@ def test_every_grouped_tactic_gives_the_same_bits(per_expert):
     offsets = torch.arange(1, E + 1, dtype=torch.int32) * per_expert
     ys = [backend.run_grouped(x, gate_up, offsets, t) for t in tactics]
     assert all(torch.equal(y, ys[0]) for y in ys[1:]) and torch.equal(ys[0][-3:], torch.zeros_like(ys[0][-3:]))
+
+
+def test_the_routed_blocks_c_launch_refuses_what_it_cannot_run():
+    """``ExpertsLaunch.make`` (the wgmma path's block in one C call) names, in one line, a config the grouped wgmma
+    kernel cannot run and activations it does not take, before it looks for a GPU."""
+    from mxgemm.kernels.grouped.wgmma import ExpertsLaunch, WgmmaConfig
+
+    gate_up, down = _experts()
+    with pytest.raises(ValueError, match="cannot run"):
+        ExpertsLaunch.make(4, 2, gate_up, down, torch.bfloat16, WgmmaConfig(tn=32), WgmmaConfig())
+    with pytest.raises(ValueError, match="bf16/fp16 tokens"):
+        ExpertsLaunch.make(4, 2, gate_up, down, torch.float32, WgmmaConfig(), WgmmaConfig())
+    with pytest.raises(ValueError, match="bf16/fp16 tokens"):
+        ExpertsLaunch.make(0, 2, gate_up, down, torch.bfloat16, WgmmaConfig(), WgmmaConfig())
