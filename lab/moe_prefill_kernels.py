@@ -15,6 +15,7 @@ import io
 import json
 import pstats
 import statistics
+import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,6 +23,15 @@ from pathlib import Path
 import torch
 
 import mxgemm
+
+
+def tree_commit() -> str:
+    """The commit of the tree whose mxgemm is imported (its checkout's HEAD), and whether its files differ from it."""
+    root = Path(mxgemm.__file__).resolve().parents[2]
+    git = ["git", "-C", str(root)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return f"the tree at {head or 'an unknown commit'}{' with changes' if dirty.stdout.strip() else ''}"
 
 
 def e2e_module():
@@ -166,7 +176,7 @@ def main() -> None:
     wall = statistics.median(walls) * 1e3
     host = statistics.median(hosts) * 1e3
     print(
-        f"{mxgemm.__file__}, {args.who}: wall {wall:.1f} ms, host {host:.1f} ms (medians of {args.repeats}; walls "
+        f"{tree_commit()}, {args.who}: wall {wall:.1f} ms, host {host:.1f} ms (medians of {args.repeats}; walls "
         f"{', '.join(f'{w * 1e3:.1f}' for w in walls)}), GPU busy {busy / 1e3:.1f} ms"
     )
     print(
