@@ -55,11 +55,14 @@ class _Pool:
 _POOLS: dict[int, _Pool] = {}
 
 
-def graphable(*tensors: torch.Tensor) -> bool:
+def graphable(*tensors: torch.Tensor, max_rows: int | None = None) -> bool:
     """Whether a call on ``tensors`` may replay a graph: plain CUDA tensors of one device, no gradient asked for, no
     capture, tracing or dispatch mode under way, the device's default stream current, ``MXGEMM_EAGER_GRAPHS`` not
-    0."""
+    0, and (``max_rows``) the first tensor's leading dimension at most that. Traced calls answer False before the
+    rows are read (a guard on them); an eager call of more rows answers False before the device is asked."""
     if torch.compiler.is_compiling() or not all(type(t) is torch.Tensor and t.is_cuda for t in tensors):
+        return False
+    if max_rows is not None and tensors[0].shape[0] > max_rows:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False

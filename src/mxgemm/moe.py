@@ -243,10 +243,7 @@ class MXFP8Experts(nn.Module):
         replay a CUDA graph of the call for their shapes (:class:`mxgemm.graphs.EagerGraphs`: the same launches, a
         fraction of their host time)."""
         args = (hidden_states, top_k_index, top_k_weights)
-        # eager, plain tensors: the token count first, then graphable's checks of the device; traced (tensor subclasses,
-        # or compiling), the count is not read, which would guard on it
-        plain = type(hidden_states) is torch.Tensor and not torch.compiler.is_compiling()
-        if plain and hidden_states.shape[0] <= GRAPHED_TOKENS and graphable(*args):
+        if graphable(*args, max_rows=GRAPHED_TOKENS):
             return self._graphs(self._run, *args, key=tuning.generation())
         return self._run(*args)
 

@@ -23,7 +23,7 @@ def test_cpu_tensors_and_traced_calls_are_not_graphed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream[0])
     monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: "default")
-    assert graphable(x)
+    assert graphable(x) and graphable(x, max_rows=2) and not graphable(x, max_rows=1)
     stream[0] = "side"
     assert not graphable(x)
     stream[0] = "default"
