@@ -55,13 +55,10 @@ def hybrid_crossover(n: int, k: int, small_m: bool = True, fp8: bool = False, ta
     switch points measured for the device's architecture (``table``, :mod:`mxgemm.thresholds`); never inside the
     small-M kernel's rows where it runs, save M = 1 for large weights where the FP8 kernel does. A prepared weight
     records its crossover (``info["crossover"]``), and its emulated twin reads it from there."""
-    t, elements = table, n * k
+    t = table
+    if n * k >= t.crossover_large_elements:
+        return 1 if fp8 or not small_m else SMALL_M_MAX + 1
     if fp8:
-        if elements >= t.crossover_large_elements:
-            return 1
-        return t.crossover_mid_m if elements >= t.crossover_mid_elements else SMALL_M_MAX + 1
-    if elements >= t.crossover_large_elements:
-        rule = 1
-    else:
-        rule = t.crossover_deep_m if k >= t.crossover_deep_k else t.crossover_m
+        return t.crossover_mid_m if n * k >= t.crossover_mid_elements else SMALL_M_MAX + 1
+    rule = t.crossover_deep_m if k >= t.crossover_deep_k else t.crossover_m
     return max(rule, SMALL_M_MAX + 1) if small_m else rule
