@@ -12,6 +12,7 @@ from helpers import random_act
 from mxgemm.block128 import quantize_1x128
 from mxgemm.kernels import nvcc
 from mxgemm.kernels.grouped import wgmma
+from mxgemm.kernels.grouped.fp8 import token_tile_slots
 from mxgemm.kernels.grouped.wgmma import WgmmaConfig, grouped_wgmma
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1")
@@ -136,5 +137,9 @@ def test_the_kernel_compiles_for_sm90_and_loads(monkeypatch, tmp_path):
         for t, k, e, h, i in [(1, 8, 128, 2048, 768), (4096, 8, 256, 7168, 2048), (4096, 2, 8, 4096, 14336)]:
             for elem in (2, 4):
                 assert lib.mxgemm_moe_workspace(t, k, e, h, i, elem) == _moe_workspace(t, k, e, h, i, elem)
+        # the routed block's token-tile slots (a host function) are the Python launches' for every tile height
+        for rows, e in [(1, 8), (7, 128), (64, 128), (4096 * 8, 256), (100_000, 16), (3, 1000)]:
+            for tn in (16, 64, 128, 256):
+                assert lib.mxgemm_token_tile_slots(rows, e, tn) == token_tile_slots(rows, e, tn)
     finally:
         wgmma.library.cache_clear()

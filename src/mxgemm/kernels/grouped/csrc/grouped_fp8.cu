@@ -302,7 +302,8 @@ int grouped_gemm(const void* W, const void* S, long long s_expert, int s_stride,
 }
 
 // token-tile slots that hold the tiles of any routing of `rows` rows over E experts (kernels/grouped/fp8.py's
-// token_tile_slots): each of at most min(E + 1, rows) non-empty groups adds at most one partial tile
+// token_tile_slots, which a test holds it to through mxgemm_token_tile_slots): each of at most min(E + 1, rows)
+// non-empty groups adds at most one partial tile
 int token_tile_slots(long long rows, int E, int tn) {
   return (int)((rows + tn - 1) / tn + std::min<long long>(E + 1, rows));
 }
@@ -375,6 +376,9 @@ extern "C" int mxgemm_grouped_fp8(const void* W, const void* S, long long s_expe
   return grouped_gemm(W, S, s_expert, s_stride, XQ, XS, ld_xs, x_rows, offsets, dst, Y, ldy, y_fp16, rows, E, N, K, tn,
                       wn, stages, slots, persistent, (cudaStream_t)stream);
 }
+
+// mxgemm_token_tile_slots: token_tile_slots, exported for the test that compares it with the Python launches' count
+extern "C" int mxgemm_token_tile_slots(long long rows, int E, int tn) { return token_tile_slots(rows, E, tn); }
 
 // mxgemm_moe_workspace: the bytes of scratch mxgemm_moe_experts takes for T tokens of k copies, E experts, hidden
 // size H, expert width I and elem-byte activations
