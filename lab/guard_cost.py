@@ -5,9 +5,10 @@ against MXFP8Linear layers. One variant a process (Dynamo's caches are per code 
   one by one, ``fused`` as one (``fuse_shared_inputs``); the median over 50 calls, per round.
 - ``--llama LAYERS``: a few-MB Llama (``bench/model_e2e.py --tiny``; q/k/v and gate/up as one) through ``generate``
   with a static cache and the decode step compiled, as model_e2e.py's graphs mode; the guard time per decode step.
+  ``--moe``: the few-MB Qwen3-MoE instead (its experts ``MXFP8Experts``).
 
 Run: PYTHONPATH=src python3 lab/guard_cost.py {bf16,mxgemm,fused} [--device cuda] [--dict-tags]
-     PYTHONPATH=src python3 lab/guard_cost.py {bf16,mxgemm} --llama 32 --dict-tags
+     PYTHONPATH=src python3 lab/guard_cost.py {bf16,mxgemm} --llama 32 [--moe] --dict-tags
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def blocks(args) -> list[float]:
 
 def llama(args) -> list[float]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from model_e2e import build
+    from model_e2e import build, config
 
-    model, _ = build(args.llama, args.variant, (), args.device, tiny=True)
+    model, _ = build(config(args.llama, tiny=True, moe=args.moe), args.variant, (), args.device)
     config = transformers.CompileConfig(dynamic=False)
     config._compile_all_devices = True  # Hugging Face compiles the decode step on CUDA devices only otherwise
     kw = {"cache_implementation": "static", "compile_config": config, "do_sample": False}
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--blocks", type=int, default=32)
     parser.add_argument("--llama", type=int, default=0, help="layers of the Llama through generate (0: the blocks)")
+    parser.add_argument("--moe", action="store_true", help="the Qwen3-MoE through generate instead of the Llama")
     parser.add_argument("--rounds", type=int, default=5)
     tags = "turn on Dynamo's recursive dict-tag guard skipping (on by default in torch 2.11)"
     parser.add_argument("--dict-tags", action="store_true", help=tags)
@@ -98,7 +100,8 @@ def main() -> None:
     if args.dict_tags:
         torch._dynamo.config.use_recursive_dict_tags_for_guards = True
     times = llama(args) if args.llama else blocks(args)
-    what = f"a decode step, {args.llama}-layer Llama" if args.llama else f"a call, {args.blocks} blocks of 3 layers"
+    model = "Qwen3-MoE" if args.moe else "Llama"
+    what = f"a decode step, {args.llama}-layer {model}" if args.llama else f"a call, {args.blocks} blocks of 3 layers"
     print(
         f"{args.variant:10s} guard time {statistics.median(times):.3f} ms ({what}, {args.device}, dict tags "
         f"{'on' if torch._dynamo.config.use_recursive_dict_tags_for_guards else 'off'}, rounds: "

@@ -55,38 +55,61 @@ def moe_experts(
     as transformers' experts round them, and each token's weighted copies are summed in fp32 in top-k order, rounded
     once. A copy routed outside ``[0, E)`` (expert parallelism's experts of other ranks) adds nothing; the ids are
     not checked on the host, which would wait for the GPU."""
+    reason = _pair_reason(gate_up, down)
+    if reason:
+        raise ValueError(reason)
+    _check_call(x, topk_ids, topk_weights, gate_up.in_features, gate_up.device)
+    return _experts_op(
+        x, topk_ids, topk_weights, gate_up.op_tensors, down.op_tensors, gate_up.backend, gate_up.op_meta, down.op_meta
+    )
+
+
+def _pair_reason(gate_up: PreparedGroupedWeight, down: PreparedGroupedWeight) -> str:
+    """Why ``gate_up`` and ``down`` are not one layer's experts on one backend ("" when they are)."""
+    if gate_up.experts != down.experts or gate_up.out_features != 2 * down.in_features:
+        return (
+            f"gate_up [{gate_up.experts}, {gate_up.out_features}, {gate_up.in_features}] and down [{down.experts}, "
+            f"{down.out_features}, {down.in_features}] are not one layer's experts ([E, 2I, H] and [E, H, I])"
+        )
+    if gate_up.backend != down.backend:
+        return f"gate_up runs on {gate_up.backend} and down on {down.backend}; prepare both on one backend"
+    return ""
+
+
+def _check_call(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, hidden: int, device: torch.device
+) -> None:
+    """A call's inputs against experts of hidden size ``hidden`` on ``device``."""
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"topk_ids and topk_weights must both be [T, k] for x of {x.shape[0]} tokens, got "
             f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
         )
-    if gate_up.experts != down.experts or gate_up.out_features != 2 * down.in_features:
-        raise ValueError(
-            f"gate_up [{gate_up.experts}, {gate_up.out_features}, {gate_up.in_features}] and down [{down.experts}, "
-            f"{down.out_features}, {down.in_features}] are not one layer's experts"
-        )
-    if gate_up.backend != down.backend:
-        raise ValueError(f"gate_up runs on {gate_up.backend} and down on {down.backend}; prepare both on one backend")
-    if x.dim() != 2 or x.shape[1] != gate_up.in_features:
-        raise ValueError(f"x must be [T, {gate_up.in_features}], got shape {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must be [T, {hidden}], got shape {tuple(x.shape)}")
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise TypeError(f"topk_ids must hold integer expert ids, got {topk_ids.dtype}")
-    if not (x.device == topk_ids.device == topk_weights.device == gate_up.device):
+    if not (x.device == topk_ids.device == topk_weights.device == device):
         raise ValueError(
-            f"x, topk_ids and topk_weights must be on {gate_up.device}, where the experts are; got {x.device}, "
+            f"x, topk_ids and topk_weights must be on {device}, where the experts are; got {x.device}, "
             f"{topk_ids.device}, {topk_weights.device}"
         )
+
+
+def _experts_op(x, topk_ids, topk_weights, gate_up_tensors, down_tensors, backend, gate_up_meta, down_meta):
+    """One ``mxgemm::moe_experts`` op on checked inputs: fp32 activations run in bf16 and the answer comes back in
+    ``x``'s dtype."""
     dtype = x.dtype
     x = x if dtype in (torch.bfloat16, torch.float16) else x.to(torch.bfloat16)  # fp32 models: bf16 activations
     y = moe_experts_op(
         x.contiguous(),
         topk_ids.contiguous(),
         topk_weights.to(x.dtype).contiguous(),
-        gate_up.op_tensors,
-        down.op_tensors,
-        gate_up.backend,
-        gate_up.op_meta,
-        down.op_meta,
+        gate_up_tensors,
+        down_tensors,
+        backend,
+        gate_up_meta,
+        down_meta,
     )
     return y.to(dtype)
 
@@ -156,10 +179,13 @@ class MXFP8Experts(nn.Module):
 
     def __init__(self, gate_up: PreparedGroupedWeight, down: PreparedGroupedWeight):
         super().__init__()
-        if gate_up.experts != down.experts or gate_up.out_features != 2 * down.in_features:
-            raise ValueError("gate_up and down are not one layer's experts ([E, 2I, H] and [E, H, I])")
+        reason = _pair_reason(gate_up, down)
+        if reason:
+            raise ValueError(reason)
         self.gate_up, self.down = gate_up, down
         self.num_experts = gate_up.experts
+        # what a traced call reads (_traced): the op's arguments as plain values in the module's own __dict__
+        self._op = {"gate_up": gate_up.traced_args(), "down": down.traced_args(), "hidden": gate_up.in_features}
         self._graphs = EagerGraphs()
 
     @classmethod
@@ -243,12 +269,32 @@ class MXFP8Experts(nn.Module):
         replay a CUDA graph of the call for their shapes (:class:`mxgemm.graphs.EagerGraphs`: the same launches, a
         fraction of their host time)."""
         args = (hidden_states, top_k_index, top_k_weights)
+        if torch.compiler.is_compiling():
+            return self._traced(*args)
         if graphable(*args, max_rows=GRAPHED_TOKENS):
             return self._graphs(self._run, *args, key=tuning.generation())
         return self._run(*args)
 
     def _run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up, self.down)
+
+    def _traced(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """``forward`` as ``torch.compile`` traces it: the same checks and op, reading only the plain values the module
+        holds in its own ``__dict__`` (``_op``), so that Dynamo skips its guards while that ``__dict__`` is unchanged
+        (``MXFP8Linear._traced`` says why)."""
+        gate_up, down = self._op["gate_up"], self._op["down"]
+        gate_up_tensors, down_tensors = list(gate_up["tensors"].values()), list(down["tensors"].values())
+        _check_call(hidden_states, top_k_index, top_k_weights, self._op["hidden"], gate_up_tensors[0].device)
+        return _experts_op(
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            gate_up_tensors,
+            down_tensors,
+            gate_up["backend"],
+            gate_up["meta"],
+            down["meta"],
+        )
 
     def extra_repr(self) -> str:
         e, two_i, h = self.num_experts, self.gate_up.out_features, self.gate_up.in_features

@@ -107,6 +107,38 @@ def test_compile_fullgraph_matches_eager():
         assert torch.equal(compiled(x, ids, weights), experts(x, ids, weights))
 
 
+class _Layer(nn.Module):
+    def __init__(self, experts: MXFP8Experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, ids, weights):
+        return self.experts(x, ids, weights)
+
+
+def test_a_compiled_experts_module_guards_only_plain_values_of_its_own():
+    """A traced MXFP8Experts reads only plain values in its own __dict__, as MXFP8Linear does: with Dynamo's recursive
+    dict tags (on by default in torch 2.11) its guards are skipped while that __dict__ is unchanged; a read through
+    the prepared weights would make each of their guards run on every step of a compiled model."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    layer = _Layer(MXFP8Experts(*_experts()[0]))
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x, (ids, weights) = random_act(5, H), _routing(5, 2, "random")
+    with torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True), torch.no_grad():
+        assert torch.equal(compiled(x, ids, weights), layer(x, ids, weights))
+        (entry,) = _debug_get_cache_entry_list(_Layer.forward.__code__)
+    safe, nodes = [], [entry.guard_manager.root]
+    while nodes:
+        node = nodes.pop()
+        nodes += node.get_child_managers()
+        if node.get_source().endswith("['experts']"):
+            safe.append(node.is_tag_safe())
+    assert safe == [True]
+    torch._dynamo.reset()
+
+
 def _tiny(kind):
     common = dict(vocab_size=128, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     if kind == "qwen3_moe":
