@@ -82,8 +82,9 @@ for stage in "$@"; do
       done ;;
     tests)
       python3 -m mxgemm info > "$out/info.txt" 2>&1
-      timeout "${TESTS_S:-330}" python3 -m pytest tests -q -p no:warnings -m gpu --tb=short --durations=5 2>&1 \
-        | tail -40 > "$out/pytest_gpu.txt"
+      # to a file, not through tail: a run stopped by its timeout keeps what it wrote (the suite took 375 s on an H100)
+      timeout "${TESTS_S:-480}" python3 -m pytest tests -q -p no:warnings -m gpu --tb=short --durations=5 \
+        > "$out/pytest_gpu.txt" 2>&1
       timeout 60 python3 -m pytest tests/unit/test_mx_quant_kernel.py -q -p no:warnings 2>&1 | tail -3 >> "$out/pytest_gpu.txt"
       tail -12 "$out/pytest_gpu.txt" ;;
     load)

@@ -68,6 +68,7 @@ def test_moe_experts_is_each_tokens_experts_run_one_by_one(tokens, kind, dtype):
         ("x of other H", ValueError, rf"x must be \[T, {H}\], got shape \(3, 32\)"),
         ("not one layer's", ValueError, "are not one layer's experts"),
         ("two backends", ValueError, "gate_up runs on emulation and down on triton; prepare both on one backend"),
+        ("a module of two backends", ValueError, "gate_up runs on emulation and down on triton"),
     ],
 )
 def test_bad_input_is_a_one_line_error(case, error, message):
@@ -85,7 +86,10 @@ def test_bad_input_is_a_one_line_error(case, error, message):
             mxgemm.moe_experts(x, ids, weights, gate_up, gate_up)
         else:
             other = mxgemm.prepare_grouped_weight(dq.qdata, dq.scale, backend="triton")
-            mxgemm.moe_experts(x, ids, weights, gate_up, other)
+            if case == "two backends":
+                mxgemm.moe_experts(x, ids, weights, gate_up, other)
+            else:
+                MXFP8Experts(gate_up, other)
 
 
 def test_fp32_activations_run_in_bf16_and_answer_fp32():
