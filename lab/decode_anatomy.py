@@ -119,6 +119,8 @@ def projections_alone_us(model, batch: int) -> float:
 
 
 def anatomy(who: str, args) -> dict:
+    torch._dynamo.reset()  # each model its own compiled code and counters (the models share their forward's code)
+    torch._dynamo.utils.counters.clear()
     model, _ = build(config(args.layers, False, args.moe), who, ())
     kw = {"cache_implementation": "static", "compile_config": transformers.CompileConfig(dynamic=False)}
     g = torch.Generator(device="cuda").manual_seed(args.batch)
