@@ -210,11 +210,14 @@ shipped.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
 print(f"{shipped}: {len(new['entries'])} grouped entries merged, {len(old['entries'])} in all")
 PY
       cp src/mxgemm/tuned/tuning-*.json "$out/" ; tail -3 "$out/tune-moe.txt" ;;
-    moe-e2e)  # the Qwen3-30B-A3B-shaped model through generate: 48 layers where 2 x 61 GB fit, else 24
+    moe-e2e)  # the Qwen3-30B-A3B-shaped model through generate: 48 layers where 2 x 61 GB fit, else 24;
+      # MOE_E2E_MODES (default "eager graphs"): one mode a call where both do not fit one call's time (the JSON is
+      # written after each row, the file named by the mode)
       layers=$(python3 -c "import torch; print(48 if torch.cuda.get_device_properties(0).total_memory > 120e9 else 24)")
-      timeout "${MOE_E2E_S:-560}" python3 bench/model_e2e.py --moe --layers "$layers" --batches 1 16 --new 64 \
-        --repeats 2 --eager-repeats 3 --json "$out/e2e-moe-${GPU_TAG:-h200}.json" \
-        --markdown "$out/e2e-moe-${GPU_TAG:-h200}.md" > "$out/moe-e2e.log" 2>&1; tail -12 "$out/moe-e2e.log" ;;
+      modes="${MOE_E2E_MODES:-eager graphs}"; name="e2e-moe-${GPU_TAG:-h200}${MOE_E2E_MODES:+-${modes// /-}}"
+      timeout "${MOE_E2E_S:-560}" python3 bench/model_e2e.py --moe --layers "$layers" --modes $modes --batches 1 16 \
+        --new 64 --repeats 2 --eager-repeats 3 --json "$out/$name.json" --markdown "$out/$name.md" \
+        > "$out/$name.log" 2>&1; tail -12 "$out/$name.log" ;;
     moe-apart)  # the MoE e2e's prefill and eager batch 16 taken apart, no tuning file in any: this tree under
       # inference_mode and under no_grad, and f0b8c98's tree (the run before the q/k/v and eager-graph changes)
       args="--moe --layers ${MOE_APART_LAYERS:-24} --modes eager --batches 16 --new 8 --repeats 1 --eager-repeats 3"
