@@ -182,7 +182,7 @@ class MXFP8Experts(nn.Module):
         reason = _pair_reason(gate_up, down)
         if reason:
             raise ValueError(reason)
-        self.gate_up, self.down = gate_up, down
+        self._gate_up, self._down = gate_up, down  # read-only: what the traced call reads (_op) stays theirs
         self.num_experts = gate_up.experts
         # what a traced call reads (_traced): the op's arguments as plain values in the module's own __dict__
         self._op = {"gate_up": gate_up.traced_args(), "down": down.traced_args(), "hidden": gate_up.in_features}
@@ -228,6 +228,14 @@ class MXFP8Experts(nn.Module):
             prepare_grouped_weight(gate_up, gate_up_scale, **options),
             prepare_grouped_weight(down, down_scale, **options),
         )
+
+    @property
+    def gate_up(self) -> PreparedGroupedWeight:
+        return self._gate_up
+
+    @property
+    def down(self) -> PreparedGroupedWeight:
+        return self._down
 
     @property
     def backend(self) -> str:
@@ -276,7 +284,7 @@ class MXFP8Experts(nn.Module):
         return self._run(*args)
 
     def _run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up, self.down)
+        return moe_experts(hidden_states, top_k_index, top_k_weights, self._gate_up, self._down)
 
     def _traced(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """``forward`` as ``torch.compile`` traces it: the same checks and op, reading only the plain values the module

@@ -143,6 +143,16 @@ def test_a_compiled_experts_module_guards_only_plain_values_of_its_own():
     torch._dynamo.reset()
 
 
+def test_the_modules_weights_are_read_only():
+    """What a traced call reads is the module's own copy of its weights' op arguments: a weight cannot be swapped
+    under it."""
+    (gate_up, down), _ = _experts()
+    experts = MXFP8Experts(gate_up, down)
+    assert experts.gate_up is gate_up and experts.down is down
+    with pytest.raises(AttributeError):
+        experts.gate_up = down
+
+
 def _tiny(kind):
     common = dict(vocab_size=128, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     if kind == "qwen3_moe":
