@@ -8,8 +8,8 @@ token), decode tokens/s (128 new tokens: batch x 127 tokens over the time past t
 (batch 1, one token), the bytes of the model's tensors on the GPU (each storage once) and its peak: those bytes, what
 its earlier calls keep allocated (a static cache, CUDA graph pools) and the most one of its calls allocates beyond.
 Greedy, EOS ignored. ``graphs``: ``generate`` with a static cache and Hugging Face's automatic compilation of the
-decode step (``torch.compile``, ``mode="reduce-overhead"``: CUDA graphs), its first calls per batch size
-(compilation) untimed.
+decode step (``torch.compile``, ``mode="reduce-overhead"``: CUDA graphs). Each model's first call of each kind per
+(mode, batch) is untimed (compilation, and a first call of a kind taking longer than the next ones).
 
 Both models live in one process and their calls alternate, the order swapped every round, each figure the median of
 its rounds (``--eager-repeats``, 9, eager; ``--repeats``, 5, with graphs): the host's drift between minutes (eager
@@ -164,6 +164,7 @@ def measure(models: dict, resident: dict, kept: dict, mode: str, batch: int, arg
         for who in models:  # warm-up: kernels built and plans made; graphs compiled, recorded and captured at this
             for _ in range(2 if mode == "graphs" else 1):  # cache length, which takes a second call
                 run(who, "", ids, args.new, **kwargs)
+            run(who, "", ids, 1, **kwargs)  # each call the rounds time, once: a first one of a kind takes longer
             run(who, "", long_ids, 1, **eager)
         for r in range(args.eager_repeats if mode == "eager" else args.repeats):
             order = list(models) if r % 2 == 0 else list(models)[::-1]
