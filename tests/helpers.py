@@ -136,6 +136,20 @@ def kernels_launched(fn) -> list[str]:
     return names
 
 
+def guards_tag_safe(code) -> dict[str, bool]:
+    """For the one compiled entry of ``code``: each guarded value's source and whether Dynamo may skip its subtree while
+    the dicts it is read through keep their tags (recursive dict tags)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    (entry,) = _debug_get_cache_entry_list(code)
+    safe, nodes = {}, [entry.guard_manager.root]
+    while nodes:
+        node = nodes.pop()
+        nodes += node.get_child_managers()
+        safe[node.get_source()] = node.is_tag_safe()
+    return safe
+
+
 def tiny_qwen3_moe(layers: int = 2, *, hidden: int = 64, width: int = 32, experts: int = 4):
     """A tiny random Qwen3-MoE causal LM in bf16 (transformers' 3-D experts, top-2 routing), seeded."""
     import transformers

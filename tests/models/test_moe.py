@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from helpers import random_act, sqnr_db, tiny_qwen3_moe
+from helpers import guards_tag_safe, random_act, sqnr_db, tiny_qwen3_moe
 from torch import nn
 
 import mxgemm
@@ -124,22 +124,14 @@ def test_a_compiled_experts_module_guards_only_plain_values_of_its_own():
     """A traced MXFP8Experts reads only plain values in its own __dict__, as MXFP8Linear does: with Dynamo's recursive
     dict tags (on by default in torch 2.11) its guards are skipped while that __dict__ is unchanged; a read through
     the prepared weights would make each of their guards run on every step of a compiled model."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
     torch._dynamo.reset()
     layer = _Layer(MXFP8Experts(*_experts()[0]))
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     x, (ids, weights) = random_act(5, H), _routing(5, 2, "random")
     with torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True), torch.no_grad():
         assert torch.equal(compiled(x, ids, weights), layer(x, ids, weights))
-        (entry,) = _debug_get_cache_entry_list(_Layer.forward.__code__)
-    safe, nodes = [], [entry.guard_manager.root]
-    while nodes:
-        node = nodes.pop()
-        nodes += node.get_child_managers()
-        if node.get_source().endswith("['experts']"):
-            safe.append(node.is_tag_safe())
-    assert safe == [True]
+        safe = guards_tag_safe(_Layer.forward.__code__)
+    assert [tag_safe for source, tag_safe in safe.items() if source.endswith("['experts']")] == [True]
     torch._dynamo.reset()
 
 

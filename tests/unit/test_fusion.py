@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import random_act
+from helpers import guards_tag_safe, random_act
 from torch import nn
 
 import mxgemm
@@ -377,21 +377,14 @@ def test_compiled_layers_guard_only_plain_values_of_their_own():
     """Every MXFP8Linear of a compiled block (groups and lone layers) reads only plain values in its own __dict__:
     with Dynamo's recursive dict tags (on by default in torch 2.11) its guards are skipped while the __dict__ is
     unchanged, as an nn.Linear's are; a read through an object of ours makes each guard run on every call."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
     torch._dynamo.reset()
     _, fused, _ = _pair("hybrid-block128")
     compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
     with torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True), torch.no_grad():
         compiled(torch.randn(4, 256, dtype=torch.bfloat16))
-        (entry,) = _debug_get_cache_entry_list(_Block.forward.__code__)
-    layers, nodes = {}, [entry.guard_manager.root]
-    while nodes:
-        node = nodes.pop()
-        nodes += node.get_child_managers()
-        source = node.get_source()
-        if source.endswith("_proj']"):  # the layers themselves, not their values
-            layers[source.rsplit("'", 2)[1]] = node.is_tag_safe()
+        safe = guards_tag_safe(_Block.forward.__code__)
+    # the layers themselves, not their values
+    layers = {source.rsplit("'", 2)[1]: tag_safe for source, tag_safe in safe.items() if source.endswith("_proj']")}
     assert layers == dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), True)
     torch._dynamo.reset()
 
