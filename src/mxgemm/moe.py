@@ -96,7 +96,16 @@ def _check_call(
         )
 
 
-def _experts_op(x, topk_ids, topk_weights, gate_up_tensors, down_tensors, backend, gate_up_meta, down_meta):
+def _experts_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_tensors: list[torch.Tensor],
+    down_tensors: list[torch.Tensor],
+    backend: str,
+    gate_up_meta: str,
+    down_meta: str,
+) -> torch.Tensor:
     """One ``mxgemm::moe_experts`` op on checked inputs: fp32 activations run in bf16 and the answer comes back in
     ``x``'s dtype."""
     dtype = x.dtype
