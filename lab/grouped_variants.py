@@ -46,6 +46,19 @@ PROBLEMS = [
     ("deepseek-v3", "down", 4096, [WgmmaConfig(128, 128, 6), WgmmaConfig(128, 128, 6, True)]),
 ]
 
+# --large: the prefill sizes where the wgmma kernel trails DeepGEMM contiguous, its 128-row token tiles (which
+# lab/patches/grouped-mc.patch runs in CTA pairs that share the token tile) and 128 x 160 tiles (grouped-wide.patch)
+WIDE = [WgmmaConfig(128, 160, 4), WgmmaConfig(128, 160, 6)]
+LARGE = [
+    ("qwen3-30b-a3b", "gate_up", 4096, [WgmmaConfig(128, 128, 4), WgmmaConfig(128, 128, 4, True), *WIDE]),
+    ("qwen3-30b-a3b", "down", 4096, [WgmmaConfig(128, 128, 6), WgmmaConfig(128, 128, 6, True), *WIDE]),
+    ("mixtral-8x7b", "gate_up", 1024, [WgmmaConfig(128, 128, 4), WgmmaConfig(128, 128, 6), *WIDE]),
+    ("mixtral-8x7b", "gate_up", 4096, [WgmmaConfig(128, 128, 4), WgmmaConfig(128, 128, 6), *WIDE]),
+    ("mixtral-8x7b", "down", 4096, [WgmmaConfig(128, 128, 6), WgmmaConfig(128, 128, 6, True), *WIDE]),
+    ("deepseek-v3", "gate_up", 4096, [WgmmaConfig(128, 128, 4), WgmmaConfig(128, 128, 6), *WIDE]),
+    ("deepseek-v3", "down", 4096, [WgmmaConfig(128, 128, 6), WgmmaConfig(128, 128, 6, True), *WIDE]),
+]
+
 
 def load(folder: Path) -> tuple[ctypes.CDLL, bool]:
     """The variant's library and whether its entry point takes ``persistent``."""
@@ -77,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("variants", nargs="+", help="NAME=FOLDER")
     parser.add_argument("--json")
+    parser.add_argument("--large", action="store_true", help="the LARGE problems instead of PROBLEMS")
     args = parser.parse_args()
     variants = {}
     for spec in args.variants:
@@ -85,7 +99,7 @@ def main() -> None:
     cuda = torch.device("cuda")
     out, weights = [], {}
     print(f"{'problem':34s} {'config':44s} " + " ".join(f"{v:>9s}" for v in variants), flush=True)
-    for model, proj, tokens, configs in PROBLEMS:
+    for model, proj, tokens, configs in LARGE if args.large else PROBLEMS:
         e, hidden, width, topk = MOE_MODELS[model]
         n, k = (2 * width, hidden) if proj == "gate_up" else (hidden, width)
         if (model, proj) not in weights:

@@ -47,6 +47,10 @@
 #           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
 #   grad-modes  lab/grad_modes.py (GRAD_ARGS, default --layers 16): eager generate under no_grad against under
 #           inference_mode, where the q/k/v groups run apart, bf16 and mxgemm
+#   grouped-ncu  Nsight Compute on the grouped wgmma kernel and DeepGEMM's contiguous kernel (lab/grouped_ncu.py),
+#           Qwen3 and Mixtral gate/up at 4096 tokens by default (NCU_PROBLEMS)
+#   grouped-large  the tree's grouped wgmma kernel beside lab/patches/grouped-{mc,wide}.patch (LARGE_PATCHES) at the
+#           LARGE prefill sizes of lab/grouped_variants.py, then the grouped GPU tests with the last patch applied
 #   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside the kernel before the persistent
 #           grid (f0b8c98~1) and the tree's with each lab/patches/grouped-*.patch applied; then the 64 x 160 patch
 #           applied to this copy of the tree and the wgmma GPU tests run on it
@@ -271,6 +275,48 @@ PY
         > "$out/grouped-variants.txt" 2>&1; tail -22 "$out/grouped-variants.txt"
       git apply lab/patches/grouped-wn160.patch && timeout 200 python3 -m pytest tests/gpu/test_gpu_grouped.py \
         -q -p no:warnings -x -k "wgmma or persistent" > "$out/wn160-tests.txt" 2>&1; tail -3 "$out/wn160-tests.txt" ;;
+    grouped-ncu)  # Nsight Compute on the grouped wgmma kernel and DeepGEMM's contiguous kernel (where .anchors/deepgemm
+      # was carried), one problem of `mxgemm bench --moe` each (NCU_PROBLEMS: model:proj:tokens ...); the details of all
+      # in grouped-ncu.txt, the wgmma kernel's top stall sites in grouped-ncu-stalls.txt
+      dg="$PWD/.anchors/deepgemm/DeepGEMM"; export DG_CACHE_DIR="${DG_CACHE_DIR:-$dg/../../dg_cache}"
+      sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis"
+      sections="$sections --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
+      for p in ${NCU_PROBLEMS:-qwen3-30b-a3b:gate_up:4096 mixtral-8x7b:gate_up:4096}; do
+        IFS=: read -r model proj tokens <<< "$p"
+        for who in mxgemm deepgemm; do
+          if [ $who = mxgemm ]; then re=grouped_kernel; flag=""; src="--section SourceCounters"
+          else re=fp8_gemm; flag=--deepgemm; src=""; [ -d "$dg" ] || continue; fi
+          rep="$out/ncu-$who-$model-$proj-$tokens"
+          [ $who = deepgemm ] && PYTHONPATH="$PYTHONPATH:$dg" timeout 240 python3 lab/grouped_ncu.py --deepgemm \
+            --model "$model" --proj "$proj" --tokens "$tokens" > /dev/null 2>&1  # DeepGEMM's JIT builds outside ncu
+          PYTHONPATH="$PYTHONPATH:$dg" timeout 240 ncu $sections $src -k regex:$re -s 2 -c 1 -o "$rep" -f python3 \
+            lab/grouped_ncu.py $flag --model "$model" --proj "$proj" --tokens "$tokens" > "$rep.log" 2>&1
+          { echo "=== $who $model $proj $tokens"; grep -E "tokens:" "$rep.log"; ncu --import "$rep.ncu-rep" --page details --print-details all; } \
+            >> "$out/grouped-ncu.txt" 2>&1
+          if [ $who = mxgemm ]; then
+            ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > /tmp/sass.csv 2>&1
+            { echo "=== $model $proj $tokens"; python3 lab/top_stalls.py /tmp/sass.csv 25; } >> "$out/grouped-ncu-stalls.txt" 2>&1
+          fi
+          rm -f "$rep.ncu-rep" "$rep.log"
+        done
+      done
+      grep -E "^===|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|Shared Memory|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Issue Slots Busy|Achieved Occupancy" \
+        "$out/grouped-ncu.txt" | cut -c1-140 ;;
+    grouped-large)  # the wgmma kernel's tree beside each of LARGE_PATCHES (default: grouped-mc, CTA pairs that
+      # multicast the 128-row token tile; grouped-wide, 128 x 160 tiles with a producer warpgroup) at the LARGE prefill
+      # sizes (lab/grouped_variants.py --large); then the last patch applied to this copy of the tree and the grouped
+      # GPU tests of LARGE_TESTS (default: all) run on it
+      csrc=src/mxgemm/kernels/grouped/csrc; specs="tree=$csrc"; patch=""
+      for name in ${LARGE_PATCHES:-grouped-mc grouped-wide}; do
+        patch=lab/patches/$name.patch; v=/tmp/$name; rm -rf "$v"; mkdir -p "$v/src/mxgemm"
+        cp -r src/mxgemm/kernels "$v/src/mxgemm/" && patch -s -f -p1 -d "$v" < "$patch" > /dev/null 2>&1
+        specs="$specs ${name#grouped-}=$v/$csrc"
+      done
+      timeout 300 python3 lab/grouped_variants.py $specs --large --json "$out/grouped-large.json" \
+        > "$out/grouped-large.txt" 2>&1; tail -30 "$out/grouped-large.txt"
+      git apply "$patch" && timeout 240 python3 -m pytest tests/gpu/test_gpu_grouped.py -q -p no:warnings -x \
+        ${LARGE_TESTS:+-k "$LARGE_TESTS"} > "$out/grouped-large-tests.txt" 2>&1; tail -3 "$out/grouped-large-tests.txt"
+      git apply -R "$patch" ;;
     *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|small-m-ncu|prefill|quant|ulp|eager|e2e|load|lt-algos|bench-8b|bench-more|bench-all ..." >&2
        exit 2 ;;
   esac
