@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("variants", nargs="+", help="NAME=FOLDER")
     parser.add_argument("--json")
     parser.add_argument("--large", action="store_true", help="the LARGE problems instead of PROBLEMS")
+    parser.add_argument("--no-wide", action="store_true", help="leave out the WIDE configs")
     args = parser.parse_args()
     variants = {}
     for spec in args.variants:
@@ -113,6 +114,8 @@ def main() -> None:
         quantized = [quantize_rows(torch.randn(rows, k, device=cuda).bfloat16()) for _ in routings]
         ref, worst = None, 0.0
         for config in configs:
+            if args.no_wide and config in WIDE:
+                continue
             res = {}
             for name, variant in variants.items():
                 if config.persistent and not variant[1]:

@@ -303,17 +303,19 @@ PY
       grep -E "^===|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|Shared Memory|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Issue Slots Busy|Achieved Occupancy" \
         "$out/grouped-ncu.txt" | cut -c1-140 ;;
     grouped-large)  # the wgmma kernel's tree beside each of LARGE_PATCHES (default: grouped-mc, CTA pairs that
-      # multicast the 128-row token tile; grouped-wide, 128 x 160 tiles with a producer warpgroup) at the LARGE prefill
-      # sizes (lab/grouped_variants.py --large); then the last patch applied to this copy of the tree and the grouped
-      # GPU tests of LARGE_TESTS (default: all) run on it
+      # multicast the 128-row token tile; grouped-wide, 128 x 160 tiles with a producer warpgroup; the ablations
+      # grouped-noscale, grouped-nopromote, grouped-nostore time the kernel without a part) at the LARGE prefill
+      # sizes (lab/grouped_variants.py --large LARGE_ARGS); then the last patch applied to this copy of the tree and
+      # the grouped GPU tests of LARGE_TESTS (default: all; none: no tests) run on it
       csrc=src/mxgemm/kernels/grouped/csrc; specs="tree=$csrc"; patch=""
       for name in ${LARGE_PATCHES:-grouped-mc grouped-wide}; do
         patch=lab/patches/$name.patch; v=/tmp/$name; rm -rf "$v"; mkdir -p "$v/src/mxgemm"
         cp -r src/mxgemm/kernels "$v/src/mxgemm/" && patch -s -f -p1 -d "$v" < "$patch" > /dev/null 2>&1
         specs="$specs ${name#grouped-}=$v/$csrc"
       done
-      timeout 300 python3 lab/grouped_variants.py $specs --large --json "$out/grouped-large.json" \
+      timeout 300 python3 lab/grouped_variants.py $specs --large ${LARGE_ARGS:-} --json "$out/grouped-large.json" \
         > "$out/grouped-large.txt" 2>&1; tail -30 "$out/grouped-large.txt"
+      [ "${LARGE_TESTS:-}" = none ] && continue  # the ablations' patches (timing only) fail the tests by design
       git apply "$patch" && timeout 240 python3 -m pytest tests/gpu/test_gpu_grouped.py -q -p no:warnings -x \
         ${LARGE_TESTS:+-k "$LARGE_TESTS"} > "$out/grouped-large-tests.txt" 2>&1; tail -3 "$out/grouped-large-tests.txt"
       git apply -R "$patch" ;;
