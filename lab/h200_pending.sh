@@ -49,8 +49,9 @@
 #           inference_mode, where the q/k/v groups run apart, bf16 and mxgemm
 #   grouped-ncu  Nsight Compute on the grouped wgmma kernel and DeepGEMM's contiguous kernel (lab/grouped_ncu.py),
 #           Qwen3 and Mixtral gate/up at 4096 tokens by default (NCU_PROBLEMS)
-#   grouped-large  the tree's grouped wgmma kernel beside lab/patches/grouped-{mc,wide}.patch (LARGE_PATCHES) at the
-#           LARGE prefill sizes of lab/grouped_variants.py, then the grouped GPU tests with the last patch applied
+#   grouped-large  the tree's grouped wgmma kernel beside lab/patches' LARGE_PATCHES (default grouped-mc and
+#           grouped-wide) at the LARGE prefill sizes of lab/grouped_variants.py, then the grouped GPU tests with the last
+#           patch applied
 #   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside the kernel before the persistent
 #           grid (f0b8c98~1) and the tree's with each lab/patches/grouped-*.patch applied; then the 64 x 160 patch
 #           applied to this copy of the tree and the wgmma GPU tests run on it
@@ -267,6 +268,7 @@ PY
       mkdir -p "$vdir/pre" && for f in grouped_fp8.cu sm90.cuh; do git show "f0b8c98~1:$csrc/$f" > "$vdir/pre/$f"; done \
         && specs="$specs pre=$vdir/pre"
       for p in lab/patches/grouped-*.patch; do  # the kernels' folder copied, the patch's hunks of it applied
+        grep -q ABLATION "$p" && continue  # timing-only ablations run in grouped-large
         v="$vdir/$(basename "$p" .patch)"; mkdir -p "$v/src/mxgemm"; cp -r src/mxgemm/kernels "$v/src/mxgemm/"
         patch -s -f -p1 -d "$v" < "$p" > /dev/null 2>&1  # (the hunks of tests and other files find no file)
         cmp -s "$v/$csrc/grouped_fp8.cu" "$csrc/grouped_fp8.cu" || specs="$specs $(basename "$v")=$v/$csrc"
