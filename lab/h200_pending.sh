@@ -306,7 +306,8 @@ PY
         "$out/grouped-ncu.txt" | cut -c1-140 ;;
     grouped-large)  # the wgmma kernel's tree beside each of LARGE_PATCHES (default: grouped-mc, CTA pairs that
       # multicast the 128-row token tile; grouped-wide, 128 x 160 tiles with a producer warpgroup; grouped-regs, that
-      # warpgroup's registers given to 128 x 128 tiles' consumers; the ablations grouped-noscale, grouped-nopromote,
+      # warpgroup's registers given to 128 x 128 tiles' consumers; grouped-vstore, the output in 16-byte stores after
+      # an exchange in each quad of lanes; the ablations grouped-noscale, grouped-nopromote,
       # grouped-nostore time the kernel without a part) at the LARGE prefill
       # sizes (lab/grouped_variants.py --large LARGE_ARGS); then the last patch applied to this copy of the tree and
       # the grouped GPU tests of LARGE_TESTS (default: all; none: no tests) run on it
