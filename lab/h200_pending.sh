@@ -50,8 +50,8 @@
 #   grouped-ncu  Nsight Compute on the grouped wgmma kernel and DeepGEMM's contiguous kernel (lab/grouped_ncu.py),
 #           Qwen3 and Mixtral gate/up at 4096 tokens by default (NCU_PROBLEMS)
 #   grouped-large  the tree's grouped wgmma kernel beside lab/patches' LARGE_PATCHES (default grouped-regs,
-#           grouped-vstore and grouped-xscale, not yet run) at the LARGE prefill sizes of lab/grouped_variants.py, then
-#           the grouped GPU tests with the last patch applied
+#           grouped-vstore, grouped-xscale and grouped-regs-xscale, not yet run) at the LARGE prefill sizes of
+#           lab/grouped_variants.py, then the grouped GPU tests with the last patch applied
 #   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside the kernel before the persistent
 #           grid (f0b8c98~1) and the tree's with each lab/patches/grouped-*.patch applied; then the 64 x 160 patch
 #           applied to this copy of the tree and the wgmma GPU tests run on it
@@ -309,13 +309,14 @@ PY
       # registers given to 128 x 128 tiles' consumers; grouped-vstore, the output in 16-byte stores after an exchange
       # in each quad of lanes; grouped-xscale, the rows' scales bulk-copied into each stage by the producer; the
       # ablations grouped-noscale, grouped-nopromote, grouped-nostore time the kernel without a part; default: the
-      # three not yet run, grouped-regs, grouped-vstore and grouped-xscale) at the LARGE prefill
+      # four not yet run, grouped-regs, grouped-vstore, grouped-xscale and grouped-regs-xscale) at the LARGE prefill
       # sizes (lab/grouped_variants.py --large LARGE_ARGS); then the last patch applied to this copy of the tree and
       # the grouped GPU tests of LARGE_TESTS (default: all; none: no tests) run on it
       csrc=src/mxgemm/kernels/grouped/csrc; specs="tree=$csrc"; patch=""
-      for name in ${LARGE_PATCHES:-grouped-regs grouped-vstore grouped-xscale}; do
+      for name in ${LARGE_PATCHES:-grouped-regs grouped-vstore grouped-xscale grouped-regs-xscale}; do
         patch=lab/patches/$name.patch; v=/tmp/$name; rm -rf "$v"; mkdir -p "$v/src/mxgemm"
-        cp -r src/mxgemm/kernels "$v/src/mxgemm/" && patch -s -f -p1 -d "$v" < "$patch" > /dev/null 2>&1
+        cp -r src/mxgemm/kernels "$v/src/mxgemm/"
+        if ! patch -s -f -p1 -d "$v" < "$patch" > /dev/null 2>&1; then echo "$name: does not apply, left out"; continue; fi
         specs="$specs ${name#grouped-}=$v/$csrc"
       done
       timeout 300 python3 lab/grouped_variants.py $specs --large ${LARGE_ARGS:-} --json "$out/grouped-large.json" \
