@@ -26,6 +26,7 @@ __all__ = [
     "from_128x4",
     "grouped_128x4",
     "pad_rows",
+    "padded_groups",
     "padded_size_8x4",
     "padded_size_128x4",
     "round_up",
@@ -94,25 +95,36 @@ def from_128x4(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return flat.reshape(r // 128, c // 4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(r, c)[:rows, :cols].contiguous()
 
 
+def padded_groups(offsets: torch.Tensor, rows: int, multiple: int = 128) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where the ``rows`` rows sorted by group (``offsets`` int32 ``[E]``, cumulative row ends, non-decreasing) go
+    when each group's rows are padded to a multiple of ``multiple`` and the groups follow one another: ``dest``
+    ``[rows]`` (int64, each row's padded place; ``padded_rows`` for rows past the last group's end), ``starts``
+    ``[E + 1]`` (int64, each group's first padded row, then their end) and ``padded_rows`` (``rows`` rounded up to
+    ``multiple``, plus ``multiple`` a group: it holds any routing, and depends on ``rows`` and E alone). On the
+    device, without reading the offsets on the host."""
+    groups = offsets.numel()
+    padded_rows = round_up(rows, multiple) + multiple * groups
+    ends = offsets.to(torch.int64).clamp(0, rows)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    padded = (ends - starts).clamp_min(0).add(multiple - 1).div(multiple, rounding_mode="floor").mul(multiple)
+    first = torch.cat([padded.new_zeros(1), padded.cumsum(0)])
+    i = torch.arange(rows, device=offsets.device)
+    group = torch.searchsorted(ends, i, right=True)  # E past the last group's end
+    g = group.clamp(max=groups - 1)
+    dest = torch.where(group < groups, first[g] + i - starts[g], padded_rows)
+    return dest, first, padded_rows
+
+
 def grouped_128x4(scale: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The scales ``[S, C]`` of rows sorted by group (``offsets`` int32 ``[E]``, cumulative row ends, non-decreasing)
     in the layout of PyTorch's MXFP8 grouped GEMM: each group's rows padded to a multiple of 128 and swizzled as
-    :func:`to_128x4`, the groups one after another (group g from row ``sum(round_up(M_j, 128) for j < g)``), as a
-    ``[Sp, round_up(C, 4)]`` matrix whose ``Sp`` (``S`` rounded up to 128, plus 128 rows a group) depends on S and E
-    alone; rows past the last group's end are left out. On the device, without reading the offsets on the host."""
+    :func:`to_128x4`, the groups one after another (:func:`padded_groups`), as a ``[Sp, round_up(C, 4)]`` matrix
+    whose ``Sp`` depends on S and E alone; rows past the last group's end are left out. On the device, without reading
+    the offsets on the host."""
     _check_scale(scale)
     rows, cols = scale.shape
-    groups = offsets.numel()
-    padded_rows = round_up(rows, 128) + 128 * groups
-    ends = offsets.to(torch.int64).clamp(0, rows)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    padded = (ends - starts).clamp_min(0).add(127).div(128, rounding_mode="floor").mul(128)
-    first = padded.cumsum(0) - padded  # each group's first row in the padded layout
-    i = torch.arange(rows, device=scale.device)
-    group = torch.searchsorted(ends, i, right=True)  # E past the last group's end
-    g = group.clamp(max=groups - 1)
-    dest = torch.where(group < groups, first[g] + i - starts[g], padded_rows)  # a spare row takes the rest
-    out = scale.new_zeros(padded_rows + 1, round_up(cols, 4))
+    dest, _, padded_rows = padded_groups(offsets, rows)
+    out = scale.new_zeros(padded_rows + 1, round_up(cols, 4))  # a spare row takes the rows past the end
     out.index_copy_(0, dest, F.pad(scale, (0, out.shape[1] - cols)))
     return to_128x4(out[:padded_rows]).view(padded_rows, -1)
 

@@ -115,6 +115,7 @@ def test_available_backends_rows(monkeypatch):
         "flashinfer_cutedsl",
         "flashinfer_cutlass",
         "flashinfer_trtllm",
+        "flashinfer_cudnn",
         "cublas_mx",
         "hybrid_sm90",
         "cublas_block",
@@ -231,5 +232,5 @@ def test_every_backend_file_is_registered_and_auto_names_only_registered_backend
                 if "name" in vars(c) and not inspect.isabstract(c):
                     defined.add(c.name)
     names = backends.backend_names()
-    assert set(names) == defined and len(names) == 8
+    assert set(names) == defined and len(names) == 9
     assert names[: len(backends.AUTO_PRIORITY)] == list(backends.AUTO_PRIORITY)

@@ -28,12 +28,14 @@ __all__ = [
 
 # The order `auto` tries backends in, fastest first; each joins only if its own checks pass (FlashInfer's answer,
 # a cuBLAS probe, ...), so one list serves every GPU. `flashinfer_trtllm` comes last before `triton`, as the engines
-# keep it (its weights must be shuffled); `cublas_block` runs only when named: on SM90 `hybrid_sm90` serves its
-# regime from the same stored weight and also covers small M.
+# keep it (its weights must be shuffled); `flashinfer_cudnn` (which also runs experts) after PyTorch's `cublas_mx`, as
+# FlashInfer's own `auto` puts cuDNN after CUTLASS; `cublas_block` runs only when named: on SM90 `hybrid_sm90` serves
+# its regime from the same stored weight and also covers small M.
 AUTO_PRIORITY: tuple[str, ...] = (
     "flashinfer_cutedsl",
     "flashinfer_cutlass",
     "cublas_mx",
+    "flashinfer_cudnn",
     "hybrid_sm90",
     "flashinfer_trtllm",
     "triton",

@@ -1,4 +1,5 @@
-"""``flashinfer_cutlass``, ``flashinfer_cutedsl``, ``flashinfer_trtllm``: FlashInfer's MXFP8 GEMMs (``w8a8-mx``).
+"""``flashinfer_cutlass``, ``flashinfer_cutedsl``, ``flashinfer_trtllm``, ``flashinfer_cudnn``: FlashInfer's MXFP8
+GEMMs (``w8a8-mx``).
 
 Availability is FlashInfer's own answer, asked at run time: ``mm_mxfp8.is_backend_supported(<backend>, <cc>)`` with
 the device's compute capability as an integer (100, 103, 107, 120, ...), plus the problem constraints FlashInfer
@@ -14,6 +15,14 @@ lies beside mxgemm's tuning file and is loaded when a weight is prepared, so a r
 Activations are quantized by mxgemm's own Triton kernel (:mod:`mxgemm.kernels.mx_quant`), never by FlashInfer's
 ``mxfp8_quantize``, whose kernel is compiled for SM100+ only and silently does nothing elsewhere.
 
+``flashinfer_cudnn`` runs FlashInfer's cuDNN GEMMs (they need cuDNN's Python frontend, ``nvidia-cudnn-frontend``),
+and also the experts of a mixture of experts, through FlashInfer's ``grouped_mm_mxfp8``: each expert's weight rows
+padded to a multiple of 128 and its scales swizzled 128x4 once; per call, the rows quantized to MXFP8 and laid out
+as FlashInfer's own MoE runner lays them out for cuDNN, which reads block scales in 128-row tiles: each expert's rows
+padded to a multiple of 128, the experts one after another from row 0 (``m_indptr`` their starts, then the end), in
+a buffer sized by the row count and E alone (no host synchronisation), whose scales are swizzled 128x4 as one matrix;
+cuDNN runs the last expert to the buffer's end (over zero rows), and the rows are read back from their places.
+
 These backends have not been run on Blackwell by this project: no such GPU has been available to it.
 """
 
@@ -27,14 +36,16 @@ from typing import ClassVar
 import torch
 
 from ..device import DeviceInfo
-from ..format import BLOCK_SIZE
-from ..layouts import finish_output, from_128x4, pad_rows, to_128x4
+from ..format import BLOCK_SIZE, e8m0_bytes
+from ..layouts import finish_output, from_128x4, pad_rows, padded_groups, to_128x4
 from ..recipes import MX_ACT_SCALE_MODE, Recipe
-from .base import Availability, Backend, PreparedWeight
+from .base import Availability, Backend, PreparedGroupedWeight, PreparedWeight, UnsupportedWeightError
+from .capabilities import GroupedWeights
 
-__all__ = ["FlashInferCuteDSL", "FlashInferCutlass", "FlashInferTRTLLM"]
+__all__ = ["FlashInferCuDNN", "FlashInferCuteDSL", "FlashInferCutlass", "FlashInferTRTLLM"]
 
 TRTLLM_TILE = 128
+CUDNN_SEGMENT = 128  # cuDNN's grouped GEMM reads block scales in 128-row tiles: experts' rows and weight rows padded
 N_MULTIPLE = 32  # cutlass / cute-dsl weight rows: bf16 output rows 16-byte aligned, and SM12x's N % 32
 WARM_UP_ON = ("cuda",)  # device types whose first prepare runs one GEMM (FlashInfer's kernels need a GPU)
 _WARMED: set[tuple[str, torch.device]] = set()
@@ -185,6 +196,72 @@ class FlashInferTRTLLM(_FlashInferMX):
         s = torch.empty(shape[0] * shape[1], dtype=torch.uint8, device=t["scale"].device)
         s[src[kept]] = t["scale"].reshape(-1)[kept]
         return q[:n], s.reshape(shape)[:n]
+
+
+def _cudnn_frontend_missing() -> bool:
+    """Whether cuDNN's Python frontend (``import cudnn``), which FlashInfer's cuDNN GEMMs build their graphs with, is
+    not installed."""
+    return importlib.util.find_spec("cudnn") is None
+
+
+class FlashInferCuDNN(_FlashInferMX, GroupedWeights):
+    name = "flashinfer_cudnn"
+    fi_backend = "cudnn"
+    grouped_recipes = (Recipe.W8A8_MX,)
+    summary = "FlashInfer cuDNN MXFP8 GEMM, and grouped (experts) through grouped_mm_mxfp8"
+
+    def check_device(self, device: DeviceInfo) -> Availability:
+        answer = super().check_device(device)
+        if answer and _cudnn_frontend_missing():
+            return Availability(
+                False, "FlashInfer's cuDNN GEMMs need cuDNN's Python frontend (pip install nvidia-cudnn-frontend)"
+            )
+        return answer
+
+    def check_grouped(self, device: DeviceInfo) -> Availability:
+        if not _flashinfer().grouped_mm.grouped_mm_mxfp8.is_compute_capability_supported(device.sm):
+            return Availability(
+                False, f"FlashInfer says grouped_mm_mxfp8 does not support compute capability {device.sm}"
+            )
+        return Availability(True, f"FlashInfer grouped_mm_mxfp8 (cuDNN) on SM{device.sm}")
+
+    def prepare_grouped(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedGroupedWeight:
+        """The E4M3 experts with their rows padded to a multiple of 128, each expert's scales swizzled 128x4 (``[E,
+        Np, K/32]``); refused where K is not a multiple of 128 (cuDNN's 128x4 scale tiles along K)."""
+        e, n, k = qdata.shape
+        if qdata.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{self.name} takes E4M3 weights; got {qdata.dtype}")
+        if k % 128:
+            raise UnsupportedWeightError(f"FlashInfer's grouped_mm_mxfp8 reads K in multiples of 128; K = {k}")
+        padded = [pad_rows(qdata[i], e8m0_bytes(scale[i]), CUDNN_SEGMENT) for i in range(e)]
+        q = torch.stack([p[0] for p in padded]).contiguous()
+        s = torch.stack([to_128x4(p[1]).view(q.shape[1], k // BLOCK_SIZE) for p in padded])
+        return PreparedGroupedWeight(self.name, recipe, n, k, {"qdata": q, "scale": s}, {}, experts=e)
+
+    def run_grouped(self, x, weight, offsets, tactic=None) -> torch.Tensor:
+        from ..kernels.mx_quant import mx_quantize
+
+        rows, k = x.shape
+        cols = k // BLOCK_SIZE
+        dest, starts, padded = padded_groups(offsets, rows, CUDNN_SEGMENT)
+        xq, xs = mx_quantize(x, scale_mode=MX_ACT_SCALE_MODE)
+        # the rows in their padded places (a spare last row takes those past the last expert's end), zeros elsewhere
+        aq = xq.view(torch.uint8).new_zeros(padded + 1, k).index_copy_(0, dest, xq.view(torch.uint8))
+        aq = aq[:padded].view(torch.float8_e4m3fn)
+        a_sf = to_128x4(xs.new_zeros(padded + 1, cols).index_copy_(0, dest, xs)[:padded]).view(padded, cols)
+        t = weight.tensors
+        y = _flashinfer().grouped_mm.grouped_mm_mxfp8(
+            aq, t["qdata"], a_sf, t["scale"], starts.to(torch.int32), out_dtype=torch.bfloat16
+        )
+        y = y[dest.clamp(max=padded - 1), : weight.out_features]
+        past = torch.arange(rows, device=x.device)[:, None] >= offsets[-1]
+        return y.masked_fill(past, 0).to(x.dtype)
+
+    def export_grouped_mx(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s = weight.tensors["qdata"], weight.tensors["scale"]
+        n, k = weight.out_features, weight.in_features
+        scales = [from_128x4(s[i].reshape(-1), q.shape[1], k // BLOCK_SIZE)[:n] for i in range(weight.experts)]
+        return q[:, :n], torch.stack(scales)
 
 
 def tactics_path(device: torch.device) -> Path:
