@@ -251,11 +251,11 @@ class FlashInferCuDNN(_FlashInferMX, GroupedWeights):
         a_sf = to_128x4(xs.new_zeros(padded + 1, cols).index_copy_(0, dest, xs)[:padded]).view(padded, cols)
         t = weight.tensors
         y = _flashinfer().grouped_mm.grouped_mm_mxfp8(
-            aq, t["qdata"], a_sf, t["scale"], starts.to(torch.int32), out_dtype=torch.bfloat16
+            aq, t["qdata"], a_sf, t["scale"], starts.to(torch.int32), out_dtype=x.dtype
         )
         y = y[dest.clamp(max=padded - 1), : weight.out_features]
         past = torch.arange(rows, device=x.device)[:, None] >= offsets[-1]
-        return y.masked_fill(past, 0).to(x.dtype)
+        return y.masked_fill(past, 0)
 
     def export_grouped_mx(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         q, s = weight.tensors["qdata"], weight.tensors["scale"]
