@@ -50,8 +50,8 @@
 #   grouped-ncu  Nsight Compute on the grouped wgmma kernel and DeepGEMM's contiguous kernel (lab/grouped_ncu.py),
 #           Qwen3 and Mixtral gate/up at 4096 tokens by default (NCU_PROBLEMS)
 #   grouped-large  the tree's grouped wgmma kernel beside lab/patches' LARGE_PATCHES (default grouped-regs,
-#           grouped-vstore, grouped-xscale and grouped-regs-xscale, not yet run) at the LARGE prefill sizes of
-#           lab/grouped_variants.py, then the grouped GPU tests with the last patch applied
+#           grouped-vstore, grouped-xscale and grouped-regs-xscale: lab/results/grouped-xscale-h100.txt) at the LARGE
+#           prefill sizes of lab/grouped_variants.py, then the grouped GPU tests with the last patch applied
 #   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside the kernel before the persistent
 #           grid (f0b8c98~1) and the tree's with each lab/patches/grouped-*.patch applied; then the 64 x 160 patch
 #           applied to this copy of the tree and the wgmma GPU tests run on it
@@ -308,8 +308,8 @@ PY
       # 128-row token tile; grouped-wide, 128 x 160 tiles with a producer warpgroup; grouped-regs, that warpgroup's
       # registers given to 128 x 128 tiles' consumers; grouped-vstore, the output in 16-byte stores after an exchange
       # in each quad of lanes; grouped-xscale, the rows' scales bulk-copied into each stage by the producer; the
-      # ablations grouped-noscale, grouped-nopromote, grouped-nostore time the kernel without a part; default: the
-      # four not yet run, grouped-regs, grouped-vstore, grouped-xscale and grouped-regs-xscale) at the LARGE prefill
+      # ablations grouped-noscale, grouped-nopromote, grouped-nostore time the kernel without a part; default:
+      # grouped-regs, grouped-vstore, grouped-xscale and grouped-regs-xscale) at the LARGE prefill
       # sizes (lab/grouped_variants.py --large LARGE_ARGS); then the last patch applied to this copy of the tree and
       # the grouped GPU tests of LARGE_TESTS (default: all; none: no tests) run on it
       csrc=src/mxgemm/kernels/grouped/csrc; specs="tree=$csrc"; patch=""
