@@ -198,6 +198,7 @@ class FlashInferTRTLLM(_FlashInferMX):
         return q[:n], s.reshape(shape)[:n]
 
 
+@functools.cache  # installed packages do not change in a process; resolving each layer asks again
 def _cudnn_frontend_missing() -> bool:
     """Whether cuDNN's Python frontend (``import cudnn``), which FlashInfer's cuDNN GEMMs build their graphs with, is
     not installed."""
@@ -254,8 +255,7 @@ class FlashInferCuDNN(_FlashInferMX, GroupedWeights):
             aq, t["qdata"], a_sf, t["scale"], starts.to(torch.int32), out_dtype=x.dtype
         )
         y = y[dest.clamp(max=padded - 1), : weight.out_features]
-        past = torch.arange(rows, device=x.device)[:, None] >= offsets[-1]
-        return y.masked_fill(past, 0)
+        return y.masked_fill((dest == padded)[:, None], 0)  # the rows past the last expert's end
 
     def export_grouped_mx(self, weight: PreparedGroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         q, s = weight.tensors["qdata"], weight.tensors["scale"]
