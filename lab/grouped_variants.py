@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 from functools import partial
 from pathlib import Path
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--large", action="store_true", help="the LARGE problems instead of PROBLEMS")
     parser.add_argument("--no-wide", action="store_true", help="leave out the WIDE configs")
+    parser.add_argument("--persistent", action="store_true", help="each config on the persistent grid as well")
     args = parser.parse_args()
     variants = {}
     for spec in args.variants:
@@ -113,9 +115,11 @@ def main() -> None:
         routings = [routing_offsets(tokens, e, topk, seed=r, device=cuda)[0] for r in range(8)]
         quantized = [quantize_rows(torch.randn(rows, k, device=cuda).bfloat16()) for _ in routings]
         ref, worst = None, 0.0
+        configs = [c for c in configs if not (args.no_wide and c in WIDE)]
+        if args.persistent:
+            twins = [dataclasses.replace(c, persistent=True) for c in configs]
+            configs = list(dict.fromkeys(c for pair in zip(configs, twins, strict=True) for c in pair))
         for config in configs:
-            if args.no_wide and config in WIDE:
-                continue
             res = {}
             for name, variant in variants.items():
                 if config.persistent and not variant[1]:
