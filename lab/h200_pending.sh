@@ -308,7 +308,8 @@ PY
       # 128-row token tile; grouped-wide, 128 x 160 tiles with a producer warpgroup; grouped-regs, that warpgroup's
       # registers given to 128 x 128 tiles' consumers; grouped-vstore, the output in 16-byte stores after an exchange
       # in each quad of lanes; grouped-xscale, the rows' scales bulk-copied into each stage by the producer;
-      # grouped-tmastore, a 128-row tile's warpgroups staging whole 64-row slices in shared memory for TMA stores; the
+      # grouped-tmastore, on the persistent grid a 128-row tile's warpgroups staging whole 64-row slices in shared
+      # memory for TMA stores (LARGE_ARGS="--no-wide --persistent" times both grids); the
       # ablations grouped-noscale, grouped-nopromote, grouped-nostore time the kernel without a part; default:
       # grouped-regs, grouped-vstore, grouped-xscale and grouped-regs-xscale) at the LARGE prefill
       # sizes (lab/grouped_variants.py --large LARGE_ARGS); then the last patch applied to this copy of the tree and
