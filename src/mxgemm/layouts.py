@@ -29,6 +29,7 @@ __all__ = [
     "padded_groups",
     "padded_size_8x4",
     "padded_size_128x4",
+    "place_rows",
     "round_up",
     "to_8x4",
     "to_128x4",
@@ -115,6 +116,12 @@ def padded_groups(offsets: torch.Tensor, rows: int, multiple: int = 128) -> tupl
     return dest, first, padded_rows
 
 
+def place_rows(t: torch.Tensor, dest: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """``t``'s rows at their places ``dest`` of :func:`padded_groups` in ``[padded_rows, ...]`` zeros; the rows past
+    the last group's end (place ``padded_rows``) land on a spare row that is left out."""
+    return t.new_zeros(padded_rows + 1, *t.shape[1:]).index_copy_(0, dest, t)[:padded_rows]
+
+
 def grouped_128x4(scale: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The scales ``[S, C]`` of rows sorted by group (``offsets`` int32 ``[E]``, cumulative row ends, non-decreasing)
     in the layout of PyTorch's MXFP8 grouped GEMM: each group's rows padded to a multiple of 128 and swizzled as
@@ -124,9 +131,7 @@ def grouped_128x4(scale: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     _check_scale(scale)
     rows, cols = scale.shape
     dest, _, padded_rows = padded_groups(offsets, rows)
-    out = scale.new_zeros(padded_rows + 1, round_up(cols, 4))  # a spare row takes the rows past the end
-    out.index_copy_(0, dest, F.pad(scale, (0, out.shape[1] - cols)))
-    return to_128x4(out[:padded_rows]).view(padded_rows, -1)
+    return to_128x4(place_rows(F.pad(scale, (0, round_up(cols, 4) - cols)), dest, padded_rows)).view(padded_rows, -1)
 
 
 def to_8x4(scale: torch.Tensor) -> torch.Tensor:

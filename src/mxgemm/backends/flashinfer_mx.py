@@ -37,7 +37,7 @@ import torch
 
 from ..device import DeviceInfo
 from ..format import BLOCK_SIZE, e8m0_bytes
-from ..layouts import finish_output, from_128x4, pad_rows, padded_groups, to_128x4
+from ..layouts import finish_output, from_128x4, pad_rows, padded_groups, place_rows, to_128x4
 from ..recipes import MX_ACT_SCALE_MODE, Recipe
 from .base import Availability, Backend, PreparedGroupedWeight, PreparedWeight, UnsupportedWeightError
 from .capabilities import GroupedWeights
@@ -246,10 +246,9 @@ class FlashInferCuDNN(_FlashInferMX, GroupedWeights):
         cols = k // BLOCK_SIZE
         dest, starts, padded = padded_groups(offsets, rows, CUDNN_SEGMENT)
         xq, xs = mx_quantize(x, scale_mode=MX_ACT_SCALE_MODE)
-        # the rows in their padded places (a spare last row takes those past the last expert's end), zeros elsewhere
-        aq = xq.view(torch.uint8).new_zeros(padded + 1, k).index_copy_(0, dest, xq.view(torch.uint8))
-        aq = aq[:padded].view(torch.float8_e4m3fn)
-        a_sf = to_128x4(xs.new_zeros(padded + 1, cols).index_copy_(0, dest, xs)[:padded]).view(padded, cols)
+        # the rows and their scales in their padded places, zeros elsewhere
+        aq = place_rows(xq.view(torch.uint8), dest, padded).view(torch.float8_e4m3fn)
+        a_sf = to_128x4(place_rows(xs, dest, padded)).view(padded, cols)
         t = weight.tensors
         y = _flashinfer().grouped_mm.grouped_mm_mxfp8(
             aq, t["qdata"], a_sf, t["scale"], starts.to(torch.int32), out_dtype=x.dtype
