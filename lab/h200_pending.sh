@@ -308,8 +308,7 @@ PY
       # 128-row token tile; grouped-wide, 128 x 160 tiles with a producer warpgroup; grouped-regs, that warpgroup's
       # registers given to 128 x 128 tiles' consumers; grouped-vstore, the output in 16-byte stores after an exchange
       # in each quad of lanes; grouped-xscale, the rows' scales bulk-copied into each stage by the producer;
-      # grouped-tmastore, on the persistent grid a 128-row tile's warpgroups staging whole 64-row slices in shared
-      # memory for TMA stores (LARGE_ARGS="--no-wide --persistent" times both grids); the
+      # LARGE_ARGS="--no-wide --persistent" times both grids; the
       # ablations grouped-noscale, grouped-nopromote, grouped-nostore time the kernel without a part; default:
       # grouped-regs, grouped-vstore, grouped-xscale and grouped-regs-xscale) at the LARGE prefill
       # sizes (lab/grouped_variants.py --large LARGE_ARGS); then the last patch applied to this copy of the tree and
@@ -324,7 +323,7 @@ PY
       timeout 300 python3 lab/grouped_variants.py $specs --large ${LARGE_ARGS:-} --json "$out/grouped-large.json" \
         > "$out/grouped-large.txt" 2>&1; tail -30 "$out/grouped-large.txt"
       [ "${LARGE_TESTS:-}" = none ] && continue  # the ablations' patches (timing only) fail the tests by design
-      git apply "$patch" && timeout 240 python3 -m pytest tests/gpu/test_gpu_grouped.py -q -p no:warnings -x \
+      git apply "$patch" && timeout 330 python3 -m pytest tests/gpu/test_gpu_grouped.py -q -p no:warnings -x \
         ${LARGE_TESTS:+-k "$LARGE_TESTS"} > "$out/grouped-large-tests.txt" 2>&1; tail -3 "$out/grouped-large-tests.txt"
       git apply -R "$patch" ;;
     *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|small-m-ncu|prefill|quant|ulp|eager|e2e|load|lt-algos|bench-8b|bench-more|bench-all ..." >&2

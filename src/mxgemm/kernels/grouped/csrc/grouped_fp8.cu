@@ -23,12 +23,17 @@
 // the expert's end are computed and not written. The rows past the last expert's end are written as zeros. Items go
 // in groups of SLOT_GROUP token tiles that sweep the weight tiles together, so an expert's weight tile is read from
 // memory once for its token tiles and the group's activation tiles stay in L2. Output row i goes to row dst[i] where
-// `dst` is given (the routed block's down projection writes each copy back to its token's place). Deterministic.
+// `dst` is given (the routed block's down projection writes each copy back to its token's place). On the persistent
+// grid with 128-row tiles and no `dst`, a second kernel of the same body (grouped_kernel_tma) has each warpgroup whose
+// 64 rows all belong to the tile's group write them into shared memory and one of its threads store them with TMA,
+// so that its consumers start the next item while the copy runs; the other rows are stored from registers
+// (docs/performance.md). Deterministic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <type_traits>
 
 #include "moe_routing.cuh"
@@ -100,6 +105,41 @@ __device__ Tile find_tile(const Args& a, int slot, int lane, Scan& from) {
   return Tile{-1, before, 0};
 }
 
+// two values rounded to T and packed as T's pair (the first at the lower address)
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float v0, float v1) {
+  uint32_t bits;
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 p = __floats2half2_rn(v0, v1);
+    memcpy(&bits, &p, 4);
+  } else {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(v0, v1);
+    memcpy(&bits, &p, 4);
+  }
+  return bits;
+}
+__device__ __forceinline__ void sts32(void* p, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(p)), "r"(v) : "memory");
+}
+// warpgroup wg's named barrier (1 or 2; 0 is __syncthreads'), constant ids so that ptxas reserves only those
+__device__ __forceinline__ void bar_wg(int wg) {
+  if (wg == 0)
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 128;" ::: "memory");
+}
+// shared-memory writes made visible to the async proxy (TMA) before it reads them
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// a 2-D TMA store of the box at `src` to (k, row) of `map` (k in bytes), in the thread's bulk group
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int k, int row) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(map), "r"(k),
+               "r"(row), "r"(smem_u32(src))
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 template <typename T>
 __device__ __forceinline__ void store_pair(T* y, float v0, float v1) {
   if constexpr (std::is_same_v<T, __half>)
@@ -117,18 +157,22 @@ __device__ __forceinline__ void locate(int idx, int used, int wtiles, int& slot,
   wtile = local / size;
 }
 
-template <int WN, int TW, int ST, typename T>
-__global__ void __launch_bounds__(128 * TW + 32) grouped_kernel(const __grid_constant__ CUtensorMap wmap,
-                                                                const __grid_constant__ CUtensorMap xmap,
-                                                                const Args a) {
+// the kernels' body; TMA_OUT: whole 64-row slices through `ymap` (128-row tiles), their staging 1 KB past the ring's
+// barriers
+template <int WN, int TW, int ST, typename T, bool TMA_OUT>
+__device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUtensorMap& xmap, const CUtensorMap* ymap,
+                                             const Args& a) {
   constexpr int TN = 64 * TW;          // rows per CTA
   constexpr int XB = TN * BK;          // activation bytes per stage
   constexpr int STAGE = XB + WN * BK;  // + weight bytes; a multiple of 1024, as the swizzle needs
+  constexpr int OUT = 64 * WN * 2;     // a warpgroup's output tile: WN / 64 boxes of 64 x 64 16-bit elements
   static_assert(STAGE % 1024 == 0 && (WN == 64 || WN == 128), "stages must stay 1024-byte aligned");
+  static_assert(!TMA_OUT || TW == 2, "TMA stores with 128-row tiles");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + ST * STAGE);
   uint64_t* empty = full + ST;
+  uint8_t* out_smem = smem + ST * STAGE + 1024;  // TMA_OUT: TW output tiles, each staged for its TMA store
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, wg = warp / 4;
 
   if (tid == 0) {
@@ -205,6 +249,32 @@ __global__ void __launch_bounds__(128 * TW + 32) grouped_kernel(const __grid_con
       }
       stage += a.kblocks;
     }
+    if constexpr (TMA_OUT) {
+      // a warpgroup whose 64 rows all belong to the tile's group stages them (64 x 64 boxes in the 128-byte swizzle)
+      // and one thread stores them with TMA; the others store from registers
+      if (my.tok0 + wg * 64 + 64 <= my.end) {
+        uint8_t* buf = out_smem + wg * OUT;
+        const bool leader = warp % 4 == 0 && lane == 0;
+        if (leader) bulk_wait_read0();  // the last tile's store has read the buffer
+        bar_wg(wg);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = 16 * (warp % 4) + g + 8 * h;  // the row in the warpgroup's 64; r % 8 == g
+#pragma unroll
+          for (int j = 0; j < WN / 8; ++j)
+            sts32(buf + (j / 8) * 8192 + r * 128 + (((j % 8) ^ g) * 16) + 4 * t,
+                  pack_pair<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
+        }
+        fence_async_smem();
+        bar_wg(wg);
+        if (leader) {
+#pragma unroll
+          for (int b = 0; b < WN / 64; ++b) tma_store(ymap, buf + b * 8192, 2 * (n0 + 64 * b), my.tok0 + wg * 64);
+          bulk_commit();
+        }
+        continue;
+      }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = my.tok0 + trow + 8 * h;
@@ -223,35 +293,64 @@ __global__ void __launch_bounds__(128 * TW + 32) grouped_kernel(const __grid_con
       }
     }
   }
+  if constexpr (TMA_OUT)
+    if (warp % 4 == 0 && lane == 0) bulk_wait0();  // the TMA stores done before the CTA's shared memory goes
 }
 
 template <int WN, int TW, int ST, typename T>
-int launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const Args& a, Grid grid, cudaStream_t stream) {
-  constexpr int TN = 64 * TW, STAGE = (TN + WN) * BK, THREADS = 128 * TW + 32;
-  const int smem = ST * STAGE + 2 * ST * 8 + 1024;
+__global__ void __launch_bounds__(128 * TW + 32) grouped_kernel(const __grid_constant__ CUtensorMap wmap,
+                                                                const __grid_constant__ CUtensorMap xmap,
+                                                                const Args a) {
+  grouped_body<WN, TW, ST, T, false>(wmap, xmap, nullptr, a);
+}
+template <int WN, int ST, typename T>
+__global__ void __launch_bounds__(288) grouped_kernel_tma(const __grid_constant__ CUtensorMap wmap,
+                                                          const __grid_constant__ CUtensorMap xmap, const Args a,
+                                                          const __grid_constant__ CUtensorMap ymap) {
+  grouped_body<WN, 2, ST, T, true>(wmap, xmap, &ymap, a);
+}
+
+// `kernel` launched with `smem` bytes of shared memory on a CTA per work item or, persistent, as many as fit
+template <int WN, class K, class... P>
+int start(K kernel, int threads, int smem, const Args& a, Grid grid, cudaStream_t stream, const P&... params) {
   int device = 0, limit = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return (int)err;
   if (smem > limit) return (int)cudaErrorInvalidValue;
-  auto kernel = grouped_kernel<WN, TW, ST, T>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return (int)err;
   long long ctas = (long long)grid.slots * ((a.N + WN - 1) / WN);
   if (grid.persistent) {
     int sms = 0, per_sm = 0;
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem);
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
     if (err != cudaSuccess) return (int)err;
     ctas = std::min(ctas, (long long)sms * std::max(per_sm, 1));
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((unsigned)ctas);
-  config.blockDim = dim3(THREADS);
+  config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  err = cudaLaunchKernelEx(&config, kernel, wmap, xmap, a);
+  err = cudaLaunchKernelEx(&config, kernel, params...);
   return (int)(err != cudaSuccess ? err : cudaGetLastError());
+}
+
+// grouped_kernel, or grouped_kernel_tma where `ymap` is given (128-row tiles): the ring and its barriers (padded to
+// 1 KB and the two output tiles after them with TMA stores), 1 KB to align the start. The CTA-per-tile kernel keeps
+// its own code and shared memory: one kernel for both grids, TMA stores on a runtime flag (with or without the output
+// tiles' memory on a CTA per tile), ran 3-15% slower on a CTA per tile (docs/performance.md).
+template <int WN, int TW, int ST, typename T>
+int launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const CUtensorMap* ymap, const Args& a, Grid grid,
+           cudaStream_t stream) {
+  constexpr int STAGE = (64 * TW + WN) * BK, THREADS = 128 * TW + 32;
+  if constexpr (TW == 2)
+    if (ymap)
+      return start<WN>(grouped_kernel_tma<WN, ST, T>, THREADS, ST * STAGE + 1024 + 2 * 64 * WN * 2 + 1024, a, grid,
+                       stream, wmap, xmap, a, *ymap);
+  return start<WN>(grouped_kernel<WN, TW, ST, T>, THREADS, ST * STAGE + 2 * ST * 8 + 1024, a, grid, stream, wmap, xmap,
+                   a);
 }
 
 // f(std::integral_constant<int, ST>{}) for a ring depth of 2, 4 or 6
@@ -264,10 +363,11 @@ int by_stages(int stages, F f) {
 }
 
 template <typename T>
-int launch_config(const CUtensorMap& w, const CUtensorMap& x, const Args& a, int tn, int wn, int stages, Grid grid,
-                  cudaStream_t st) {
+int launch_config(const CUtensorMap& w, const CUtensorMap& x, const CUtensorMap* y, const Args& a, int tn, int wn,
+                  int stages, Grid grid, cudaStream_t st) {
   auto go = [&](auto wn_, auto tw_) {
-    return by_stages(stages, [&](auto st_) { return launch<wn_.value, tw_.value, st_.value, T>(w, x, a, grid, st); });
+    return by_stages(stages,
+                     [&](auto st_) { return launch<wn_.value, tw_.value, st_.value, T>(w, x, y, a, grid, st); });
   };
   using I64 = std::integral_constant<int, 64>;
   using I128 = std::integral_constant<int, 128>;
@@ -297,8 +397,14 @@ int grouped_gemm(const void* W, const void* S, long long s_expert, int s_stride,
   const Args a{(const float*)S, s_expert, s_stride, offsets, dst, (const float*)XS, ld_xs, Y, rows, E, N, kblocks,
                ldy};
   const Grid grid{slots, persistent};
-  return y_fp16 ? launch_config<__half>(wmap, xmap, a, tn, wn, stages, grid, st)
-                : launch_config<__nv_bfloat16>(wmap, xmap, a, tn, wn, stages, grid, st);
+  // TMA stores on the persistent grid of 128-row tiles where every row goes to its own place and Y's rows are 16-byte
+  // aligned: Y's 16-bit elements as bytes [rows, 2N] in boxes of 64 rows by 128 bytes, the operands' swizzle
+  CUtensorMap ymap;
+  const bool tma_out = persistent && tn == 128 && !dst && (reinterpret_cast<uintptr_t>(Y) & 15) == 0 && ldy % 8 == 0 &&
+                       make_map(&ymap, Y, rows, 2LL * N, 2LL * ldy, 64) == 0;
+  const CUtensorMap* y = tma_out ? &ymap : nullptr;
+  return y_fp16 ? launch_config<__half>(wmap, xmap, y, a, tn, wn, stages, grid, st)
+                : launch_config<__nv_bfloat16>(wmap, xmap, y, a, tn, wn, stages, grid, st);
 }
 
 // token-tile slots that hold the tiles of any routing of `rows` rows over E experts (kernels/grouped/fp8.py's
