@@ -37,10 +37,19 @@ from .tuning import (
     shipped_cache_path,
 )
 
-__all__ = ["DEFAULT_MARGIN", "Autotuner", "TuneResult", "tactic_for_call", "tactic_for_grouped_call", "tuner_for"]
+__all__ = [
+    "DEFAULT_MARGIN",
+    "Autotuner",
+    "TuneResult",
+    "tactic_for_call",
+    "tactic_for_grouped_call",
+    "tuner_for",
+    "tuning_routings",
+]
 
 logger = logging.getLogger("mxgemm")
 DEFAULT_MARGIN = 0.03  # a tactic must be 3% faster than the default: above the spread of repeated timings
+TUNING_ROUTINGS = 8  # the routings a grouped tactic is timed on in each round, as mxgemm bench --moe times its calls
 
 
 @dataclass(frozen=True)
@@ -181,16 +190,21 @@ class Autotuner:
     def tune_grouped(
         self, backend: Backend, weight: PreparedGroupedWeight, rows: int, x_dtype: torch.dtype, *, write: bool = True
     ) -> TuneResult | None:
-        """:meth:`tune` for grouped weights at ``rows`` rows sorted by expert: each tactic timed on the even routing
-        of the key's buckets (its rows per expert on each of its active experts, spread over the E)."""
+        """:meth:`tune` for grouped weights at ``rows`` rows sorted by expert: each tactic timed on a round of
+        :func:`tuning_routings` of the key's buckets (its rows per expert times its active experts, drawn at random,
+        as a router spreads them)."""
         if not backend.tunable or not isinstance(backend, GroupedWeights) or _capturing():
             return None
         key = TuneKey.grouped(backend.name, weight, rows, x_dtype)
         per, active = grouped_buckets(rows, weight.experts)
-        offsets = _even_offsets(per, active, weight.experts, weight.device)
+        routings = tuning_routings(per, active, weight.experts, weight.device)
         x = torch.randn(per * active, weight.in_features, device=weight.device).to(x_dtype)
         tactics = backend.grouped_tactics(per, weight)
-        return self._decide(key, tactics, lambda t: [backend.run_grouped(x, weight, offsets, t)], 1, write)
+
+        def calls(tactic: Any) -> list:
+            return [backend.run_grouped(x, weight, offsets, tactic) for offsets in routings]
+
+        return self._decide(key, tactics, calls, len(routings), write)
 
     def _decide(
         self, key: TuneKey, tactics: Sequence[Any], calls: Callable[[Any], list], per_round: int, write: bool
@@ -279,12 +293,27 @@ def tactic_for_call(backend: Backend, weight: PreparedWeight, x: torch.Tensor) -
     return tactic
 
 
-def _even_offsets(per: int, active: int, experts: int, device: torch.device) -> torch.Tensor:
-    """The offsets (int32 [E], cumulative row ends) of ``per`` rows on each of ``active`` experts spread evenly over
-    ``experts`` (expert ``i * E // active`` for each i), the others empty."""
-    counts = torch.zeros(experts, dtype=torch.int32)
-    counts[torch.arange(active) * experts // active] = per
-    return counts.cumsum(0, dtype=torch.int32).to(device)
+def tuning_routings(
+    per: int, active: int, experts: int, device: torch.device, rounds: int = TUNING_ROUTINGS
+) -> list[torch.Tensor]:
+    """The routings a grouped tactic is timed on: ``rounds`` offsets (int32 [E], cumulative row ends) of ``per *
+    active`` rows each, drawn from a fixed seed. Each takes ``active`` experts at random (all where ``active`` is
+    ``experts``), so that the experts a round reads change from call to call and their weights do not stay in L2, as
+    a decode's do not; one row on each where ``per`` is 1 (a router's top-k experts of a few tokens are distinct),
+    else each row to one of them at random, so that their loads are as uneven as a router's (an even routing would
+    fill every token tile of ``per`` rows exactly, which routed calls do not)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(rounds):
+        chosen = torch.randperm(experts, generator=g)[:active]
+        counts = torch.zeros(experts, dtype=torch.int64)
+        if per == 1:
+            counts[chosen] = 1
+        else:
+            picks = chosen[torch.randint(active, (per * active,), generator=g)]
+            counts += torch.bincount(picks, minlength=experts)
+        out.append(counts.cumsum(0).to(torch.int32).to(device))
+    return out
 
 
 def tactic_for_grouped_call(backend: Backend, weight: PreparedGroupedWeight, rows: int, x: torch.Tensor) -> Any:

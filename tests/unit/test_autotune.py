@@ -514,17 +514,21 @@ def grouped():
     return mxgemm.prepare_grouped_weight(q, s, backend="emulation", recipe="w8a8-block")
 
 
-def test_grouped_weights_are_tuned_by_rows_per_expert_and_active_experts_on_an_even_routing(tmp_path, grouped):
-    """The key buckets the rows per expert and the active experts of an even routing and names the expert count;
-    each tactic is timed on those buckets' rows on that many experts spread over all; the choice is recorded and
-    read back from the file. Fewer rows than experts: one row on each of so many experts as the bucket holds."""
+def test_grouped_weights_are_tuned_by_rows_per_expert_and_active_experts_on_routed_rows(tmp_path, grouped):
+    """The key buckets the rows per expert and the active experts of an even spread and names the expert count;
+    each tactic is timed on a round of routings of those buckets' rows, drawn at random over that many experts; the
+    choice is recorded and read back from the file. Fewer rows than experts: one row on each of so many experts as
+    the bucket holds, which experts changing from routing to routing."""
     b = FakeGroupedTunable()
     tuner = _tuner(tmp_path, b)
     result = tuner.tune_grouped(b, grouped, 9, torch.bfloat16)  # 9 rows over 4 experts: 3 an expert -> bucket 4
     assert result.tactic == {"name": "fast"} and result.failed == 1 and result.key.m_bucket == 4
     assert str(result.key).startswith("grouped|fake_grouped_tunable|m4|n64|k128|bfloat16|")
     assert str(result.key).endswith(",experts:4,active:4|w8a8-block")
-    assert {(rows, tuple(offs)) for _, rows, offs in b.calls} == {(16, (4, 8, 12, 16))}
+    timed = {(rows, tuple(offs)) for _, rows, offs in b.calls}
+    assert {rows for rows, _ in timed} == {16} and {offs[-1] for _, offs in timed} == {16}
+    assert {offs for _, offs in timed} == {tuple(o.tolist()) for o in autotune.tuning_routings(4, 4, 4, "cpu")}
+    assert len(timed) > 1 and (4, 8, 12, 16) not in {offs for _, offs in timed}  # uneven, and not one routing
     fresh = Autotuner(TuningCache(tmp_path / "tuning.json", META))
     assert fresh.grouped_choice(b, grouped, 13, torch.bfloat16) == ({"name": "fast"}, "cache")
     assert fresh.grouped_choice(b, grouped, 17, torch.bfloat16) == (None, "default")  # 5 an expert: bucket 8
@@ -532,12 +536,29 @@ def test_grouped_weights_are_tuned_by_rows_per_expert_and_active_experts_on_an_e
     assert fresh.grouped_choice(b, grouped, 2, torch.bfloat16) == (None, "default")  # 2 rows: 2 active, not 4
 
     b.calls.clear()
-    result = tuner.tune_grouped(b, grouped, 2, torch.bfloat16)  # one row on each of 2 experts: 0 and 2
+    result = tuner.tune_grouped(b, grouped, 2, torch.bfloat16)  # one row on each of 2 experts
     assert result.key.m_bucket == 1 and str(result.key).endswith(",experts:4,active:2|w8a8-block")
-    assert {(rows, tuple(offs)) for _, rows, offs in b.calls} == {(2, (1, 1, 2, 2))}
+    counts = {tuple(torch.diff(torch.tensor(offs), prepend=torch.zeros(1)).tolist()) for _, _, offs in b.calls}
+    assert all(sorted(c) == [0, 0, 1, 1] for c in counts) and len(counts) > 1
     again = Autotuner(TuningCache(tmp_path / "tuning.json", META))
     assert again.grouped_choice(b, grouped, 2, torch.bfloat16) == ({"name": "fast"}, "cache")
     assert again.grouped_choice(b, grouped, 3, torch.bfloat16) == (None, "default")  # 3 active: bucket 4
+
+
+def test_tuning_routings_spread_rows_as_a_router_does():
+    """Qwen3-30B-A3B's buckets: at 16 rows an expert every expert active, the rows uneven across experts (a token
+    tile of 16 rows no longer holds every expert's rows) and the same from one call to the next; at one row an
+    expert, 8 distinct experts a routing, other experts in each routing of the round (so that a round reads more
+    weights than one routing's)."""
+    prefill = autotune.tuning_routings(16, 128, 128, "cpu")
+    counts = [torch.diff(o, prepend=o.new_zeros(1)) for o in prefill]
+    assert len(prefill) == autotune.TUNING_ROUTINGS and all(int(o[-1]) == 2048 for o in prefill)
+    assert all(int(c.min()) >= 0 and int(c.max()) > 16 for c in counts)
+    assert all(torch.equal(a, b) for a, b in zip(prefill, autotune.tuning_routings(16, 128, 128, "cpu"), strict=True))
+    assert len({tuple(o.tolist()) for o in prefill}) == len(prefill)
+    decode = [torch.diff(o, prepend=o.new_zeros(1)) for o in autotune.tuning_routings(1, 8, 128, "cpu")]
+    assert all(sorted(c.tolist())[-9:] == [0] + [1] * 8 for c in decode)
+    assert len(set().union(*(set(torch.nonzero(c).flatten().tolist()) for c in decode))) > 32
 
 
 def test_grouped_calls_take_the_tuned_tactic_of_each_projection(tmp_path, grouped, monkeypatch):
@@ -557,7 +578,9 @@ def test_grouped_calls_take_the_tuned_tactic_of_each_projection(tmp_path, groupe
     autotune.tuner_for(x.device).timer = lambda fn: (fn(), b.last_cost)[1]
     b.calls.clear()
     y = mxgemm.grouped_linear(x, w, offsets)
-    assert [c[0] for c in b.calls] == ["default", "fast", "broken", "default", "fast", "fast"]  # tuned, then run
+    r = autotune.TUNING_ROUTINGS  # each tactic timed on a round of routings, the broken one failing at once
+    tuned = ["default"] * r + ["fast"] * r + ["broken"] + ["default"] * r + ["fast"] * r
+    assert [c[0] for c in b.calls] == [*tuned, "fast"]  # tuned, then run
     assert torch.equal(y, b.run_grouped(x, w, offsets))
 
     pairs = [random_mx_weight(128, 32, seed=10 + i) for i in range(4)]
