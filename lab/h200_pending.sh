@@ -55,6 +55,8 @@
 #   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside the kernel before the persistent
 #           grid (f0b8c98~1) and the tree's with each lab/patches/grouped-*.patch applied; then the 64 x 160 patch
 #           applied to this copy of the tree and the wgmma GPU tests run on it
+#   block-tactics  lab/block_tactics.py: Qwen3's routed block with each of gate/up's tactics beside gate/up alone
+#           at 1, 4 and 16 tokens; then lab/read_floor.py --one-token
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -197,6 +199,11 @@ for stage in "$@"; do
           DG_CACHE_DIR="${DG_CACHE_DIR:-$dg/../../dg_cache}" timeout "${MOE_BENCH_S:-420}" python3 -m mxgemm bench \
           --moe --json "moe-${GPU_TAG:-h200}.json" --markdown "moe-${GPU_TAG:-h200}.md" > moe-bench.log 2>&1
         tail -4 moe-bench.log ) ;;
+    block-tactics)
+      timeout 240 python3 lab/block_tactics.py --json "$out/block-tactics.json" > "$out/block-tactics.txt" 2>&1
+      tail -40 "$out/block-tactics.txt"
+      timeout 200 python3 lab/read_floor.py --one-token --json "$out/read-floor-one-token.json" \
+        > "$out/read-floor-one-token.txt" 2>&1; tail -6 "$out/read-floor-one-token.txt" ;;
     moe-tune)  # mxgemm tune --moe, its entries merged into the package's tuning file of this GPU where its
       # environment record is this one's (else written as that file)
       ( time MXGEMM_CACHE_DIR="$out/cache" timeout "${MOE_TUNE_S:-300}" python3 -m mxgemm tune --moe ) \
