@@ -43,8 +43,10 @@ __all__ = [
     "TuneResult",
     "tactic_for_call",
     "tactic_for_grouped_call",
+    "tactics_for_experts_call",
     "tuner_for",
     "tuning_routings",
+    "tuning_top_k",
 ]
 
 logger = logging.getLogger("mxgemm")
@@ -120,6 +122,21 @@ class Autotuner:
             ("grouped", backend.name, weight.op_meta, per_bucket, active, x_dtype),
             lambda: TuneKey.grouped(backend.name, weight, rows, x_dtype),
             lambda: backend.grouped_tactics(per_bucket, weight),
+            backend.name,
+        )
+
+    def experts_choice(
+        self, backend: Backend, gate_up: PreparedGroupedWeight, rows: int, x_dtype: torch.dtype
+    ) -> tuple[Any, str]:
+        """:meth:`grouped_choice` of gate/up's tactic in the routed block of ``rows`` token copies, as
+        :meth:`tune_experts` records it (the key's op "experts"); (None, "default") where no file has one."""
+        if not backend.tunable or not isinstance(backend, GroupedWeights):
+            return None, "default"
+        per_bucket, active = grouped_buckets(rows, gate_up.experts)
+        return self._recorded(
+            ("experts", backend.name, gate_up.op_meta, per_bucket, active, x_dtype),
+            lambda: TuneKey.grouped(backend.name, gate_up, rows, x_dtype, op="experts"),
+            lambda: backend.grouped_tactics(per_bucket, gate_up),
             backend.name,
         )
 
@@ -203,6 +220,37 @@ class Autotuner:
 
         def calls(tactic: Any) -> list:
             return [backend.run_grouped(x, weight, offsets, tactic) for offsets in routings]
+
+        return self._decide(key, tactics, calls, len(routings), write)
+
+    def tune_experts(
+        self,
+        backend: Backend,
+        gate_up: PreparedGroupedWeight,
+        down: PreparedGroupedWeight,
+        tokens: int,
+        topk: int,
+        x_dtype: torch.dtype,
+        *,
+        write: bool = True,
+    ) -> TuneResult | None:
+        """Gate/up's tactic in the routed block of ``tokens`` tokens of ``topk`` copies, each of its grouped tactics
+        timed on the whole block (:meth:`GroupedWeights.run_experts`, down on its own recorded choice) over a round of
+        :func:`tuning_top_k` routings of the key's buckets: the block runs a tactic of the Triton kernel in its gated
+        form (half its weight rows gate, half up), not as :meth:`tune_grouped` times it."""
+        if not backend.tunable or not isinstance(backend, GroupedWeights) or _capturing():
+            return None
+        rows = tokens * topk
+        key = TuneKey.grouped(backend.name, gate_up, rows, x_dtype, op="experts")
+        per, active = grouped_buckets(rows, gate_up.experts)
+        timed = max(1, per * active // topk)  # the tokens of the buckets' copies
+        second = self.grouped_choice(backend, down, timed * topk, x_dtype)[0]
+        routings = tuning_top_k(timed, topk, gate_up.experts, gate_up.device, x_dtype)
+        x = torch.randn(timed, gate_up.in_features, device=gate_up.device).to(x_dtype)
+        tactics = backend.grouped_tactics(per, gate_up)
+
+        def calls(tactic: Any) -> list:
+            return [backend.run_experts(x, ids, w, gate_up, down, (tactic, second)) for ids, w in routings]
 
         return self._decide(key, tactics, calls, len(routings), write)
 
@@ -316,6 +364,20 @@ def tuning_routings(
     return out
 
 
+def tuning_top_k(
+    tokens: int, topk: int, experts: int, device: torch.device, dtype: torch.dtype, rounds: int = TUNING_ROUTINGS
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The routings the routed block is timed on: ``rounds`` uniform top-k draws from a fixed seed, each the expert ids
+    [tokens, topk] (distinct for each token) and their weights [tokens, topk] in ``dtype`` (softmaxed)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(rounds):
+        ids = torch.rand(tokens, experts, generator=g).topk(min(topk, experts), dim=1).indices
+        weights = torch.rand(ids.shape, generator=g).softmax(-1).to(dtype)
+        out.append((ids.to(device), weights.to(device)))
+    return out
+
+
 def tactic_for_grouped_call(backend: Backend, weight: PreparedGroupedWeight, rows: int, x: torch.Tensor) -> Any:
     """:func:`tactic_for_call` for grouped weights at ``rows`` rows sorted by expert of ``x``'s dtype."""
     if not backend.tunable or not isinstance(backend, GroupedWeights):
@@ -326,3 +388,28 @@ def tactic_for_grouped_call(backend: Backend, weight: PreparedGroupedWeight, row
         result = tuner.tune_grouped(backend, weight, rows, x.dtype)
         tactic = result.tactic if result else None
     return tactic
+
+
+def tactics_for_experts_call(
+    backend: Backend,
+    gate_up: PreparedGroupedWeight,
+    down: PreparedGroupedWeight,
+    tokens: int,
+    topk: int,
+    x: torch.Tensor,
+) -> tuple[Any, Any]:
+    """The routed block's two tactics for ``tokens`` tokens of ``topk`` copies of ``x``'s dtype: down's as
+    :func:`tactic_for_grouped_call` finds it; gate/up's the block's own (:meth:`Autotuner.experts_choice`; tuned on
+    a miss only with ``MXGEMM_AUTOTUNE=1``), else the projection's."""
+    rows = tokens * topk
+    second = tactic_for_grouped_call(backend, down, rows, x)
+    if not backend.tunable or not isinstance(backend, GroupedWeights):
+        return None, second
+    tuner = tuner_for(x.device)
+    first = tuner.experts_choice(backend, gate_up, rows, x.dtype)[0]
+    if first is None and settings.autotune_enabled() and not _capturing():
+        result = tuner.tune_experts(backend, gate_up, down, tokens, topk, x.dtype)
+        first = result.tactic if result else None
+    if first is None:
+        first = tuner.grouped_choice(backend, gate_up, rows, x.dtype)[0]
+    return first, second

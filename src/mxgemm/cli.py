@@ -382,7 +382,8 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
 
 def _tune_moe(args: argparse.Namespace, console: Console, device, tuner) -> int:
     """Tune the grouped weights of the experts of ``--moe`` models (random MX experts on this device) at ``--m``
-    tokens (their top-k copies sorted by expert, keyed by rows per expert and active experts)."""
+    tokens (their top-k copies sorted by expert, keyed by rows per expert and active experts), and gate/up's tactic in
+    their routed block (timed on the whole block)."""
     from .backends import get_backend
     from .bench_moe import MOE_MODELS, MOE_TOKENS, random_experts
     from .grouped import prepare_grouped_weight
@@ -395,21 +396,35 @@ def _tune_moe(args: argparse.Namespace, console: Console, device, tuner) -> int:
         return 0
     for model in args.moe or sorted(MOE_MODELS):
         e, hidden, width, topk = MOE_MODELS[model]
-        for n, k in ((2 * width, hidden), (hidden, width)):
-            weight = prepare_grouped_weight(*random_experts(e, n, k, seed=n + k, device=device.torch_device))
-            backend = get_backend(weight.backend)
+        gate_up, down = (
+            prepare_grouped_weight(*random_experts(e, n, k, seed=n + k, device=device.torch_device))
+            for n, k in ((2 * width, hidden), (hidden, width))
+        )
+        backend = get_backend(gate_up.backend)
+        # each projection on its rows, then gate/up's tactic in the routed block, timed on the whole block
+        for proj, weight, op in (
+            ("gate_up", gate_up, "grouped"),
+            ("down", down, "grouped"),
+            ("block", gate_up, "experts"),
+        ):
+            n, k = weight.out_features, weight.in_features
             for tokens in args.m or MOE_TOKENS:
-                key = TuneKey.grouped(backend.name, weight, tokens * topk, torch.bfloat16)
+                key = TuneKey.grouped(backend.name, weight, tokens * topk, torch.bfloat16, op=op)
                 if not args.force and tuner.cache.get(key):
                     cached += 1
                     continue
-                result = tuner.tune_grouped(backend, weight, tokens * topk, torch.bfloat16)
+                if op == "experts":
+                    result = tuner.tune_experts(backend, gate_up, down, tokens, topk, torch.bfloat16)
+                else:
+                    result = tuner.tune_grouped(backend, weight, tokens * topk, torch.bfloat16)
                 if result is None:
                     skipped.add(backend.name)
                 else:
-                    rows.append((tokens, n, k, backend.name, result))
-                    console.print(f"[dim]{model} [{e}, {n}, {k}] at {tokens} tokens: {result.best_us:.1f} µs[/dim]")
-            del weight
+                    rows.append((tokens, n, k, backend.name + (" (block)" if op == "experts" else ""), result))
+                    console.print(
+                        f"[dim]{model} {proj} [{e}, {n}, {k}] at {tokens} tokens: {result.best_us:.1f} µs[/dim]"
+                    )
+        del gate_up, down, weight
     _tuned_table(console, device, tuner, rows, skipped, cached, "tokens")
     return 0
 

@@ -186,8 +186,7 @@ def _moe_experts(
     plan = up.plans.experts.get(key)
     if plan is None:
         b = get_backend(backend)
-        rows = tokens * k  # the token copies, sorted by expert
-        tactics = tuple(autotune.tactic_for_grouped_call(b, w, rows, x) for w in (up, dn))
+        tactics = autotune.tactics_for_experts_call(b, up, dn, tokens, k, x)
         plan = up.cached("experts", key, lambda: b.plan_experts(up, dn, tokens, k, x.dtype, tactics))
     return plan(x, topk_ids, topk_weights, up, dn)
 

@@ -94,15 +94,16 @@ class TuneKey:
         )
 
     @classmethod
-    def grouped(cls, backend: str, weight, rows: int, x_dtype: torch.dtype) -> TuneKey:
+    def grouped(cls, backend: str, weight, rows: int, x_dtype: torch.dtype, op: str = "grouped") -> TuneKey:
         """The key of grouped weights (``PreparedGroupedWeight``) at ``rows`` rows sorted by expert, by what a
         routing spread evenly would be (which experts a routing makes active, and how many rows each gets, are not
         known on the host): the rows per expert, bucketed, and in the layout the expert count and the active experts,
-        bucketed (:func:`grouped_buckets`)."""
+        bucketed (:func:`grouped_buckets`). ``op`` "experts": gate/up's tactic in the routed block, timed on the
+        whole block."""
         per, active = grouped_buckets(rows, weight.experts)
         key = cls.of(backend, weight, per, x_dtype)
         layout = f"{key.layout},experts:{weight.experts},active:{active}"
-        return dataclasses.replace(key, op="grouped", layout=layout)
+        return dataclasses.replace(key, op=op, layout=layout)
 
     def __str__(self) -> str:
         return "|".join(

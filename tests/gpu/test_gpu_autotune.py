@@ -57,3 +57,28 @@ def test_every_hybrid_tactic_matches_the_twin(m):
     x = random_act(m, k, device="cuda")
     for tactic in b.tactics(m, weight):
         _check(b.run(x, weight, None, tactic=tactic), x, q, s, "hybrid_sm90", tactic)
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_the_blocks_gate_up_tuning_times_the_block_and_keeps_its_bits(tmp_path, tokens):
+    """tune_experts on the triton backend: every gate/up tactic runs the whole block (none fails), the choice is no
+    slower than the default by its own timing, and the block gives the default's bits with it."""
+    skip_unless_backend_runs("triton")
+    e, hidden, width, topk = 16, 512, 256, 4
+    gate_up, down = (
+        mxgemm.prepare_grouped_weight(q.view(e, n, k), s.view(e, n, k // 32))
+        for n, k in ((2 * width, hidden), (hidden, width))
+        for q, s in [random_mx_weight(e * n, k, device="cuda")]
+    )
+    b = mxgemm.backends.get_backend(gate_up.backend)
+    tuner = Autotuner(TuningCache(tmp_path / "t.json", environment_metadata(mxgemm.describe_device())))
+    result = tuner.tune_experts(b, gate_up, down, tokens, topk, torch.bfloat16)
+    assert result.best_us <= result.default_us and result.failed == 0
+    assert str(result.key).startswith("experts|")
+    x = random_act(tokens, hidden, device="cuda")
+    ids = torch.rand(tokens, e, device="cuda").topk(topk, dim=1).indices
+    weights = torch.rand(tokens, topk, device="cuda").softmax(-1).bfloat16()
+    assert torch.equal(
+        b.run_experts(x, ids, weights, gate_up, down, (result.tactic, None)),
+        b.run_experts(x, ids, weights, gate_up, down),
+    )

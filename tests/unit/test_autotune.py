@@ -594,6 +594,61 @@ def test_grouped_calls_take_the_tuned_tactic_of_each_projection(tmp_path, groupe
         return x.clone()
 
     monkeypatch.setattr(FakeGroupedTunable, "run_experts", run_experts)
+    autotune.tuner_for(x.device).tune_grouped(b, down, 6, torch.bfloat16)  # down on its rows
+    monkeypatch.delenv("MXGEMM_AUTOTUNE")  # and no entry of the block's own: gate/up's projection's
     ids, weights = torch.tensor([[0, 2], [2, 3], [1, 2]]), torch.full((3, 2), 0.5, dtype=torch.bfloat16)
     mxgemm.moe_experts(torch.randn(3, 128, dtype=torch.bfloat16), ids, weights, w, down)
     assert picked == [({"name": "fast"}, {"name": "fast"})]
+
+
+class FakeBlockTunable(FakeGroupedTunable):
+    """The fake grouped tactics with other costs in the routed block: "fast" alone, slow in the block."""
+
+    name = "fake_block_tunable"
+    BLOCK_COSTS: ClassVar[dict] = {"default": 10.0, "fast": 12.0, "broken": None}
+
+    def run_experts(self, x, topk_ids, topk_weights, gate_up, down, tactics=(None, None)):
+        name = (tactics[0] or {"name": "default"})["name"]
+        self.calls.append(("block", name, tuple(topk_ids.shape), tactics[1] and tactics[1]["name"]))
+        if self.BLOCK_COSTS[name] is None:
+            raise RuntimeError("invalid config for this bucket")
+        self.last_cost = self.BLOCK_COSTS[name]
+        return x.clone()
+
+
+def test_the_blocks_gate_up_tactic_is_timed_on_the_whole_block_and_taken_before_the_projections(
+    tmp_path, grouped, monkeypatch
+):
+    """tune_experts times each gate/up tactic on the routed block (down on its recorded choice, top-k routings of the
+    key's buckets from a fixed seed, distinct experts a token) and records it under its own key; ``moe_experts``
+    takes that entry before the projection's, which the block does not run as it was timed."""
+    from mxgemm.backends import _REGISTRY
+
+    b = FakeBlockTunable()
+    monkeypatch.setitem(_REGISTRY, b.name, b)
+    monkeypatch.setattr(autotune, "_TUNERS", {})
+    monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
+    w = mxgemm.PreparedGroupedWeight(b.name, grouped.recipe, 64, 128, grouped.tensors, {}, experts=4)
+    pairs = [random_mx_weight(128, 32, seed=10 + i) for i in range(4)]
+    dq, ds = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    down_tensors = mxgemm.prepare_grouped_weight(dq, ds, backend="emulation", recipe="w8a8-block").tensors
+    down = mxgemm.PreparedGroupedWeight(b.name, grouped.recipe, 128, 32, down_tensors, {}, experts=4)
+    tuner = autotune.tuner_for(torch.device("cpu"))
+    tuner.timer = lambda fn: (fn(), b.last_cost)[1]
+    assert tuner.tune_grouped(b, w, 6, torch.bfloat16).tactic == {"name": "fast"}  # alone, "fast" wins
+    assert tuner.tune_grouped(b, down, 6, torch.bfloat16).tactic == {"name": "fast"}
+    b.calls.clear()
+    result = tuner.tune_experts(b, w, down, 3, 2, torch.bfloat16)  # 6 copies over 4 experts: 2 an expert, 4 tokens
+    assert result.tactic == {"name": "default"} and result.failed == 1
+    assert str(result.key).startswith("experts|fake_block_tunable|m2|n64|k128|bfloat16|")
+    assert {c[1:] for c in b.calls} == {(n, (4, 2), "fast") for n in ("default", "fast", "broken")}
+    routings = autotune.tuning_top_k(4, 2, 4, "cpu", torch.bfloat16)
+    assert len(routings) == autotune.TUNING_ROUTINGS and len({tuple(i.flatten().tolist()) for i, _ in routings}) > 1
+    assert all(int(i[t, 0]) != int(i[t, 1]) for i, _ in routings for t in range(4))
+    assert tuner.experts_choice(b, w, 6, torch.bfloat16) == ({"name": "default"}, "cache")
+    assert tuner.experts_choice(b, down, 6, torch.bfloat16) == (None, "default")  # no block entry of that weight
+
+    b.calls.clear()
+    ids, weights = torch.tensor([[0, 2], [2, 3], [1, 2]]), torch.full((3, 2), 0.5, dtype=torch.bfloat16)
+    mxgemm.moe_experts(torch.randn(3, 128, dtype=torch.bfloat16), ids, weights, w, down)
+    assert b.calls == [("block", "default", (3, 2), "fast")]

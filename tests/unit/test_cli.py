@@ -70,7 +70,8 @@ def test_tune_writes_the_cache_and_a_second_run_profiles_nothing(capsys, monkeyp
 
 def test_tune_moe_tunes_the_experts_by_rows_per_expert(capsys, monkeypatch, tmp_path):
     """`mxgemm tune --moe`: both projections of each model's experts, keyed by the rows per expert and the active
-    experts of the token count's top-k copies; a second run finds them in the file."""
+    experts of the token count's top-k copies, and gate/up's tactic in the routed block under its own key; a second
+    run finds them in the file."""
     import os
 
     import pytest
@@ -88,21 +89,23 @@ def test_tune_moe_tunes_the_experts_by_rows_per_expert(capsys, monkeypatch, tmp_
     (path,) = tmp_path.glob("tuning-*.json")
     keys = sorted(json.loads(path.read_text())["entries"])
     assert [k.split("|")[:5] for k in keys] == [
+        ["experts", "triton", "m2", "n64", "k64"],
         ["grouped", "triton", "m2", "n64", "k32"],
         ["grouped", "triton", "m2", "n64", "k64"],
     ]
     assert all(k.endswith(",experts:4,active:4|w8a8-block") for k in keys)  # 3 tokens of top-2: 6 rows
     assert main(["tune", "--moe", "tiny-moe", "--m", "3"]) == 0
-    assert "2 problems already tuned" in capsys.readouterr().out
+    assert "3 problems already tuned" in capsys.readouterr().out
     # what the file records (the default too, where nothing beat it) is a tactic the backend offers: a fresh tuner
     # follows it
     from mxgemm.autotune import Autotuner
     from mxgemm.backends import get_backend
 
     weight = mxgemm.prepare_grouped_weight(*bench_moe.random_experts(4, 64, 64, seed=128, device=torch.device("cpu")))
-    tactic, source = Autotuner.for_device(mxgemm.describe_device()).grouped_choice(
-        get_backend("triton"), weight, 6, torch.bfloat16
-    )
+    tuner = Autotuner.for_device(mxgemm.describe_device())
+    tactic, source = tuner.grouped_choice(get_backend("triton"), weight, 6, torch.bfloat16)
+    assert source == "cache" and tactic in get_backend("triton").grouped_tactics(2, weight)
+    tactic, source = tuner.experts_choice(get_backend("triton"), weight, 6, torch.bfloat16)
     assert source == "cache" and tactic in get_backend("triton").grouped_tactics(2, weight)
 
 
