@@ -32,7 +32,14 @@ import triton.language as tl
 
 import mxgemm
 from mxgemm.bench_moe import FP8_BYTES_PER_PARAMETER, MOE_MODELS, copy_bandwidth, experts_with_bf16, routing_offsets
-from mxgemm.kernels.grouped.fp8 import GroupedConfig, _fp8_dot, _interpreting, grouped_block_linear, quantized_1x128
+from mxgemm.kernels.grouped.fp8 import (
+    GroupedConfig,
+    _fp8_dot,
+    _interpreting,
+    grouped_block_linear,
+    quantized_1x128,
+    tile_of,
+)
 from mxgemm.timing import time_cuda
 
 ROUTINGS = 8
@@ -51,31 +58,12 @@ def _read(w_ptr, ids_ptr, out_ptr, expert_words, CHUNK: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _tile(slot, off_ptr, S, E, GROUPS: tl.constexpr, BM: tl.constexpr):
-    """The grouped kernel's prologue: the group of token-tile ``slot`` (E for slots past every expert's tiles) and
-    that tile's first row, the group's end row."""
-    g = tl.arange(0, GROUPS)
-    end = tl.where(g < E, tl.load(off_ptr + g, mask=g < E, other=0), S)
-    prev = tl.load(off_ptr + g - 1, mask=(g >= 1) & (g <= E), other=0)
-    start = tl.where(g == 0, 0, tl.where(g <= E, prev, S))
-    end = tl.minimum(tl.maximum(end, 0), S)
-    start = tl.minimum(tl.maximum(start, 0), S)
-    tiles = (tl.maximum(end - start, 0) + BM - 1) // BM
-    last = tl.cumsum(tiles, axis=0)
-    grp = tl.sum((last <= slot).to(tl.int32), axis=0)
-    mine = g == grp
-    first_slot = tl.sum(tl.where(mine, last - tiles, 0), axis=0)
-    first_row = tl.sum(tl.where(mine, start, 0), axis=0) + (slot - first_slot) * BM
-    return grp, first_row, tl.sum(tl.where(mine, end, 0), axis=0)
-
-
-@triton.jit
 def _read_scan(w_ptr, off_ptr, out_ptr, expert_words, S, E, GROUPS: tl.constexpr, CHUNK: tl.constexpr,
                BLOCK: tl.constexpr):  # fmt: skip
     """_read with the grouped kernel's prologue: each program finds its expert from ``offsets`` (16-row tiles)."""
     slot = tl.program_id(0)
     c = tl.program_id(1)
-    grp, _, _ = _tile(slot, off_ptr, S, E, GROUPS, 16)
+    grp, _, _ = tile_of(slot, off_ptr, S, E, GROUPS, 16)
     if grp < E:
         base = w_ptr + grp.to(tl.int64) * expert_words + c * CHUNK
         acc = tl.zeros([BLOCK], dtype=tl.int32)
@@ -99,7 +87,7 @@ def _splitk(
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     part_k = tl.program_id(2)
-    grp, first_row, end_row = _tile(slot, off_ptr, S, E, GROUPS, BM)
+    grp, first_row, end_row = tile_of(slot, off_ptr, S, E, GROUPS, BM)
     if grp < E:
         rm = first_row + tl.arange(0, BM)
         m_ok = rm < end_row

@@ -92,22 +92,9 @@ def _grouped_kernel(
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    # groups 0..E-1 are the experts, group E the rows past the last expert's end; bounds clamped to [0, S]
-    g = tl.arange(0, GROUPS)
-    end = tl.where(g < E, tl.load(off_ptr + g, mask=g < E, other=0), S)
-    prev = tl.load(off_ptr + g - 1, mask=(g >= 1) & (g <= E), other=0)
-    start = tl.where(g == 0, 0, tl.where(g <= E, prev, S))
-    end = tl.minimum(tl.maximum(end, 0), S)
-    start = tl.minimum(tl.maximum(start, 0), S)
-    tiles = (tl.maximum(end - start, 0) + BM - 1) // BM
-    last = tl.cumsum(tiles, axis=0)  # the slot after each group's last tile
-    grp = tl.sum((last <= slot).to(tl.int32), axis=0)
+    grp, first_row, end_row = tile_of(slot, off_ptr, S, E, GROUPS, BM)
     if grp <= E:
-        mine = g == grp
-        first_row = tl.sum(tl.where(mine, start, 0), axis=0)
-        end_row = tl.sum(tl.where(mine, end, 0), axis=0)
-        first_slot = tl.sum(tl.where(mine, last - tiles, 0), axis=0)
-        rm = first_row + (slot - first_slot) * BM + tl.arange(0, BM)
+        rm = first_row + tl.arange(0, BM)
         m_ok = rm < end_row
         rm64 = rm.to(tl.int64)
         xm = rm64  # the rows of x and y this tile reads and writes
@@ -152,6 +139,25 @@ def _grouped_kernel(
             acc = _silu_times(gate, rounded(acc_up, out_ty, INTERPRET), out_ty, INTERPRET)
         y_ptrs = y_ptr + ym[None, :] * stride_ys + rn[:, None]
         tl.store(y_ptrs, rounded(acc, out_ty, INTERPRET).to(out_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def tile_of(slot, off_ptr, S, E, GROUPS: tl.constexpr, BM: tl.constexpr):
+    """Token-tile ``slot``'s group (0..E-1 the experts, E the rows past the last expert's end, E + 1 a slot past
+    every tile), the tile's first row and its group's end row, from ``offsets`` with each bound clamped to [0, S]."""
+    g = tl.arange(0, GROUPS)
+    end = tl.where(g < E, tl.load(off_ptr + g, mask=g < E, other=0), S)
+    prev = tl.load(off_ptr + g - 1, mask=(g >= 1) & (g <= E), other=0)
+    start = tl.where(g == 0, 0, tl.where(g <= E, prev, S))
+    end = tl.minimum(tl.maximum(end, 0), S)
+    start = tl.minimum(tl.maximum(start, 0), S)
+    tiles = (tl.maximum(end - start, 0) + BM - 1) // BM
+    last = tl.cumsum(tiles, axis=0)  # the slot after each group's last tile
+    grp = tl.sum((last <= slot).to(tl.int32), axis=0)
+    mine = g == grp
+    first_slot = tl.sum(tl.where(mine, last - tiles, 0), axis=0)
+    first_row = tl.sum(tl.where(mine, start, 0), axis=0) + (slot - first_slot) * BM
+    return grp, first_row, tl.sum(tl.where(mine, end, 0), axis=0)
 
 
 @triton.jit
