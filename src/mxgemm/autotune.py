@@ -112,31 +112,18 @@ class Autotuner:
         )
 
     def grouped_choice(
-        self, backend: Backend, weight: PreparedGroupedWeight, rows: int, x_dtype: torch.dtype
+        self, backend: Backend, weight: PreparedGroupedWeight, rows: int, x_dtype: torch.dtype, op: str = "grouped"
     ) -> tuple[Any, str]:
-        """:meth:`choice` for grouped weights at ``rows`` rows sorted by expert (:meth:`TuneKey.grouped`)."""
+        """:meth:`choice` for grouped weights at ``rows`` rows sorted by expert (:meth:`TuneKey.grouped`); ``op``
+        "experts": gate/up's tactic in the routed block of ``rows`` token copies, as :meth:`tune_experts` records
+        it."""
         if not backend.tunable or not isinstance(backend, GroupedWeights):
             return None, "default"
         per_bucket, active = grouped_buckets(rows, weight.experts)  # TuneKey.grouped's, without building the key
         return self._recorded(
-            ("grouped", backend.name, weight.op_meta, per_bucket, active, x_dtype),
-            lambda: TuneKey.grouped(backend.name, weight, rows, x_dtype),
+            (op, backend.name, weight.op_meta, per_bucket, active, x_dtype),
+            lambda: TuneKey.grouped(backend.name, weight, rows, x_dtype, op=op),
             lambda: backend.grouped_tactics(per_bucket, weight),
-            backend.name,
-        )
-
-    def experts_choice(
-        self, backend: Backend, gate_up: PreparedGroupedWeight, rows: int, x_dtype: torch.dtype
-    ) -> tuple[Any, str]:
-        """:meth:`grouped_choice` of gate/up's tactic in the routed block of ``rows`` token copies, as
-        :meth:`tune_experts` records it (the key's op "experts"); (None, "default") where no file has one."""
-        if not backend.tunable or not isinstance(backend, GroupedWeights):
-            return None, "default"
-        per_bucket, active = grouped_buckets(rows, gate_up.experts)
-        return self._recorded(
-            ("experts", backend.name, gate_up.op_meta, per_bucket, active, x_dtype),
-            lambda: TuneKey.grouped(backend.name, gate_up, rows, x_dtype, op="experts"),
-            lambda: backend.grouped_tactics(per_bucket, gate_up),
             backend.name,
         )
 
@@ -399,14 +386,14 @@ def tactics_for_experts_call(
     x: torch.Tensor,
 ) -> tuple[Any, Any]:
     """The routed block's two tactics for ``tokens`` tokens of ``topk`` copies of ``x``'s dtype: down's as
-    :func:`tactic_for_grouped_call` finds it; gate/up's the block's own (:meth:`Autotuner.experts_choice`; tuned on
-    a miss only with ``MXGEMM_AUTOTUNE=1``), else the projection's."""
+    :func:`tactic_for_grouped_call` finds it; gate/up's the block's own (:meth:`Autotuner.grouped_choice` of op
+    "experts"; tuned on a miss only with ``MXGEMM_AUTOTUNE=1``), else the projection's."""
     rows = tokens * topk
     second = tactic_for_grouped_call(backend, down, rows, x)
     if not backend.tunable or not isinstance(backend, GroupedWeights):
         return None, second
     tuner = tuner_for(x.device)
-    first = tuner.experts_choice(backend, gate_up, rows, x.dtype)[0]
+    first = tuner.grouped_choice(backend, gate_up, rows, x.dtype, op="experts")[0]
     if first is None and settings.autotune_enabled() and not _capturing():
         result = tuner.tune_experts(backend, gate_up, down, tokens, topk, x.dtype)
         first = result.tactic if result else None

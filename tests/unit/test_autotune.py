@@ -645,8 +645,9 @@ def test_the_blocks_gate_up_tactic_is_timed_on_the_whole_block_and_taken_before_
     routings = autotune.tuning_top_k(4, 2, 4, "cpu", torch.bfloat16)
     assert len(routings) == autotune.TUNING_ROUTINGS and len({tuple(i.flatten().tolist()) for i, _ in routings}) > 1
     assert all(int(i[t, 0]) != int(i[t, 1]) for i, _ in routings for t in range(4))
-    assert tuner.experts_choice(b, w, 6, torch.bfloat16) == ({"name": "default"}, "cache")
-    assert tuner.experts_choice(b, down, 6, torch.bfloat16) == (None, "default")  # no block entry of that weight
+    assert tuner.grouped_choice(b, w, 6, torch.bfloat16, op="experts") == ({"name": "default"}, "cache")
+    no_entry = tuner.grouped_choice(b, down, 6, torch.bfloat16, op="experts")  # no block entry of that weight
+    assert no_entry == (None, "default")
 
     b.calls.clear()
     ids, weights = torch.tensor([[0, 2], [2, 3], [1, 2]]), torch.full((3, 2), 0.5, dtype=torch.bfloat16)

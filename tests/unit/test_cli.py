@@ -105,7 +105,7 @@ def test_tune_moe_tunes_the_experts_by_rows_per_expert(capsys, monkeypatch, tmp_
     tuner = Autotuner.for_device(mxgemm.describe_device())
     tactic, source = tuner.grouped_choice(get_backend("triton"), weight, 6, torch.bfloat16)
     assert source == "cache" and tactic in get_backend("triton").grouped_tactics(2, weight)
-    tactic, source = tuner.experts_choice(get_backend("triton"), weight, 6, torch.bfloat16)
+    tactic, source = tuner.grouped_choice(get_backend("triton"), weight, 6, torch.bfloat16, op="experts")
     assert source == "cache" and tactic in get_backend("triton").grouped_tactics(2, weight)
 
 
