@@ -142,10 +142,7 @@ __device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_
 
 template <typename T>
 __device__ __forceinline__ void store_pair(T* y, float v0, float v1) {
-  if constexpr (std::is_same_v<T, __half>)
-    *reinterpret_cast<__half2*>(y) = __floats2half2_rn(v0, v1);
-  else
-    *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
+  *reinterpret_cast<uint32_t*>(y) = pack_pair<T>(v0, v1);
 }
 
 // The token-tile slot and weight tile of work item `idx` of `used` slots by `wtiles` weight tiles: groups of
