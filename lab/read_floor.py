@@ -58,8 +58,9 @@ def _read(w_ptr, ids_ptr, out_ptr, expert_words, CHUNK: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _read_scan(w_ptr, off_ptr, out_ptr, expert_words, S, E, GROUPS: tl.constexpr, CHUNK: tl.constexpr,
-               BLOCK: tl.constexpr):  # fmt: skip
+def _read_scan(
+    w_ptr, off_ptr, out_ptr, expert_words, S, E, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+):
     """_read with the grouped kernel's prologue: each program finds its expert from ``offsets`` (16-row tiles)."""
     slot = tl.program_id(0)
     c = tl.program_id(1)
@@ -80,10 +81,27 @@ def _empty(p):
 
 @triton.jit
 def _splitk(
-    x_ptr, w_ptr, s_ptr, off_ptr, y_ptr, S, N, K, E, stride_we, stride_wn, stride_se, stride_sn,
-    GROUPS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, U: tl.constexpr,
-    WS: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    off_ptr,
+    y_ptr,
+    S,
+    N,
+    K,
+    E,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    GROUPS: tl.constexpr,
+    BN: tl.constexpr,
+    BM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    U: tl.constexpr,
+    WS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     part_k = tl.program_id(2)
@@ -127,10 +145,29 @@ def splitk_call(x, qd, bs, offsets, n, bn, bm, split, warps, stages, unroll=1, w
         y = torch.zeros((s, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(s, bm) + min(e + 1, s), triton.cdiv(n, bn), split)
     _splitk[grid](
-        x, qd, bs, offsets, y, s, n, k, e, qd.stride(0), qd.stride(1), bs.stride(0), bs.stride(1),
-        GROUPS=triton.next_power_of_2(e + 1), BN=bn, BM=bm, SPLIT=split, U=unroll, WS=ws, INTERPRET=_interpreting(),
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        x,
+        qd,
+        bs,
+        offsets,
+        y,
+        s,
+        n,
+        k,
+        e,
+        qd.stride(0),
+        qd.stride(1),
+        bs.stride(0),
+        bs.stride(1),
+        GROUPS=triton.next_power_of_2(e + 1),
+        BN=bn,
+        BM=bm,
+        SPLIT=split,
+        U=unroll,
+        WS=ws,
+        INTERPRET=_interpreting(),
+        num_warps=warps,
+        num_stages=stages,
+    )
     return y
 
 
@@ -211,10 +248,11 @@ def main() -> None:
                 grid_c = words.shape[1] // chunk
                 sinks = [torch.empty(len(i) * grid_c, dtype=torch.int32, device=dev) for i in ids]
                 calls = [
-                    partial(_read[(len(i), grid_c)], words, i, o, words.shape[1], CHUNK=chunk, BLOCK=block,
-                            num_warps=warps)
+                    partial(
+                        _read[(len(i), grid_c)], words, i, o, words.shape[1], CHUNK=chunk, BLOCK=block, num_warps=warps
+                    )
                     for i, o in zip(ids, sinks, strict=True)
-                ]  # fmt: skip
+                ]
                 res["reads"][f"chunk={chunk * 4} B load={block * 4} B warps={warps}"] = time_cuda(calls, warmup_ms=20)
             res["splitk"] = {}
             for bn, bm, split, warps, stages, unroll, *ws in variants:
@@ -242,10 +280,21 @@ def main() -> None:
                     grid_c = words.shape[1] // chunk
                     sinks = [torch.empty(slots * grid_c, dtype=torch.int32, device=dev) for _ in offs]
                     calls = [
-                        partial(_read_scan[(slots, grid_c)], words, o, z, words.shape[1], rows, e,
-                                GROUPS=triton.next_power_of_2(e + 1), CHUNK=chunk, BLOCK=block, num_warps=warps)
+                        partial(
+                            _read_scan[(slots, grid_c)],
+                            words,
+                            o,
+                            z,
+                            words.shape[1],
+                            rows,
+                            e,
+                            GROUPS=triton.next_power_of_2(e + 1),
+                            CHUNK=chunk,
+                            BLOCK=block,
+                            num_warps=warps,
+                        )
                         for o, z in zip(offs, sinks, strict=True)
-                    ]  # fmt: skip
+                    ]
                     res["reads"][f"scan chunk={chunk * 4} B load={block * 4} B warps={warps}"] = time_cuda(
                         calls, warmup_ms=20
                     )
@@ -257,9 +306,17 @@ def main() -> None:
                 for key, us in sorted(res[name].items(), key=lambda kv: kv[1])[: 12 if name == "reads" else 6]:
                     print(f"   {name:8s} {us:8.1f}  {key}")
             table.append(
-                (model, proj, tokens, floor, res["reads"][read_best], res["mxgemm"], res["configs"][cfg_best],
-                 res["splitk"][split_best] if split_best else float("nan"))
-            )  # fmt: skip
+                (
+                    model,
+                    proj,
+                    tokens,
+                    floor,
+                    res["reads"][read_best],
+                    res["mxgemm"],
+                    res["configs"][cfg_best],
+                    res["splitk"][split_best] if split_best else float("nan"),
+                )
+            )
             out["rows"].append(res)
         del w, qd, bs, words
         torch.cuda.empty_cache()
