@@ -57,6 +57,9 @@
 #           applied to this copy of the tree and the wgmma GPU tests run on it
 #   block-tactics  lab/block_tactics.py: Qwen3's routed block with each of gate/up's tactics beside gate/up alone
 #           at 1, 4 and 16 tokens; then lab/read_floor.py --one-token
+#   eager-gap  lab/moe_eager_gap.py (GAP_ARGS, default --layers 24): the MoE model's eager one-token decode, bf16 vs
+#           mxgemm, under inference_mode and no_grad: layer 0's parts back to back, generate's ms and kernels a token,
+#           each part's host ms inside generate
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -199,6 +202,9 @@ for stage in "$@"; do
           DG_CACHE_DIR="${DG_CACHE_DIR:-$dg/../../dg_cache}" timeout "${MOE_BENCH_S:-420}" python3 -m mxgemm bench \
           --moe --json "moe-${GPU_TAG:-h200}.json" --markdown "moe-${GPU_TAG:-h200}.md" > moe-bench.log 2>&1
         tail -4 moe-bench.log ) ;;
+    eager-gap)
+      timeout "${GAP_S:-400}" python3 lab/moe_eager_gap.py ${GAP_ARGS:---layers 24} --json "$out/eager-gap.json" \
+        > "$out/eager-gap.txt" 2>&1; tail -22 "$out/eager-gap.txt" ;;
     block-tactics)
       timeout 240 python3 lab/block_tactics.py --json "$out/block-tactics.json" > "$out/block-tactics.txt" 2>&1
       tail -40 "$out/block-tactics.txt"
