@@ -5,8 +5,10 @@ For each grad mode (``torch.inference_mode``, as bench/model_e2e.py runs, and ``
 lab/moe_layer_host.py did) and each model: layer 0's parts called back to back (lab/moe_layer_host.py's ``parts``),
 ``generate``'s ms a decode token (a 512-token prompt; the ``--new``-token call less the one-token call, medians of
 3 pairs, the models alternating), the CUDA kernels a decode token launches (the profiler's count, same difference),
-and each part's host ms a decode token inside ``generate`` (forward hooks on every layer's parts, a run of its own).
-mxgemm once more with ``MXGEMM_EAGER_GRAPHS=0``.
+and each part's host ms a decode token inside ``generate`` (forward hooks on every layer's parts down to the MoE block,
+a run of its own).
+mxgemm once more with its MoE blocks run as before mxgemm.moe_blocks (the experts' own graphs alone), and with
+``MXGEMM_EAGER_GRAPHS=0``.
 
 Run on the device: PYTHONPATH=src python3 lab/moe_eager_gap.py [--layers 24] --json gap.json
 (``--tiny`` runs it on a few-MB model on the CPU: a smoke test of the script, not a measurement.)
@@ -29,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_layer_host
 from model_e2e import build, config
+
+from mxgemm.moe_blocks import is_graphed_block
 
 MODES = {"inference": torch.inference_mode, "no_grad": torch.no_grad}
 
@@ -86,9 +90,7 @@ def hooked_parts(model, ids, new: int, sync) -> dict[str, float]:
     for layer in model.model.layers:
         for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
             watch(getattr(layer, name), name)
-        watch(layer, "decoder layer")
-        watch(layer.mlp.gate, "router")
-        watch(layer.mlp.experts, "experts")
+        watch(layer, "decoder layer")  # none inside the MoE block: a hook there runs a graphed block directly
     try:
         runs = []
         for n in (new, 1, new, 1, new, 1):
@@ -127,6 +129,18 @@ def main() -> None:
             row["back to back µs"] = {w: moe_layer_host.parts(m, 1) for w, m in models.items()}
             row["hooked ms a token"] = {w: hooked_parts(m, ids, args.new, sync) for w, m in models.items()}
             doc[mode] = row
+    mxgemm_model = models["mxgemm"]
+    graphed = [layer.mlp for layer in mxgemm_model.model.layers if is_graphed_block(layer.mlp)]
+    for block in graphed:  # the block's own class: the experts replay their graphs, the router runs eagerly
+        block.__class__ = type(block).__mro__[1]
+    with torch.inference_mode():
+        mx = {"mxgemm": mxgemm_model}
+        decode_ms(mx, ids, 5, sync)
+        doc["inference, blocks not graphed"] = {
+            "decode ms a token": decode_ms(mx, ids, args.new, sync),
+            "kernels a token": {"mxgemm": kernels_a_token(mxgemm_model, ids, 9, device)},
+            "back to back µs": {"mxgemm": moe_layer_host.parts(mxgemm_model, 1)},
+        }
     os.environ["MXGEMM_EAGER_GRAPHS"] = "0"
     with torch.inference_mode():
         mx = {"mxgemm": models["mxgemm"]}
@@ -137,7 +151,7 @@ def main() -> None:
         }
     del os.environ["MXGEMM_EAGER_GRAPHS"]
     print(f"{doc['device']}, {args.layers} layers, batch 1, eager")
-    for mode in (*MODES, "inference, MXGEMM_EAGER_GRAPHS=0"):
+    for mode in (*MODES, "inference, blocks not graphed", "inference, MXGEMM_EAGER_GRAPHS=0"):
         print(f"== {mode}")
         for what, by_who in doc[mode].items():
             for who, value in by_who.items():

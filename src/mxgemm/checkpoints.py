@@ -336,11 +336,13 @@ class LoadReport:
     dequantized: tuple[str, ...] = ()  # MXFP8 experts loaded into the model's own bf16 experts, with the reason
 
     def __str__(self) -> str:
-        fused, _, regimes, gated = tally(self.fusion)
+        counted = tally(self.fusion)
+        fused, gated = counted.fused, counted.gated
         groups = f", {fused} groups of layers sharing an input run as one" if fused else ""
-        groups += "".join(f" ({n} of them: {what})" for what, n in regimes.items())
+        groups += "".join(f" ({n} of them: {what})" for what, n in counted.regimes.items())
         groups += f", {gated} gated MLPs' products quantized for down_proj in one kernel" if gated else ""
         groups += f", {len(self.experts)} MXFP8 experts modules" if self.experts else ""
+        groups += f" ({counted.graphed} of their blocks graphed in eager decode)" if counted.graphed else ""
         groups += "".join(f"; {line}" for line in self.dequantized)
         return f"{self.format.kind} {self.format.scheme}: {len(self.quantized)} MXFP8 layers loaded{groups}"
 
@@ -367,7 +369,8 @@ def load_checkpoint(
     (or the file, for unreadable ones); so do tensors the model lacks, tensors in two files, NaN scales and
     parameters the checkpoint lacks (unless tied to one it has). ``fuse``: then make each layer's q, k and v
     projections, and its gate and up projections, run as one, and its gated MLP hand ``down_proj`` the product
-    quantized in one kernel (:func:`mxgemm.fusion.fuse`).
+    quantized in one kernel, and its MoE blocks replay their router and experts as one CUDA graph in eager decode
+    calls (:func:`mxgemm.fusion.fuse`).
 
     Experts stored per expert (``<experts>.<e>.{gate,up,down}_proj.weight``, as compressed-tensors, ModelOpt and
     :func:`save_checkpoint` write them) fill a model's 3-D experts (transformers' ``gate_up_proj`` / ``down_proj``):

@@ -29,6 +29,7 @@ import logging
 import weakref
 from collections import Counter
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -38,10 +39,11 @@ from .backends import PreparedWeight, get_backend
 from .backends.capabilities import JoinsRows, SharesQuantizedInput
 from .gated import GATED, fuse_gated_mlps, is_gated
 from .linear import MXFP8Linear
+from .moe_blocks import GRAPHED_BLOCK, NOT_GRAPHED, graph_moe_blocks
 from .ops import call_tactic, run_planned
 from .weights import linear, wants_grad
 
-__all__ = ["GROUPS", "SharedInput", "fuse", "fuse_shared_inputs", "tally", "unfit_reason"]
+__all__ = ["GROUPS", "SharedInput", "Tally", "fuse", "fuse_shared_inputs", "tally", "unfit_reason"]
 
 logger = logging.getLogger("mxgemm")
 
@@ -269,8 +271,9 @@ def fuse(model: nn.Module) -> list[str]:
     """mxgemm's fusions of ``model``'s layers, in place: those that read the same input run as one
     (:func:`fuse_shared_inputs`), then gated MLPs hand ``down_proj`` their product quantized in one kernel
     (:func:`mxgemm.gated.fuse_gated_mlps`); q/k/v groups and gated MLPs' gate/up groups run as one up to their
-    device's ``joined_max_rows``. Their accounts, one after the other."""
-    account = fuse_shared_inputs(model) + fuse_gated_mlps(model)
+    device's ``joined_max_rows``; MoE blocks replay their router and experts as one CUDA graph in eager decode calls
+    (:func:`mxgemm.moe_blocks.graph_moe_blocks`). Their accounts, one after the other."""
+    account = fuse_shared_inputs(model) + fuse_gated_mlps(model) + graph_moe_blocks(model)
     for module in model.modules():
         for layer in (getattr(module, "q_proj", None), module.gate_proj if is_gated(module) else None):
             if isinstance(layer, MXFP8Linear) and layer.shared is not None:
@@ -284,14 +287,27 @@ _QUANTIZED_FROM = "activations quantized from M = "
 _REGIME = f" ({_QUANTIZED_FROM}"
 
 
-def tally(account: Sequence[str]) -> tuple[int, Counter[str], Counter[str], int]:
-    """:func:`fuse`'s account counted: the groups made, the groups left as they were by reason, the groups made whose
-    crossover is not their members' by what it is, and the gated MLPs taken."""
+class Tally(NamedTuple):
+    """:func:`fuse`'s account counted."""
+
+    fused: int  # groups run as one
+    kept: Counter[str]  # groups left as they were, by reason
+    regimes: Counter[str]  # groups made whose crossover is not their members', by what it is
+    gated: int  # gated MLPs taken
+    graphed: int  # MoE blocks replayed as one graph
+    ungraphed: Counter[str]  # MoE blocks left as they were, by reason
+
+
+def tally(account: Sequence[str]) -> Tally:
+    """:func:`fuse`'s account counted."""
     gated = sum(line.endswith(GATED) for line in account)
+    graphed = sum(line.endswith(GRAPHED_BLOCK) for line in account)
+    ungraphed = Counter(line.rsplit(NOT_GRAPHED, 1)[1][:-1] for line in account if NOT_GRAPHED in line)
     kept = Counter(line.rsplit(_NOT_FUSED, 1)[1][:-1] for line in account if _NOT_FUSED in line)
     regimes = Counter(
         _QUANTIZED_FROM + line.rsplit(_REGIME, 1)[1][:-1]
         for line in account
         if _REGIME in line and _NOT_FUSED not in line
     )
-    return len(account) - sum(kept.values()) - gated, kept, regimes, gated
+    fused = len(account) - sum(kept.values()) - gated - graphed - sum(ungraphed.values())
+    return Tally(fused, kept, regimes, gated, graphed, ungraphed)

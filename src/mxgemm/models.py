@@ -18,6 +18,7 @@ from .fusion import fuse as fuse_model
 from .gated import GATED
 from .linear import MXFP8Linear
 from .moe import MXFP8Experts, experts_modules, experts_stay_in_bf16, experts_unfit_reason
+from .moe_blocks import GRAPHED_BLOCK
 from .resolve import check_request, resolve_backend
 
 logger = logging.getLogger("mxgemm")
@@ -71,13 +72,16 @@ class QuantizeReport:
         lines = ["replaced " + ", ".join(counts)]
         lines += [f"  {n} on {b}" for b, n in by_backend.items()]
         lines += [f"  skipped {r.name}: {r.reason}" for r in self.skipped]
-        fused, kept, regimes, gated = tally(self.fusion)
-        if fused:
-            lines.append(f"  {fused} groups of layers sharing an input (q/k/v, gate/up) run as one")
-        lines += [f"  {n} of those groups: {what}" for what, n in regimes.items()]
-        lines += [f"  {n} groups not fused: {why}" for why, n in kept.items()]
-        if gated:
-            lines.append(f"  {gated} gated MLPs{GATED}")
+        counted = tally(self.fusion)
+        if counted.fused:
+            lines.append(f"  {counted.fused} groups of layers sharing an input (q/k/v, gate/up) run as one")
+        lines += [f"  {n} of those groups: {what}" for what, n in counted.regimes.items()]
+        lines += [f"  {n} groups not fused: {why}" for why, n in counted.kept.items()]
+        if counted.gated:
+            lines.append(f"  {counted.gated} gated MLPs{GATED}")
+        if counted.graphed:
+            lines.append(f"  {counted.graphed} MoE blocks{GRAPHED_BLOCK}")
+        lines += [f"  {n} MoE blocks not graphed: {why}" for why, n in counted.ungraphed.items()]
         return "\n".join(lines)
 
 
@@ -112,7 +116,8 @@ def quantize_model(
     experts modules :class:`MXFP8Experts` cannot take stay as they are; the report says which and why, per kind. A
     named ``backend`` that cannot run raises for the first layer it cannot take, as everywhere in mxgemm.
     ``fuse``: then make each layer's q, k and v projections, and its gate and up projections, run as one, and its
-    gated MLP hand ``down_proj`` the product quantized in one kernel (:func:`mxgemm.fusion.fuse`). ``experts``: False
+    gated MLP hand ``down_proj`` the product quantized in one kernel, and its MoE blocks replay their router and
+    experts as one CUDA graph in eager decode calls (:func:`mxgemm.fusion.fuse`). ``experts``: False
     leaves every experts module as it is (the report says so).
 
     Every request is checked before the model changes. By default each layer then frees its full-precision weight as

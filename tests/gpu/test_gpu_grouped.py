@@ -446,3 +446,62 @@ def test_eager_experts_calls_replay_graphs_with_the_direct_calls_bits(monkeypatc
             assert torch.equal(experts(x, ids, w), mxgemm.moe_experts(x, ids, w, gate_up, down))
     assert len(experts._graphs) == 3
     assert torch.equal(experts(x, ids, w), mxgemm.moe_experts(x, ids, w, gate_up, down))
+
+
+def test_moe_blocks_replay_router_and_experts_with_the_direct_calls_bits(monkeypatch):
+    """A quantized Qwen3-MoE block's eager calls of up to GRAPHED_TOKENS tokens replay one graph of its router and
+    experts: each call the bits of the block run directly (MXGEMM_EAGER_GRAPHS=0) on its own tokens, one graph a
+    shape. A hook inside the block, or more tokens, run directly; a changed attribute (the router's top_k) captures
+    anew; a block whose forward changes its own state runs directly from its first call."""
+    from helpers import tiny_qwen3_moe
+
+    from mxgemm.moe import GRAPHED_TOKENS
+    from mxgemm.moe_blocks import is_graphed_block
+
+    def direct(block, x):
+        monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "0")
+        try:
+            return block(x)
+        finally:
+            monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
+
+    monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
+    model = tiny_qwen3_moe(layers=1, hidden=256, width=128, experts=8).cuda()
+    mxgemm.quantize_model(model)
+    block = model.model.layers[0].mlp
+    assert is_graphed_block(block)
+    graphs = block._mxgemm_block_graphs
+    with torch.no_grad():
+        for trial in range(4):
+            for tokens in (1, 3):
+                x = random_act(tokens, 256, device="cuda", seed=trial * 7 + tokens)[None]
+                assert torch.equal(block(x), direct(block, x)), (trial, tokens)
+        assert len(graphs) == 2
+        seen = []
+        hook = block.gate.register_forward_hook(lambda *_: seen.append(True))
+        assert torch.equal(block(x), direct(block, x)) and seen == [True, True] and len(graphs) == 2
+        hook.remove()
+        block.gate.top_k = 1
+        for seed in range(3):
+            x = random_act(3, 256, device="cuda", seed=seed)[None]
+            assert torch.equal(block(x), direct(block, x)), seed
+        assert len(graphs) == 3
+        long = random_act(GRAPHED_TOKENS + 1, 256, device="cuda")[None]
+        for _ in range(3):
+            assert torch.equal(block(long), direct(block, long))
+        assert len(graphs) == 3
+
+    class Counting(type(block).__mro__[1]):
+        def forward(self, hidden_states):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().forward(hidden_states)
+
+    model = tiny_qwen3_moe(layers=1, hidden=256, width=128, experts=8).cuda()
+    model.model.layers[0].mlp.__class__ = Counting
+    mxgemm.quantize_model(model)
+    block = model.model.layers[0].mlp
+    assert is_graphed_block(block)
+    with torch.no_grad():
+        for _ in range(3):
+            block(random_act(2, 256, device="cuda")[None])
+    assert block.calls == 3 and block._mxgemm_block_graphs is None

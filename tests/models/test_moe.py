@@ -472,3 +472,62 @@ def test_a_named_backend_runs_the_experts_or_leaves_them_with_its_reason():
     mxgemm.quantize_model(model, backend="triton")
     experts = [m for m in model.modules() if isinstance(m, MXFP8Experts)]
     assert len(experts) == 2 and {(m.backend, m.recipe) for m in experts} == {("triton", "w8a8-block")}
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"])
+def test_quantize_model_graphs_each_moe_block_and_keeps_its_class_name_and_state(kind, tmp_path):
+    """Each MoE block holding MXFP8Experts becomes a graphed subclass of its own class (same name, same state dict,
+    the same logits as the unfused model's on CPU, where calls run directly); copies and pickles stay graphed, each
+    with graphs of its own; ``fuse=False`` graphs nothing."""
+    from mxgemm.moe_blocks import GRAPHED_BLOCK, graph_moe_blocks, is_graphed_block
+
+    torch.manual_seed(0)
+    model = _tiny(kind).to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    report = mxgemm.quantize_model(model, backend="emulation")
+    assert not any(is_graphed_block(m) for m in plain.modules())
+    mxgemm.quantize_model(plain, backend="emulation", fuse=False)
+    blocks = [model.model.layers[i].mlp for i in range(2)]
+    assert all(is_graphed_block(b) for b in blocks) and not any(is_graphed_block(m) for m in plain.modules())
+    assert type(blocks[0]).__name__ == type(plain.model.layers[0].mlp).__name__
+    assert type(blocks[0]).__mro__[1] is type(plain.model.layers[0].mlp)
+    assert f"2 MoE blocks{GRAPHED_BLOCK}" in str(report)
+    assert report.fusion[-2:] == tuple(f"model.layers.{i}.mlp{GRAPHED_BLOCK}" for i in range(2))
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    torch.save(model, tmp_path / "model.pt")
+    for twin in (copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)):
+        block = twin.model.layers[0].mlp
+        assert type(block) is type(blocks[0]) and graph_moe_blocks(twin) == []
+        assert block._mxgemm_block_graphs is not blocks[0]._mxgemm_block_graphs
+        ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            assert torch.equal(twin(ids).logits, plain(ids).logits)
+
+
+def test_a_moe_block_called_on_more_than_the_hidden_states_is_left_with_the_reason():
+    from mxgemm.moe_blocks import graph_moe_blocks, is_graphed_block
+
+    class Block(nn.Module):
+        def __init__(self, experts):
+            super().__init__()
+            self.experts = experts
+
+        def forward(self, hidden_states, ids, weights):
+            return self.experts(hidden_states, ids, weights)
+
+    holder = nn.Module()
+    holder.mlp = Block(MXFP8Experts(*_experts()[0]))
+    assert graph_moe_blocks(holder) == ["mlp: not graphed (its forward takes more than the hidden states)"]
+    assert not is_graphed_block(holder.mlp)
+
+
+def test_a_graphed_moe_block_compiles_fullgraph_to_its_own_steps():
+    torch._dynamo.reset()
+    model = tiny_qwen3_moe(layers=1, hidden=H, width=I, experts=E)
+    mxgemm.quantize_model(model, backend="emulation")
+    block = model.model.layers[0].mlp
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    x = random_act(5, H)[None]
+    with torch.no_grad():
+        assert torch.equal(compiled(x), block(x))
+    torch._dynamo.reset()
