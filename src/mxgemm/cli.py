@@ -85,7 +85,7 @@ def _info(console: Console) -> int:
         graphs = "on (MXGEMM_EAGER_GRAPHS=0 turns them off)" if settings.eager_graphs_enabled() else "off"
     except MXGemmError:  # said among the warnings above
         graphs = "MXGEMM_EAGER_GRAPHS is not a switch"
-    console.print(f"experts' eager graphs (up to {GRAPHED_TOKENS} tokens): {graphs}")
+    console.print(f"MoE blocks' and experts' eager graphs (up to {GRAPHED_TOKENS} tokens): {graphs}")
     limits = thresholds.for_sm(device.sm)
     unmeasured = device.type == "cuda" and device.sm not in thresholds.MEASURED
     console.print(

@@ -66,7 +66,8 @@ def fast_calls_enabled() -> bool:
 
 
 def eager_graphs_enabled() -> bool:
-    """``MXGEMM_EAGER_GRAPHS``: whether eager calls of the experts' routed block replay CUDA graphs (default on)."""
+    """``MXGEMM_EAGER_GRAPHS``: whether eager calls of the experts' routed block, and of the MoE blocks holding them,
+    replay CUDA graphs (default on)."""
     return _flag("MXGEMM_EAGER_GRAPHS", default=True)
 
 

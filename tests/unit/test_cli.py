@@ -21,7 +21,7 @@ def test_info(capsys, monkeypatch, tmp_path):
     assert "tuning file (this GPU and environment): " in out and "tuning-cpu-" in out and "absent" in out
     assert "shipped tuning file: none for this GPU" in out
     assert "eager calls: the Python path" in out
-    assert "experts' eager graphs (up to 64 tokens): on (MXGEMM_EAGER_GRAPHS=0 turns them off)" in out
+    assert "MoE blocks' and experts' eager graphs (up to 64 tokens): on (MXGEMM_EAGER_GRAPHS=0 turns them off)" in out
     assert "route thresholds: measured on NVIDIA H200 (dense routes) and H100 80GB HBM3 (grouped weights)" in out
 
 
