@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from . import thresholds
+from .attention import vouch_attention
 from .backends import PreparedWeight, get_backend
 from .backends.capabilities import JoinsRows, SharesQuantizedInput
 from .gated import GATED, fuse_gated_mlps, is_gated
@@ -271,9 +272,12 @@ def fuse(model: nn.Module) -> list[str]:
     """mxgemm's fusions of ``model``'s layers, in place: those that read the same input run as one
     (:func:`fuse_shared_inputs`), then gated MLPs hand ``down_proj`` their product quantized in one kernel
     (:func:`mxgemm.gated.fuse_gated_mlps`); q/k/v groups and gated MLPs' gate/up groups run as one up to their
-    device's ``joined_max_rows``; MoE blocks replay their router and experts as one CUDA graph in eager decode calls
-    (:func:`mxgemm.moe_blocks.graph_moe_blocks`). Their accounts, one after the other."""
+    device's ``joined_max_rows``, under ``inference_mode`` too where an attention module hands its input only to its
+    q/k/v projections (:func:`mxgemm.attention.vouch_attention`); MoE blocks replay their router and experts as one
+    CUDA graph in eager decode calls (:func:`mxgemm.moe_blocks.graph_moe_blocks`). Their accounts, one after the
+    other."""
     account = fuse_shared_inputs(model) + fuse_gated_mlps(model) + graph_moe_blocks(model)
+    vouch_attention(model)
     for module in model.modules():
         for layer in (getattr(module, "q_proj", None), module.gate_proj if is_gated(module) else None):
             if isinstance(layer, MXFP8Linear) and layer.shared is not None:

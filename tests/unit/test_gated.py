@@ -173,7 +173,8 @@ def test_under_inference_mode_gate_and_up_run_as_one_unless_hooked(hook, monkeyp
     ids = torch.randint(0, 500, (1, 5))
     with torch.inference_mode():
         assert torch.equal(fused(ids).logits, plain(ids).logits)
-    assert len(joined) == (1 if hook else 2)  # one GEMM for each group of two run as one; q/k/v groups run apart
+    # one GEMM for each group run as one: gate/up, and q/k/v (their attention vouches for its input: mxgemm.attention)
+    assert len(joined) == (3 if hook else 4)
     assert all(layer.mlp.gate_proj.shared[0].trusted is None for layer in fused.model.layers)
 
 
@@ -440,3 +441,69 @@ def test_a_gated_model_pickles_and_copies_as_gated(gated_calls, tmp_path):
         with torch.no_grad():
             assert torch.equal(model(ids).logits, plain(ids).logits)
         assert gated_calls == [True] * 2
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_under_inference_mode_an_attention_runs_q_k_and_v_as_one_unless_hooked(hook, monkeypatch, tmp_path):
+    """Llama's attention hands its input only to q_proj, k_proj and v_proj: taken (a subclass of the same name), it
+    vouches for that input under inference_mode, so the q/k/v group runs one GEMM there as under no_grad, with the
+    logits of the unfused model. A pre-hook on k_proj that changes the input in place runs each member alone, on the
+    input as the hook left it. Copies and pickles stay taken."""
+    from mxgemm import fusion
+    from mxgemm.attention import is_vouched_attention
+
+    plain, fused, _ = _pair()
+    attention = fused.model.layers[0].self_attn
+    assert is_vouched_attention(attention) and type(attention).__name__ == "LlamaAttention"
+    assert not is_vouched_attention(plain.model.layers[0].self_attn)
+    joined = []
+    monkeypatch.setattr(fusion, "linear", lambda x, w, b: joined.append(x.shape[-1]) or mxgemm.weights.linear(x, w, b))
+
+    def doubled(module, args):
+        args[0].mul_(2)
+
+    if hook:
+        for model in (plain, fused):
+            model.model.layers[0].self_attn.k_proj.register_forward_pre_hook(doubled)
+    ids = torch.randint(0, 500, (1, 5))
+    with torch.inference_mode():
+        assert torch.equal(fused(ids).logits, plain(ids).logits)
+    assert len(joined) == (3 if hook else 4)  # q/k/v and gate/up of each of the two layers
+    assert all(layer.self_attn.q_proj.shared[0].trusted is None for layer in fused.model.layers)
+    if hook:  # a local function: it does not pickle
+        return
+    torch.save(fused, tmp_path / "model.pt")
+    for twin in (copy.deepcopy(fused), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert type(twin.model.layers[1].self_attn) is type(attention)
+        with torch.inference_mode():
+            assert torch.equal(twin(ids).logits, fused(ids).logits)
+
+
+def test_an_attention_that_uses_its_input_otherwise_is_not_taken():
+    from mxgemm.attention import _input_name, is_vouched_attention
+
+    llama = transformers.models.llama.modeling_llama.LlamaAttention
+
+    class Scaled(llama):
+        def forward(self, hidden_states, *args, **kwargs):
+            q = self.q_proj(hidden_states)
+            hidden_states.mul_(2)
+            return q, self.k_proj(hidden_states), self.v_proj(hidden_states)
+
+    class Rebound(llama):
+        def forward(self, hidden_states, *args, **kwargs):
+            q = self.q_proj(hidden_states)
+            hidden_states = hidden_states * 2
+            return q, self.k_proj(hidden_states), self.v_proj(hidden_states)
+
+    class Passed(llama):
+        def forward(self, hidden_states, *args, **kwargs):
+            return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(torch.relu(hidden_states))
+
+    assert _input_name(llama) == "hidden_states"
+    assert [_input_name(c) for c in (Scaled, Rebound, Passed)] == [None, None, None]
+    plain = _llama()
+    layer = plain.model.layers[0]
+    layer.self_attn.__class__ = Scaled
+    mxgemm.quantize_model(plain, backend="emulation", recipe="hybrid-block128")
+    assert not is_vouched_attention(layer.self_attn) and is_vouched_attention(plain.model.layers[1].self_attn)
