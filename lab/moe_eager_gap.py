@@ -7,8 +7,8 @@ lab/moe_layer_host.py did) and each model: layer 0's parts called back to back (
 3 pairs, the models alternating), the CUDA kernels a decode token launches (the profiler's count, same difference),
 and each part's host ms a decode token inside ``generate`` (forward hooks on every layer's parts down to the MoE block,
 a run of its own).
-mxgemm once more with its MoE blocks run as before mxgemm.moe_blocks (the experts' own graphs alone), and with
-``MXGEMM_EAGER_GRAPHS=0``.
+mxgemm once more with its MoE blocks run as before mxgemm.moe_blocks (the experts' own graphs alone), then also
+its attentions as before mxgemm.attention (q/k/v apart under inference_mode), then with ``MXGEMM_EAGER_GRAPHS=0``.
 
 Run on the device: PYTHONPATH=src python3 lab/moe_eager_gap.py [--layers 24] --json gap.json
 (``--tiny`` runs it on a few-MB model on the CPU: a smoke test of the script, not a measurement.)
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_layer_host
 from model_e2e import build, config
 
+from mxgemm.attention import is_vouched_attention
 from mxgemm.moe_blocks import is_graphed_block
 
 MODES = {"inference": torch.inference_mode, "no_grad": torch.no_grad}
@@ -130,17 +131,22 @@ def main() -> None:
             row["hooked ms a token"] = {w: hooked_parts(m, ids, args.new, sync) for w, m in models.items()}
             doc[mode] = row
     mxgemm_model = models["mxgemm"]
-    graphed = [layer.mlp for layer in mxgemm_model.model.layers if is_graphed_block(layer.mlp)]
-    for block in graphed:  # the block's own class: the experts replay their graphs, the router runs eagerly
-        block.__class__ = type(block).__mro__[1]
-    with torch.inference_mode():
-        mx = {"mxgemm": mxgemm_model}
-        decode_ms(mx, ids, 5, sync)
-        doc["inference, blocks not graphed"] = {
-            "decode ms a token": decode_ms(mx, ids, args.new, sync),
-            "kernels a token": {"mxgemm": kernels_a_token(mxgemm_model, ids, 9, device)},
-            "back to back µs": {"mxgemm": moe_layer_host.parts(mxgemm_model, 1)},
-        }
+    undo = {  # each step back to the model before it, in turn: the blocks' own classes, then the attentions'
+        "inference, blocks not graphed": is_graphed_block,
+        "inference, neither blocks graphed nor attention vouched": is_vouched_attention,
+    }
+    for label, taken in undo.items():
+        for module in mxgemm_model.modules():
+            if taken(module):
+                module.__class__ = type(module).__mro__[1]
+        with torch.inference_mode():
+            mx = {"mxgemm": mxgemm_model}
+            decode_ms(mx, ids, 5, sync)
+            doc[label] = {
+                "decode ms a token": decode_ms(mx, ids, args.new, sync),
+                "kernels a token": {"mxgemm": kernels_a_token(mxgemm_model, ids, 9, device)},
+                "back to back µs": {"mxgemm": moe_layer_host.parts(mxgemm_model, 1)},
+            }
     os.environ["MXGEMM_EAGER_GRAPHS"] = "0"
     with torch.inference_mode():
         mx = {"mxgemm": models["mxgemm"]}
@@ -151,7 +157,7 @@ def main() -> None:
         }
     del os.environ["MXGEMM_EAGER_GRAPHS"]
     print(f"{doc['device']}, {args.layers} layers, batch 1, eager")
-    for mode in (*MODES, "inference, blocks not graphed", "inference, MXGEMM_EAGER_GRAPHS=0"):
+    for mode in (*MODES, *undo, "inference, MXGEMM_EAGER_GRAPHS=0"):
         print(f"== {mode}")
         for what, by_who in doc[mode].items():
             for who, value in by_who.items():
