@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .linear import MXFP8Linear
+from .taken import hooked_inside, same_name_subclass
 
 __all__ = ["PROJECTIONS", "is_vouched_attention", "vouch_attention"]
 
@@ -96,15 +97,6 @@ def _group(module: nn.Module):
     return group
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Forward hooks that could run between the projections' calls: on a module inside ``module``, or on every
-    module."""
-    state = nn.modules.module
-    if getattr(state, "_global_forward_hooks", None) or getattr(state, "_global_forward_pre_hooks", None):
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules() if m is not module)
-
-
 @functools.cache
 def _vouched_class(cls: type, name: str) -> type:
     own_forward = cls.forward
@@ -114,7 +106,7 @@ def _vouched_class(cls: type, name: str) -> type:
             return own_forward(self, *args, **kwargs)
         x = args[0] if args else kwargs.get(name)
         group = _group(self) if isinstance(x, torch.Tensor) and x.is_inference() else None
-        if group is None or _hooked(self):
+        if group is None or hooked_inside(self):
             return own_forward(self, *args, **kwargs)
         group.trusted = x
         try:
@@ -122,24 +114,7 @@ def _vouched_class(cls: type, name: str) -> type:
         finally:
             group.trusted = None
 
-    def __reduce_ex__(self, protocol):
-        # pickled as an instance of the class it was made from, taken again when loaded
-        _, _, *rest = cls.__reduce_ex__(self, protocol)
-        return (_instance, (cls, name), *rest)
-
-    namespace = {
-        "forward": forward,
-        "__reduce_ex__": __reduce_ex__,
-        "_mxgemm_vouched": True,
-        "__module__": cls.__module__,
-        "__doc__": cls.__doc__,
-    }
-    return type(cls.__name__, (cls,), namespace)
-
-
-def _instance(cls: type, name: str) -> nn.Module:
-    vouched = _vouched_class(cls, name)
-    return vouched.__new__(vouched)
+    return same_name_subclass(cls, _vouched_class, (cls, name), {"forward": forward, "_mxgemm_vouched": True})
 
 
 def is_vouched_attention(module: nn.Module) -> bool:

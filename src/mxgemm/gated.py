@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .linear import MXFP8Linear
+from .taken import global_hooks, hooked, same_name_subclass
 
 __all__ = ["GATED", "fuse_gated_mlps", "is_gated"]
 
@@ -60,16 +61,6 @@ def _gated_mlp(module: nn.Module) -> bool:
     )
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
-def _global_hooks() -> bool:
-    """Forward hooks registered for every module (``nn.modules.module.register_module_forward_hook``)."""
-    state = nn.modules.module
-    return bool(getattr(state, "_global_forward_hooks", None) or getattr(state, "_global_forward_pre_hooks", None))
-
-
 def _joined_call(gate_proj: nn.Module, up_proj: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_proj(x), up_proj(x)``. Under ``inference_mode`` their group (:class:`mxgemm.fusion.SharedInput`) runs as
     one only where it is told that nothing runs between the two calls: so where they are one group of two, neither
@@ -82,9 +73,9 @@ def _joined_call(gate_proj: nn.Module, up_proj: nn.Module, x: torch.Tensor) -> t
         or getattr(up_proj, "shared", None) is None
         or up_proj.shared[0] is not group[0]
         or len(group[0].sizes) != 2
-        or _hooked(gate_proj)
-        or _hooked(up_proj)
-        or _global_hooks()
+        or hooked(gate_proj)
+        or hooked(up_proj)
+        or global_hooks()
     ):
         return gate_proj(x), up_proj(x)
     group[0].trusted = x
@@ -99,7 +90,7 @@ def _gated_class(cls: type) -> type:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _joined_call(self.gate_proj, self.up_proj, x)
         down, act = self.down_proj, self.act_fn
-        if not (_is_silu(act) and isinstance(down, MXFP8Linear)) or _hooked(down) or _hooked(act) or _global_hooks():
+        if not (_is_silu(act) and isinstance(down, MXFP8Linear)) or hooked(down) or hooked(act) or global_hooks():
             y = None  # the module changed since it was taken, or hooks would miss the steps: the model's own steps
         elif torch.compiler.is_compiling():
             y = down.traced_gated(gate, up)
@@ -110,31 +101,13 @@ def _gated_class(cls: type) -> type:
     def extra_repr(self) -> str:
         return ", ".join(filter(None, (cls.extra_repr(self), "product quantized for down_proj in one kernel")))
 
-    def __reduce_ex__(self, protocol):
-        # pickled as an instance of the class it was made from, re-gated when loaded: the subclass, made at run time,
-        # is found by no name
-        _, _, *rest = cls.__reduce_ex__(self, protocol)
-        return (_instance, (cls,), *rest)
-
-    namespace = {
-        "forward": forward,
-        "extra_repr": extra_repr,
-        "__reduce_ex__": __reduce_ex__,
-        "_mxgemm_gated": True,
-        "__module__": cls.__module__,
-        "__doc__": cls.__doc__,
-    }
-    return type(cls.__name__, (cls,), namespace)
+    namespace = {"forward": forward, "extra_repr": extra_repr, "_mxgemm_gated": True}
+    return same_name_subclass(cls, _gated_class, (cls,), namespace)
 
 
 def is_gated(module: nn.Module) -> bool:
     """Whether :func:`fuse_gated_mlps` took this module."""
     return getattr(type(module), "_mxgemm_gated", False)
-
-
-def _instance(cls: type) -> nn.Module:
-    gated = _gated_class(cls)
-    return gated.__new__(gated)
 
 
 def fuse_gated_mlps(model: nn.Module) -> list[str]:

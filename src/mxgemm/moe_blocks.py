@@ -30,6 +30,7 @@ from torch import nn
 from . import tuning
 from .graphs import EagerGraphs, graphable
 from .moe import GRAPHED_TOKENS, MXFP8Experts
+from .taken import hooked_inside, same_name_subclass
 
 __all__ = ["GRAPHED_BLOCK", "graph_moe_blocks", "is_graphed_block"]
 
@@ -53,14 +54,6 @@ def _state(block: nn.Module) -> tuple:
     return tuple(out)
 
 
-def _hooked_inside(block: nn.Module) -> bool:
-    """Forward hooks a replay would skip: on a module inside ``block``, or on every module."""
-    state = nn.modules.module
-    if getattr(state, "_global_forward_hooks", None) or getattr(state, "_global_forward_pre_hooks", None):
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in block.modules() if m is not block)
-
-
 def _graphed_call(block: nn.Module, own_forward, hidden_states: torch.Tensor) -> torch.Tensor | None:
     """``block``'s call from its graphs, or None where it runs its own forward."""
     graphs = block.__dict__.get(_GRAPHS)
@@ -68,7 +61,7 @@ def _graphed_call(block: nn.Module, own_forward, hidden_states: torch.Tensor) ->
         return None
     if hidden_states.dim() == 0 or hidden_states.numel() > GRAPHED_TOKENS * hidden_states.shape[-1]:
         return None
-    if not graphable(hidden_states) or _hooked_inside(block):
+    if not graphable(hidden_states) or hooked_inside(block):
         return None
     if torch.is_grad_enabled() and any(p.requires_grad for p in block.parameters()):
         return None
@@ -106,24 +99,7 @@ def _graphed_class(cls: type) -> type:
         y = _graphed_call(self, own_forward, hidden_states)
         return own_forward(self, hidden_states) if y is None else y
 
-    def __reduce_ex__(self, protocol):
-        # pickled as an instance of the class it was made from, graphed again when loaded (copies start without graphs)
-        _, _, *rest = cls.__reduce_ex__(self, protocol)
-        return (_instance, (cls,), *rest)
-
-    namespace = {
-        "forward": forward,
-        "__reduce_ex__": __reduce_ex__,
-        "_mxgemm_graphed_block": True,
-        "__module__": cls.__module__,
-        "__doc__": cls.__doc__,
-    }
-    return type(cls.__name__, (cls,), namespace)
-
-
-def _instance(cls: type) -> nn.Module:
-    graphed = _graphed_class(cls)
-    return graphed.__new__(graphed)
+    return same_name_subclass(cls, _graphed_class, (cls,), {"forward": forward, "_mxgemm_graphed_block": True})
 
 
 def is_graphed_block(module: nn.Module) -> bool:
