@@ -9,10 +9,12 @@ own, of the same name, whose eager calls of up to :data:`mxgemm.moe.GRAPHED_TOKE
 block (:class:`mxgemm.graphs.EagerGraphs`): the same launches on the same bytes, so the same bits, for a fraction of
 their host time. Parameters, buffers and the state dict stay as they were; the router stays in bf16.
 
-A graph bakes in what the block's Python read when it was captured, so each call's signature holds the block's state
-by identity: every module's attributes (``top_k``, ``training``, ...), parameters' and buffers' storage, children.
-Changing any of them captures anew. A forward that changes that state itself (keeps its router logits, counts its
-calls) would see it change only once, when captured: such a block runs directly from then on, and says so in the log.
+A graph bakes in what the block's Python read when it was captured, so each call's signature holds the block's state:
+every module's attributes (``top_k``, ``training``, ...: plain values by value, other objects by identity), its
+parameters' and buffers' storage, its children. Changing any of them captures anew; a change inside an object a
+module holds (a field of a config it reads when called) is not seen. A forward that changes that state itself
+(keeps its router logits, counts its calls) would see it change only once, when captured: such a block runs directly
+from then on, and says so in the log.
 Calls run the block's own forward where a graph could not stand in for it: traced calls, more rows, gradients asked
 for, hooks on a module inside the block or on every module, ``MXGEMM_EAGER_GRAPHS=0``, and the cases of
 :func:`mxgemm.graphs.graphable`.
@@ -42,14 +44,18 @@ NOT_GRAPHED = ": not graphed ("
 _GRAPHS = "_mxgemm_block_graphs"  # the block's EagerGraphs in its __dict__; None once its forward proved stateful
 
 
+_PLAIN = (int, float, bool, str, type(None))
+
+
 def _state(block: nn.Module) -> tuple:
-    """What a graph of ``block``'s call was made from, by identity: each module's attribute values, its parameters'
-    and buffers' storage and its children."""
+    """What a graph of ``block``'s call was made from: each module's attribute values (plain ones by value, others by
+    identity), its parameters' and buffers' storage and its children."""
     out = []
     for module in block.modules():
-        out.append(tuple(map(id, module.__dict__.values())))
-        out.append(tuple(t.data_ptr() if t is not None else 0 for t in module._parameters.values()))
-        out.append(tuple(t.data_ptr() if t is not None else 0 for t in module._buffers.values()))
+        out.append(tuple([v if type(v) in _PLAIN else id(v) for v in module.__dict__.values()]))
+        out.append(
+            tuple([0 if t is None else t.data_ptr() for t in (*module._parameters.values(), *module._buffers.values())])
+        )
         out.append(tuple(map(id, module._modules.values())))
     return tuple(out)
 
