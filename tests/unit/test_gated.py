@@ -153,29 +153,43 @@ def test_the_models_steps_run_with_hooks_gradients_and_traced(gated_calls):
     assert x.grad is not None and gated_calls == [True, False]
 
 
-@pytest.mark.parametrize("hook", [False, True])
-def test_under_inference_mode_gate_and_up_run_as_one_unless_hooked(hook, monkeypatch):
-    """Inference tensors keep no version counter, so groups run their members apart under ``inference_mode``; a gated
-    MLP's forward calls gate and up with nothing between, and so runs their group as one GEMM. A forward pre-hook on
-    up_proj could change the input in place between the two: then each runs alone, on the input as the hook left it."""
+@pytest.mark.parametrize("hooked", [None, "mlp.up_proj", "self_attn.k_proj"])
+def test_under_inference_mode_groups_run_as_one_where_their_caller_vouches_unless_hooked(hooked, monkeypatch, tmp_path):
+    """Inference tensors keep no version counter, so groups run their members apart under ``inference_mode`` unless
+    the module calling them vouches for the input: a gated MLP's forward calls gate and up with nothing between, and
+    Llama's attention (taken: a subclass of the same name) hands its input only to q_proj, k_proj and v_proj, so both
+    groups run one GEMM there as under no_grad, with the logits of the unfused model. A forward pre-hook on a member
+    could change the input in place between the calls: then that group's members run alone, on the input as the hook
+    left it. Copies and pickles stay taken."""
     from mxgemm import fusion
+    from mxgemm.attention import is_vouched_attention
 
     plain, fused, _ = _pair()
+    attention = fused.model.layers[0].self_attn
+    assert is_vouched_attention(attention) and type(attention).__name__ == "LlamaAttention"
+    assert not is_vouched_attention(plain.model.layers[0].self_attn)
     joined = []
     monkeypatch.setattr(fusion, "linear", lambda x, w, b: joined.append(x.shape) or mxgemm.weights.linear(x, w, b))
 
     def doubled(module, args):
         args[0].mul_(2)
 
-    if hook:
+    if hooked:
         for model in (plain, fused):
-            model.model.layers[0].mlp.up_proj.register_forward_pre_hook(doubled)
+            model.model.layers[0].get_submodule(hooked).register_forward_pre_hook(doubled)
     ids = torch.randint(0, 500, (1, 5))
     with torch.inference_mode():
         assert torch.equal(fused(ids).logits, plain(ids).logits)
-    # one GEMM for each group run as one: gate/up, and q/k/v (their attention vouches for its input: mxgemm.attention)
-    assert len(joined) == (3 if hook else 4)
-    assert all(layer.mlp.gate_proj.shared[0].trusted is None for layer in fused.model.layers)
+    assert len(joined) == (3 if hooked else 4)  # one GEMM for each group run as one: q/k/v and gate/up of 2 layers
+    for layer in fused.model.layers:
+        assert layer.mlp.gate_proj.shared[0].trusted is None and layer.self_attn.q_proj.shared[0].trusted is None
+    if hooked:  # a local function: it does not pickle
+        return
+    torch.save(fused, tmp_path / "model.pt")
+    for twin in (copy.deepcopy(fused), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert type(twin.model.layers[1].self_attn) is type(attention)
+        with torch.inference_mode():
+            assert torch.equal(twin(ids).logits, fused(ids).logits)
 
 
 @pytest.mark.parametrize("change", ["gelu", "nn.Linear down_proj", "global hook"])
@@ -441,42 +455,6 @@ def test_a_gated_model_pickles_and_copies_as_gated(gated_calls, tmp_path):
         with torch.no_grad():
             assert torch.equal(model(ids).logits, plain(ids).logits)
         assert gated_calls == [True] * 2
-
-
-@pytest.mark.parametrize("hook", [False, True])
-def test_under_inference_mode_an_attention_runs_q_k_and_v_as_one_unless_hooked(hook, monkeypatch, tmp_path):
-    """Llama's attention hands its input only to q_proj, k_proj and v_proj: taken (a subclass of the same name), it
-    vouches for that input under inference_mode, so the q/k/v group runs one GEMM there as under no_grad, with the
-    logits of the unfused model. A pre-hook on k_proj that changes the input in place runs each member alone, on the
-    input as the hook left it. Copies and pickles stay taken."""
-    from mxgemm import fusion
-    from mxgemm.attention import is_vouched_attention
-
-    plain, fused, _ = _pair()
-    attention = fused.model.layers[0].self_attn
-    assert is_vouched_attention(attention) and type(attention).__name__ == "LlamaAttention"
-    assert not is_vouched_attention(plain.model.layers[0].self_attn)
-    joined = []
-    monkeypatch.setattr(fusion, "linear", lambda x, w, b: joined.append(x.shape[-1]) or mxgemm.weights.linear(x, w, b))
-
-    def doubled(module, args):
-        args[0].mul_(2)
-
-    if hook:
-        for model in (plain, fused):
-            model.model.layers[0].self_attn.k_proj.register_forward_pre_hook(doubled)
-    ids = torch.randint(0, 500, (1, 5))
-    with torch.inference_mode():
-        assert torch.equal(fused(ids).logits, plain(ids).logits)
-    assert len(joined) == (3 if hook else 4)  # q/k/v and gate/up of each of the two layers
-    assert all(layer.self_attn.q_proj.shared[0].trusted is None for layer in fused.model.layers)
-    if hook:  # a local function: it does not pickle
-        return
-    torch.save(fused, tmp_path / "model.pt")
-    for twin in (copy.deepcopy(fused), torch.load(tmp_path / "model.pt", weights_only=False)):
-        assert type(twin.model.layers[1].self_attn) is type(attention)
-        with torch.inference_mode():
-            assert torch.equal(twin(ids).logits, fused(ids).logits)
 
 
 def test_an_attention_that_uses_its_input_otherwise_is_not_taken():
