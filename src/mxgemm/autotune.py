@@ -321,11 +321,9 @@ def tactic_for_call(backend: Backend, weight: PreparedWeight, x: torch.Tensor) -
     if not backend.tunable:
         return None
     tuner = tuner_for(x.device)
-    tactic = tuner.lookup(backend, weight, x.shape[0], x.dtype)
-    if tactic is None and settings.autotune_enabled() and not _capturing():
-        result = tuner.tune(backend, weight, x.shape[0], x.dtype)
-        tactic = result.tactic if result else None
-    return tactic
+    return _recorded_or_tuned(
+        tuner.lookup(backend, weight, x.shape[0], x.dtype), lambda: tuner.tune(backend, weight, x.shape[0], x.dtype)
+    )
 
 
 def tuning_routings(
@@ -370,11 +368,19 @@ def tactic_for_grouped_call(backend: Backend, weight: PreparedGroupedWeight, row
     if not backend.tunable or not isinstance(backend, GroupedWeights):
         return None
     tuner = tuner_for(x.device)
-    tactic = tuner.grouped_choice(backend, weight, rows, x.dtype)[0]
-    if tactic is None and settings.autotune_enabled() and not _capturing():
-        result = tuner.tune_grouped(backend, weight, rows, x.dtype)
-        tactic = result.tactic if result else None
-    return tactic
+    return _recorded_or_tuned(
+        tuner.grouped_choice(backend, weight, rows, x.dtype)[0],
+        lambda: tuner.tune_grouped(backend, weight, rows, x.dtype),
+    )
+
+
+def _recorded_or_tuned(recorded: Any, tune: Callable[[], TuneResult | None]) -> Any:
+    """``recorded``, or on a miss (None) the tactic ``tune`` finds where ``MXGEMM_AUTOTUNE=1`` and no capture is under
+    way (None where it finds none)."""
+    if recorded is None and settings.autotune_enabled() and not _capturing():
+        result = tune()
+        recorded = result.tactic if result else None
+    return recorded
 
 
 def tactics_for_experts_call(
@@ -393,10 +399,10 @@ def tactics_for_experts_call(
     if not backend.tunable or not isinstance(backend, GroupedWeights):
         return None, second
     tuner = tuner_for(x.device)
-    first = tuner.grouped_choice(backend, gate_up, rows, x.dtype, op="experts")[0]
-    if first is None and settings.autotune_enabled() and not _capturing():
-        result = tuner.tune_experts(backend, gate_up, down, tokens, topk, x.dtype)
-        first = result.tactic if result else None
+    first = _recorded_or_tuned(
+        tuner.grouped_choice(backend, gate_up, rows, x.dtype, op="experts")[0],
+        lambda: tuner.tune_experts(backend, gate_up, down, tokens, topk, x.dtype),
+    )
     if first is None:
         first = tuner.grouped_choice(backend, gate_up, rows, x.dtype)[0]
     return first, second
