@@ -60,6 +60,8 @@
 #   eager-gap  lab/moe_eager_gap.py (GAP_ARGS, default --layers 24): the MoE model's eager one-token decode, bf16 vs
 #           mxgemm, under inference_mode and no_grad: layer 0's parts back to back, generate's ms and kernels a token,
 #           each part's host ms inside generate
+#   gemv    lab/gemv_decode.py: a grouped GEMV on CUDA cores (one sorted row a program) beside the grouped kernel and
+#           the read floor at 1 and 4 tokens, plain and block forms
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -205,6 +207,9 @@ for stage in "$@"; do
     eager-gap)
       timeout "${GAP_S:-400}" python3 lab/moe_eager_gap.py ${GAP_ARGS:---layers 24} --json "$out/eager-gap.json" \
         > "$out/eager-gap.txt" 2>&1; tail -22 "$out/eager-gap.txt" ;;
+    gemv)
+      ( cd lab && timeout "${GEMV_S:-400}" python3 gemv_decode.py --json "$out/gemv-decode.json" ) \
+        > "$out/gemv-decode.txt" 2>&1; tail -16 "$out/gemv-decode.txt" ;;
     block-tactics)
       timeout 240 python3 lab/block_tactics.py --json "$out/block-tactics.json" > "$out/block-tactics.txt" 2>&1
       tail -40 "$out/block-tactics.txt"
