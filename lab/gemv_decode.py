@@ -230,7 +230,7 @@ PROBLEMS = [
     ("mixtral-8x7b", "down", [1]),
     ("mixtral-8x7b", "gate_up", [1]),
 ]
-GEMVS = [(bn, kb, warps) for bn in (8, 16, 32, 64) for kb in (1, 2, 4) for warps in (2, 4, 8) if bn * kb <= 128]
+GEMVS = [(bn, kb, warps) for bn in (16, 32, 64) for kb in (1, 2, 4) for warps in (4, 8) if bn * kb <= 128]
 DECODE = [GroupedConfig(128, 16), GroupedConfig(64, 16)]
 
 
