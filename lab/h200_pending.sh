@@ -60,8 +60,9 @@
 #   eager-gap  lab/moe_eager_gap.py (GAP_ARGS, default --layers 24): the MoE model's eager one-token decode, bf16 vs
 #           mxgemm, under inference_mode and no_grad: layer 0's parts back to back, generate's ms and kernels a token,
 #           each part's host ms inside generate
-#   gemv    lab/gemv_decode.py: a grouped GEMV on CUDA cores (one sorted row a program) beside the grouped kernel and
-#           the read floor at 1 and 4 tokens, plain and block forms
+#   gemv    lab/patches/gemv.patch applied (a grouped GEMV on CUDA cores, one sorted row a program, offered as a
+#           tactic up to 2 rows an expert): lab/gemv_decode.py, the GEMV beside the grouped kernel and the read floor
+#           at 1 and 4 tokens, plain and block forms; then the grouped GPU tests that run it; the patch taken back
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -207,9 +208,13 @@ for stage in "$@"; do
     eager-gap)
       timeout "${GAP_S:-400}" python3 lab/moe_eager_gap.py ${GAP_ARGS:---layers 24} --json "$out/eager-gap.json" \
         > "$out/eager-gap.txt" 2>&1; tail -22 "$out/eager-gap.txt" ;;
-    gemv)
+    gemv)  # lab/patches/gemv.patch applied to this copy of the tree: the GEMV, its tactics and tests
+      git apply lab/patches/gemv.patch || { echo "gemv.patch does not apply"; continue; }
       ( cd lab && timeout "${GEMV_S:-400}" python3 gemv_decode.py --json "$out/gemv-decode.json" ) \
-        > "$out/gemv-decode.txt" 2>&1; tail -16 "$out/gemv-decode.txt" ;;
+        > "$out/gemv-decode.txt" 2>&1; tail -16 "$out/gemv-decode.txt"
+      timeout "${GEMV_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_gpu_grouped.py \
+        tests/gpu/test_gpu_autotune.py -k "every_config or blocks_gate_up or fused_block" > "$out/gemv-tests.txt" 2>&1
+      tail -4 "$out/gemv-tests.txt"; git apply -R lab/patches/gemv.patch ;;
     block-tactics)
       timeout 240 python3 lab/block_tactics.py --json "$out/block-tactics.json" > "$out/block-tactics.txt" 2>&1
       tail -40 "$out/block-tactics.txt"
