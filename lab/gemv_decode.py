@@ -24,11 +24,11 @@ from functools import partial
 
 import torch
 import triton
-from mxgemm.kernels.grouped.gemv import GemvConfig
 from read_floor import DECODE, PROBLEMS, READS, _read
 
 import mxgemm
 from mxgemm.bench_moe import FP8_BYTES_PER_PARAMETER, MOE_MODELS, copy_bandwidth, random_experts, top_k_routing
+from mxgemm.kernels.grouped import gemv  # lab/patches/gemv.patch's
 from mxgemm.kernels.grouped.fp8 import grouped_block_linear, grouped_down, grouped_gate_up
 from mxgemm.kernels.grouped.routing import sort_by_expert
 from mxgemm.timing import time_cuda
@@ -54,7 +54,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-GEMVS = [GemvConfig(bn, kb, warps) for bn in (16, 32, 64, 128) for kb in (1, 2, 4) for warps in (4, 8)]
+GEMVS = [gemv.GemvConfig(bn, kb, warps) for bn in (16, 32, 64, 128) for kb in (1, 2, 4) for warps in (4, 8)]
 GEMVS = [c for c in GEMVS if c.valid() and (c.bn >= 64 or c.warps == 4)]
 
 
