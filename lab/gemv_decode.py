@@ -4,7 +4,7 @@ the tuner up to 2 rows an expert) at decode sizes, beside the grouped Triton ker
 At one token the grouped kernel runs one CTA of 4 warps an SM and reads at 40% of DRAM's bandwidth
 (``lab/results/decode-ncu-h100.txt``), while a kernel that only reads the active experts' bytes (``read``) runs 50
 warps an SM. The GEMV has the read's shape: one sorted row and ``bn`` weight rows a program, ``kb`` 128-deep blocks
-a step, fp32 sums on CUDA cores, no shared-memory ring.
+a step, fp32 sums on CUDA cores, no shared-memory ring unless ``stages`` asks Triton's pipeliner for one.
 
 For each problem, under CUDA-graph replay of 8 routings as ``mxgemm bench --moe`` times them: the best read of
 ``lab/read_floor.py``'s sweep, the grouped kernel (its default decode config and 64 weight rows), and every GEMV
@@ -54,8 +54,14 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-GEMVS = [gemv.GemvConfig(bn, kb, warps) for bn in (16, 32, 64, 128) for kb in (1, 2, 4) for warps in (4, 8)]
-GEMVS = [c for c in GEMVS if c.valid() and (c.bn >= 64 or c.warps == 4)]
+GEMVS = [
+    gemv.GemvConfig(bn, kb, warps, stages)
+    for bn in (16, 32, 64, 128)
+    for kb in (1, 2, 4)
+    for warps in (4, 8)
+    for stages in (1, 3)
+]
+GEMVS = [c for c in GEMVS if c.valid() and (c.bn >= 64) == (c.warps == 8)]
 
 
 def main() -> None:
