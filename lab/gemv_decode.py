@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 import triton
-from read_floor import DECODE, PROBLEMS, READS, _read
+from read_floor import DECODE, PROBLEMS, read_times
 
 import mxgemm
 from mxgemm.bench_moe import FP8_BYTES_PER_PARAMETER, MOE_MODELS, copy_bandwidth, random_experts, top_k_routing
@@ -88,29 +88,7 @@ def main() -> None:
             rows = tokens * topk
             xs = [torch.randn(rows, k, device=dev).bfloat16() for _ in picks]
             ts = [torch.randn(tokens, k, device=dev).bfloat16() for _ in picks]
-            reads = {}
-            for chunk, block, warps in READS:
-                if words.shape[1] % chunk:
-                    continue
-                grid_c = words.shape[1] // chunk
-                sinks = [torch.empty(len(i) * grid_c, dtype=torch.int32, device=dev) for i in ids]
-                reads[(chunk, block, warps)] = time_cuda(
-                    [
-                        partial(
-                            _read[(len(i), grid_c)],
-                            words,
-                            i,
-                            s,
-                            words.shape[1],
-                            CHUNK=chunk,
-                            BLOCK=block,
-                            num_warps=warps,
-                        )
-                        for i, s in zip(ids, sinks, strict=True)
-                    ],
-                    warmup_ms=20,
-                )
-            read = min(reads.values())
+            read = min(read_times(words, ids).values())
             forms = ("plain", "gated") if proj == "gate_up" else ("plain", "scatter")
             for form in forms:
                 res = {

@@ -200,6 +200,23 @@ ONE_TOKEN = [
 ]
 
 
+def read_times(words: torch.Tensor, ids: list[torch.Tensor]) -> dict[str, float]:
+    """µs of :func:`_read` over each routing's active experts (``ids``, one tensor a routing) of ``words`` (int32
+    ``[E, words an expert]``) under graph replay, by each of the ``READS`` that divide an expert's words."""
+    times = {}
+    for chunk, block, warps in READS:
+        if words.shape[1] % chunk:
+            continue
+        grid_c = words.shape[1] // chunk
+        sinks = [torch.empty(len(i) * grid_c, dtype=torch.int32, device=words.device) for i in ids]
+        calls = [
+            partial(_read[(len(i), grid_c)], words, i, o, words.shape[1], CHUNK=chunk, BLOCK=block, num_warps=warps)
+            for i, o in zip(ids, sinks, strict=True)
+        ]
+        times[f"chunk={chunk * 4} B load={block * 4} B warps={warps}"] = time_cuda(calls, warmup_ms=20)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
@@ -241,19 +258,7 @@ def main() -> None:
                 )
                 for c in DECODE
             }
-            res["reads"] = {}
-            for chunk, block, warps in READS:
-                if words.shape[1] % chunk:
-                    continue
-                grid_c = words.shape[1] // chunk
-                sinks = [torch.empty(len(i) * grid_c, dtype=torch.int32, device=dev) for i in ids]
-                calls = [
-                    partial(
-                        _read[(len(i), grid_c)], words, i, o, words.shape[1], CHUNK=chunk, BLOCK=block, num_warps=warps
-                    )
-                    for i, o in zip(ids, sinks, strict=True)
-                ]
-                res["reads"][f"chunk={chunk * 4} B load={block * 4} B warps={warps}"] = time_cuda(calls, warmup_ms=20)
+            res["reads"] = read_times(words, ids)
             res["splitk"] = {}
             for bn, bm, split, warps, stages, unroll, *ws in variants:
                 ws = bool(ws and ws[0])
