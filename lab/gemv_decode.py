@@ -67,7 +67,9 @@ GEMVS = [c for c in GEMVS if c.valid() and (c.bn >= 64) == (c.warps == 8)]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--stages", default="1,3", help="the GEMV's stages to sweep (comma-separated)")
     args = parser.parse_args()
+    stages = {int(s) for s in args.stages.split(",")}
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.3f} TB/s (read plus written)")
@@ -105,7 +107,7 @@ def main() -> None:
                 ref = _calls(form, xs, ts, qd, bs, routed, n, topk, DECODE[0])[0]()
                 for c in DECODE:
                     res["grouped"][str(c)] = time_cuda(_calls(form, xs, ts, qd, bs, routed, n, topk, c), warmup_ms=20)
-                for v in GEMVS:
+                for v in [c for c in GEMVS if c.stages in stages]:
                     calls = _calls(form, xs, ts, qd, bs, routed, n, topk, v)
                     try:
                         y = calls[0]()
@@ -134,14 +136,14 @@ def main() -> None:
                     )
                 )
                 out["rows"].append(res)
+                if args.json:  # after each problem: a run stopped by its timeout keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(out, f, indent=1)
         del w, qd, bs, words
         torch.cuda.empty_cache()
     print(f"\n{'problem':40s} {'floor':>7s} {'read':>7s} {'grouped':>8s} {'gemv':>7s}  gemv/floor  best gemv")
     for name, floor, read, grouped, best, v_best in table:
         print(f"{name:40s} {floor:7.1f} {read:7.1f} {grouped:8.1f} {best:7.1f}  {best / floor:10.2f}  {v_best}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@
 #           each part's host ms inside generate
 #   gemv    lab/patches/gemv.patch applied (a grouped GEMV on CUDA cores, one sorted row a program, offered as a
 #           tactic up to 2 rows an expert): lab/gemv_decode.py, the GEMV beside the grouped kernel and the read floor
-#           at 1 and 4 tokens, plain and block forms; then the grouped GPU tests that run it; the patch taken back
+#           at 1 and 4 tokens, plain and block forms (GEMV_ARGS, e.g. --stages 1); then the grouped GPU tests that
+#           run it; the patch taken back
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -210,7 +211,7 @@ for stage in "$@"; do
         > "$out/eager-gap.txt" 2>&1; tail -22 "$out/eager-gap.txt" ;;
     gemv)  # lab/patches/gemv.patch applied to this copy of the tree: the GEMV, its tactics and tests
       git apply lab/patches/gemv.patch || { echo "gemv.patch does not apply"; continue; }
-      ( cd lab && timeout "${GEMV_S:-400}" python3 gemv_decode.py --json "$out/gemv-decode.json" ) \
+      ( cd lab && timeout "${GEMV_S:-400}" python3 gemv_decode.py ${GEMV_ARGS:-} --json "$out/gemv-decode.json" ) \
         > "$out/gemv-decode.txt" 2>&1; tail -16 "$out/gemv-decode.txt"
       timeout "${GEMV_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_gpu_grouped.py \
         tests/gpu/test_gpu_autotune.py -k "every_config or blocks_gate_up or fused_block" > "$out/gemv-tests.txt" 2>&1
