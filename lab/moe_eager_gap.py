@@ -3,10 +3,10 @@ layer called back to back saves about a third of bf16's host time while ``genera
 
 For each grad mode (``torch.inference_mode``, as bench/model_e2e.py runs, and ``torch.no_grad``, as
 lab/moe_layer_host.py did) and each model: layer 0's parts called back to back (lab/moe_layer_host.py's ``parts``),
-``generate``'s ms a decode token (a 512-token prompt; the ``--new``-token call less the one-token call, medians of
-3 pairs, the models alternating), the CUDA kernels a decode token launches (the profiler's count, same difference),
-and each part's host ms a decode token inside ``generate`` (forward hooks on every layer's parts down to the MoE block,
-a run of its own).
+``generate``'s ms a decode token (a 512-token prompt; the ``--new``-token call less the one-token call, median,
+least and most of 5 pairs, the models alternating), the CUDA kernels a decode token launches (the profiler's count,
+same difference), and each part's host ms a decode token inside ``generate`` (forward hooks on every layer's parts
+down to the MoE block, a run of its own).
 mxgemm once more with its MoE blocks run as before mxgemm.moe_blocks (the experts' own graphs alone), then also
 its attentions as before mxgemm.attention (q/k/v apart under inference_mode), then with ``MXGEMM_EAGER_GRAPHS=0``.
 
@@ -46,15 +46,15 @@ def generate_s(model, ids, new: int, sync) -> float:
     return time.perf_counter() - t0
 
 
-def decode_ms(models: dict, ids, new: int, sync) -> dict[str, float]:
-    """ms a decode token of each model: the ``new``-token call less the one-token call, medians of 3 pairs, the
-    models alternating."""
+def decode_ms(models: dict, ids, new: int, sync, pairs: int = 5) -> dict[str, dict[str, float]]:
+    """ms a decode token of each model: the ``new``-token call less the one-token call, the median, least and most of
+    ``pairs`` pairs, the models alternating (one run's medians of 3 swung by 2x between grad modes)."""
     out = defaultdict(list)
-    for _ in range(3):
+    for _ in range(pairs):
         for who, model in models.items():
             many, one = generate_s(model, ids, new, sync), generate_s(model, ids, 1, sync)
             out[who].append((many - one) * 1e3 / (new - 1))
-    return {who: statistics.median(v) for who, v in out.items()}
+    return {who: {"median": statistics.median(v), "min": min(v), "max": max(v)} for who, v in out.items()}
 
 
 def kernels_a_token(model, ids, new: int, device: str) -> float:
@@ -124,7 +124,7 @@ def main() -> None:
         with context():
             for model in models.values():  # warm: plans made, graphs captured, cuDNN's attention planned
                 moe_layer_host.parts(model, 1)
-                decode_ms({"w": model}, ids, 5, sync)
+                decode_ms({"w": model}, ids, 5, sync, pairs=1)
             row = {"decode ms a token": decode_ms(models, ids, args.new, sync)}
             row["kernels a token"] = {w: kernels_a_token(m, ids, 9, device) for w, m in models.items()}
             row["back to back µs"] = {w: moe_layer_host.parts(m, 1) for w, m in models.items()}
@@ -141,7 +141,7 @@ def main() -> None:
                 module.__class__ = type(module).__mro__[1]
         with torch.inference_mode():
             mx = {"mxgemm": mxgemm_model}
-            decode_ms(mx, ids, 5, sync)
+            decode_ms(mx, ids, 5, sync, pairs=1)
             doc[label] = {
                 "decode ms a token": decode_ms(mx, ids, args.new, sync),
                 "kernels a token": {"mxgemm": kernels_a_token(mxgemm_model, ids, 9, device)},
@@ -150,7 +150,7 @@ def main() -> None:
     os.environ["MXGEMM_EAGER_GRAPHS"] = "0"
     with torch.inference_mode():
         mx = {"mxgemm": models["mxgemm"]}
-        decode_ms(mx, ids, 5, sync)
+        decode_ms(mx, ids, 5, sync, pairs=1)
         doc["inference, MXGEMM_EAGER_GRAPHS=0"] = {
             "decode ms a token": decode_ms(mx, ids, args.new, sync),
             "kernels a token": {"mxgemm": kernels_a_token(models["mxgemm"], ids, 9, device)},
