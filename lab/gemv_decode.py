@@ -57,7 +57,7 @@ def _rel(a, b):
 GEMVS = [
     gemv.GemvConfig(bn, kb, warps, stages)
     for bn in (16, 32, 64, 128)
-    for kb in (1, 2, 4)
+    for kb in (1, 2, 4, 8, 16)
     for warps in (4, 8)
     for stages in (1, 3)
 ]
