@@ -21,14 +21,7 @@ from triton.compiler import ASTSource
 from mxgemm.kernels.grouped import gemv  # lab/patches/gemv.patch's
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-ARGS = {
-    **dict.fromkeys(("x_ptr", "y_ptr"), "*bf16"),
-    "w_ptr": "*u8",
-    "s_ptr": "*fp32",
-    **dict.fromkeys(("off_ptr", "src_ptr"), "*i32"),
-    **dict.fromkeys(("S", "N", "K", "E", "TOPK", "stride_xs", "stride_we", "stride_wn", "stride_se"), "i32"),
-    **dict.fromkeys(("stride_sn", "stride_ys"), "i32"),
-}
+POINTERS = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "off_ptr": "*i32", "y_ptr": "*bf16", "src_ptr": "*i32"}
 ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "off_ptr", "y_ptr", "src_ptr", "N", "K", "stride_xs", "stride_we", "stride_wn")
 CONFIGS = [(16, 4, 4, False), (32, 4, 4, False), (16, 16, 4, False), (32, 8, 8, False), (64, 2, 8, True)]
 
@@ -37,8 +30,8 @@ def sass(bn: int, kb: int, warps: int, gated: bool) -> tuple[str, list[str]]:
     """Registers and SASS instructions of the plain (or gathered gated) kernel for ``bn`` x ``kb``."""
     consts = {"GROUPS": 256, "BN": bn, "KB": kb, "STAGES": 1, "GATHER": gated, "GATED": gated, "SCATTER": False}
     consts["INTERPRET"] = False
-    signature = {**ARGS, **dict.fromkeys(consts, "constexpr")}
-    names = list(signature)
+    names = gemv._gemv_kernel.arg_names
+    signature = {a: POINTERS.get(a, "constexpr" if a in consts else "i32") for a in names}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}  # as the launcher sees 16-aligned args
     src = ASTSource(gemv._gemv_kernel, signature, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
