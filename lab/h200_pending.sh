@@ -53,7 +53,8 @@
 #           grouped-vstore, grouped-xscale and grouped-regs-xscale: lab/results/grouped-xscale-h100.txt) at the LARGE
 #           prefill sizes of lab/grouped_variants.py, then the grouped GPU tests with the last patch applied
 #   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside the kernel before the persistent
-#           grid (f0b8c98~1) and the tree's with each lab/patches/grouped-*.patch applied; then the 64 x 160 patch
+#           grid (f0b8c98~1) and the tree's with each of VARIANT_PATCHES (default lab/patches/grouped-*.patch; one
+#           that does not apply is left out) applied; then the 64 x 160 patch
 #           applied to this copy of the tree and the wgmma GPU tests run on it
 #   block-tactics  lab/block_tactics.py: Qwen3's routed block with each of gate/up's tactics beside gate/up alone
 #           at 1, 4 and 16 tokens; then lab/read_floor.py --one-token
@@ -291,10 +292,11 @@ PY
       csrc=src/mxgemm/kernels/grouped/csrc; specs="tree=$csrc"; vdir=/tmp/grouped-variants
       mkdir -p "$vdir/pre" && for f in grouped_fp8.cu sm90.cuh; do git show "f0b8c98~1:$csrc/$f" > "$vdir/pre/$f"; done \
         && specs="$specs pre=$vdir/pre"
-      for p in lab/patches/grouped-*.patch; do  # the kernels' folder copied, the patch's hunks of it applied
+      for p in ${VARIANT_PATCHES:-lab/patches/grouped-*.patch}; do  # the kernels' folder copied, its hunks applied
         grep -q ABLATION "$p" && continue  # timing-only ablations run in grouped-large
         v="$vdir/$(basename "$p" .patch)"; mkdir -p "$v/src/mxgemm"; cp -r src/mxgemm/kernels "$v/src/mxgemm/"
-        patch -s -f -p1 -d "$v" < "$p" > /dev/null 2>&1  # (the hunks of tests and other files find no file)
+        if ! (cd "$v" && git apply --include='src/mxgemm/kernels/*' "$OLDPWD/$p"); then
+          echo "$(basename "$p"): does not apply to this tree, left out"; continue; fi
         cmp -s "$v/$csrc/grouped_fp8.cu" "$csrc/grouped_fp8.cu" || specs="$specs $(basename "$v")=$v/$csrc"
       done
       timeout 240 python3 lab/grouped_variants.py $specs --json "$out/grouped-variants.json" \
