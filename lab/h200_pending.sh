@@ -72,6 +72,14 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
 out="${OUT:-$PWD/out}"
 mkdir -p "$out"
+variant() {  # variant PATCH: the kernels' folder copied to /tmp/variants/NAME with PATCH's hunks of it applied;
+  # prints the copy's grouped csrc folder, or says on stderr that PATCH does not apply to this tree and returns 1
+  local name v; name=$(basename "$1" .patch); v=/tmp/variants/$name
+  rm -rf "$v"; mkdir -p "$v/src/mxgemm"; cp -r src/mxgemm/kernels "$v/src/mxgemm/"
+  if ! (cd "$v" && git apply --include='src/mxgemm/kernels/*' "$OLDPWD/$1") >&2; then
+    echo "$name: does not apply to this tree, left out" >&2; return 1; fi
+  echo "$v/src/mxgemm/kernels/grouped/csrc"
+}
 bench() {  # bench NAME TIMEOUT SET [SET ...]: NAME.{json,md,png} under $out
   local name="$1" limit="$2"; shift 2
   ( cd "$out" && MXGEMM_CACHE_DIR="$out/empty-cache" timeout "$limit" python3 -m mxgemm bench --model "$@" \
@@ -292,12 +300,10 @@ PY
       csrc=src/mxgemm/kernels/grouped/csrc; specs="tree=$csrc"; vdir=/tmp/grouped-variants
       mkdir -p "$vdir/pre" && for f in grouped_fp8.cu sm90.cuh; do git show "f0b8c98~1:$csrc/$f" > "$vdir/pre/$f"; done \
         && specs="$specs pre=$vdir/pre"
-      for p in ${VARIANT_PATCHES:-lab/patches/grouped-*.patch}; do  # the kernels' folder copied, its hunks applied
+      for p in ${VARIANT_PATCHES:-lab/patches/grouped-*.patch}; do
         grep -q ABLATION "$p" && continue  # timing-only ablations run in grouped-large
-        v="$vdir/$(basename "$p" .patch)"; mkdir -p "$v/src/mxgemm"; cp -r src/mxgemm/kernels "$v/src/mxgemm/"
-        if ! (cd "$v" && git apply --include='src/mxgemm/kernels/*' "$OLDPWD/$p"); then
-          echo "$(basename "$p"): does not apply to this tree, left out"; continue; fi
-        cmp -s "$v/$csrc/grouped_fp8.cu" "$csrc/grouped_fp8.cu" || specs="$specs $(basename "$v")=$v/$csrc"
+        dir=$(variant "$p") || continue
+        cmp -s "$dir/grouped_fp8.cu" "$csrc/grouped_fp8.cu" || specs="$specs $(basename "$p" .patch)=$dir"
       done
       timeout 240 python3 lab/grouped_variants.py $specs --json "$out/grouped-variants.json" \
         > "$out/grouped-variants.txt" 2>&1; tail -22 "$out/grouped-variants.txt"
@@ -341,10 +347,8 @@ PY
       # the grouped GPU tests of LARGE_TESTS (default: all; none: no tests) run on it
       csrc=src/mxgemm/kernels/grouped/csrc; specs="tree=$csrc"; patch=""
       for name in ${LARGE_PATCHES:-grouped-regs grouped-vstore grouped-xscale grouped-regs-xscale}; do
-        patch=lab/patches/$name.patch; v=/tmp/$name; rm -rf "$v"; mkdir -p "$v/src/mxgemm"
-        cp -r src/mxgemm/kernels "$v/src/mxgemm/"
-        if ! patch -s -f -p1 -d "$v" < "$patch" > /dev/null 2>&1; then echo "$name: does not apply, left out"; continue; fi
-        specs="$specs ${name#grouped-}=$v/$csrc"
+        patch=lab/patches/$name.patch; dir=$(variant "$patch") || continue
+        specs="$specs ${name#grouped-}=$dir"
       done
       timeout 300 python3 lab/grouped_variants.py $specs --large ${LARGE_ARGS:-} --json "$out/grouped-large.json" \
         > "$out/grouped-large.txt" 2>&1; tail -30 "$out/grouped-large.txt"
