@@ -1,5 +1,5 @@
-"""The grouped GEMV on CUDA cores (``kernels/grouped/gemv.py`` of ``lab/patches/gemv.patch``, which also offers it to
-the tuner up to 2 rows an expert) at decode sizes, beside the grouped Triton kernel and the read floor.
+"""The grouped GEMV on CUDA cores (``kernels/grouped/gemv.py``, offered to the tuner up to 2 rows an expert) at decode
+sizes, beside the grouped Triton kernel and the read floor.
 
 At one token the grouped kernel runs one CTA of 4 warps an SM and reads at 40% of DRAM's bandwidth
 (``lab/results/decode-ncu-h100.txt``), while a kernel that only reads the active experts' bytes (``read``) runs 50
@@ -12,8 +12,8 @@ config, each checked against the grouped kernel (relative error; whether its bit
 plain rows (``grouped_linear``'s form) and the routed block's forms (gathered gate/up with ``silu(gate) * up``,
 scattered down).
 
-Run on the device with the patch applied (``h200_pending.sh gemv`` applies it, runs this and the GPU tests that run
-the GEMV, and takes it back): cd lab && PYTHONPATH=../src python3 gemv_decode.py --json $OUT/gemv-decode.json
+Run on the device (``h200_pending.sh gemv`` runs this, then the GPU tests that run the GEMV):
+cd lab && PYTHONPATH=../src python3 gemv_decode.py --json $OUT/gemv-decode.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from read_floor import DECODE, PROBLEMS, read_times
 
 import mxgemm
 from mxgemm.bench_moe import FP8_BYTES_PER_PARAMETER, MOE_MODELS, copy_bandwidth, random_experts, top_k_routing
-from mxgemm.kernels.grouped import gemv  # lab/patches/gemv.patch's
+from mxgemm.kernels.grouped import gemv
 from mxgemm.kernels.grouped.fp8 import grouped_block_linear, grouped_down, grouped_gate_up
 from mxgemm.kernels.grouped.routing import sort_by_expert
 from mxgemm.timing import time_cuda

@@ -3,7 +3,7 @@ ptxas it ships, then ``cuobjdump -sass``.
 
 For each config: registers, the positions (instruction index) of its 16-byte global loads and of its first FP8
 conversion. Loads written where they are converted come out one after another's conversion (one in flight a thread);
-a step's loads written first come out together. Needs ``lab/patches/gemv.patch`` applied:
+a step's loads written first come out together:
 PYTHONPATH=src python3 lab/gemv_sass.py
 """
 
@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mxgemm.kernels.grouped import gemv  # lab/patches/gemv.patch's
+from mxgemm.kernels.grouped import gemv
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "off_ptr": "*i32", "y_ptr": "*bf16", "src_ptr": "*i32"}

@@ -54,17 +54,14 @@
 #           prefill sizes of lab/grouped_variants.py, then the grouped GPU tests with the last patch applied
 #   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside the kernel before the persistent
 #           grid (f0b8c98~1) and the tree's with each of VARIANT_PATCHES (default lab/patches/grouped-*.patch; one
-#           that does not apply is left out) applied; then the 64 x 160 patch
-#           applied to this copy of the tree and the wgmma GPU tests run on it
+#           that does not apply is left out) applied
 #   block-tactics  lab/block_tactics.py: Qwen3's routed block with each of gate/up's tactics beside gate/up alone
 #           at 1, 4 and 16 tokens; then lab/read_floor.py --one-token
 #   eager-gap  lab/moe_eager_gap.py (GAP_ARGS, default --layers 24): the MoE model's eager one-token decode, bf16 vs
 #           mxgemm, under inference_mode and no_grad: layer 0's parts back to back, generate's ms and kernels a token,
 #           each part's host ms inside generate
-#   gemv    lab/patches/gemv.patch applied (a grouped GEMV on CUDA cores, one sorted row a program, offered as a
-#           tactic up to 2 rows an expert): lab/gemv_decode.py, the GEMV beside the grouped kernel and the read floor
-#           at 1 and 4 tokens, plain and block forms (GEMV_ARGS, e.g. --stages 1); then the grouped GPU tests that
-#           run it; the patch taken back
+#   gemv    lab/gemv_decode.py: the grouped GEMV on CUDA cores beside the grouped kernel and the read floor at 1 and 4
+#           tokens, plain and block forms (GEMV_ARGS, e.g. --stages 1); then the grouped GPU tests that run it
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
 #           run, h200.*) with an empty user cache: only the tuning file shipped in the package applies
 set -uo pipefail
@@ -218,21 +215,20 @@ for stage in "$@"; do
     eager-gap)
       timeout "${GAP_S:-400}" python3 lab/moe_eager_gap.py ${GAP_ARGS:---layers 24} --json "$out/eager-gap.json" \
         > "$out/eager-gap.txt" 2>&1; tail -22 "$out/eager-gap.txt" ;;
-    gemv)  # lab/patches/gemv.patch applied to this copy of the tree: the GEMV, its tactics and tests
-      git apply lab/patches/gemv.patch || { echo "gemv.patch does not apply"; continue; }
+    gemv)  # lab/gemv_decode.py: the GEMV beside the grouped kernel and the read floor; then the grouped GPU tests
       ( cd lab && timeout "${GEMV_S:-400}" python3 gemv_decode.py ${GEMV_ARGS:-} --json "$out/gemv-decode.json" ) \
         > "$out/gemv-decode.txt" 2>&1; tail -16 "$out/gemv-decode.txt"
       timeout "${GEMV_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_gpu_grouped.py \
         tests/gpu/test_gpu_autotune.py -k "every_config or blocks_gate_up or fused_block" > "$out/gemv-tests.txt" 2>&1
-      tail -4 "$out/gemv-tests.txt"; git apply -R lab/patches/gemv.patch ;;
+      tail -4 "$out/gemv-tests.txt" ;;
     block-tactics)
       timeout 240 python3 lab/block_tactics.py --json "$out/block-tactics.json" > "$out/block-tactics.txt" 2>&1
       tail -40 "$out/block-tactics.txt"
       timeout 200 python3 lab/read_floor.py --one-token --json "$out/read-floor-one-token.json" \
         > "$out/read-floor-one-token.txt" 2>&1; tail -6 "$out/read-floor-one-token.txt" ;;
-    moe-tune)  # mxgemm tune --moe, its entries merged into the package's tuning file of this GPU where its
-      # environment record is this one's (else written as that file)
-      ( time MXGEMM_CACHE_DIR="$out/cache" timeout "${MOE_TUNE_S:-300}" python3 -m mxgemm tune --moe ) \
+    moe-tune)  # mxgemm tune --moe (MOE_TUNE_ARGS, e.g. --m 1 4 16), its entries merged into the package's tuning file
+      # of this GPU where its environment record is this one's (else written as that file)
+      ( time MXGEMM_CACHE_DIR="$out/cache" timeout "${MOE_TUNE_S:-300}" python3 -m mxgemm tune --moe ${MOE_TUNE_ARGS:-} ) \
         > "$out/tune-moe.txt" 2>&1
       python3 - "$out"/cache/tuning-*.json <<'PY'
 import json, re, sys
@@ -306,9 +302,7 @@ PY
         cmp -s "$dir/grouped_fp8.cu" "$csrc/grouped_fp8.cu" || specs="$specs $(basename "$p" .patch)=$dir"
       done
       timeout 240 python3 lab/grouped_variants.py $specs --json "$out/grouped-variants.json" \
-        > "$out/grouped-variants.txt" 2>&1; tail -22 "$out/grouped-variants.txt"
-      git apply lab/patches/grouped-wn160.patch && timeout 200 python3 -m pytest tests/gpu/test_gpu_grouped.py \
-        -q -p no:warnings -x -k "wgmma or persistent" > "$out/wn160-tests.txt" 2>&1; tail -3 "$out/wn160-tests.txt" ;;
+        > "$out/grouped-variants.txt" 2>&1; tail -22 "$out/grouped-variants.txt" ;;
     grouped-ncu)  # Nsight Compute on the grouped wgmma kernel and DeepGEMM's contiguous kernel (where .anchors/deepgemm
       # was carried), one problem of `mxgemm bench --moe` each (NCU_PROBLEMS: model:proj:tokens ...); the details of all
       # in grouped-ncu.txt, the wgmma kernel's top stall sites in grouped-ncu-stalls.txt

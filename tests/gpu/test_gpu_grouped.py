@@ -1,6 +1,6 @@
-"""The grouped FP8 kernel of a mixture of experts on the GPU: every config and routing within the FP8 tensor cores'
-rounding of the twin, outputs poisoned beforehand fully written, one CUDA graph replaying any routing of its token
-count, compile fullgraph, and the prepared copy's bytes per parameter."""
+"""The grouped FP8 kernel of a mixture of experts on the GPU: every config and routing (the GEMV's too) within the FP8
+tensor cores' rounding of the twin, outputs poisoned beforehand fully written, one CUDA graph replaying any routing
+of its token count, compile fullgraph, and the prepared copy's bytes per parameter."""
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from helpers import (
 import mxgemm
 from mxgemm.backends import get_backend
 from mxgemm.kernels.grouped.fp8 import GroupedConfig, grouped_block_linear
+from mxgemm.kernels.grouped.gemv import GemvConfig
 from mxgemm.kernels.grouped.quant import quantize_rows
 from mxgemm.kernels.grouped.wgmma import WgmmaConfig, grouped_wgmma, wgmma_status
 
@@ -63,6 +64,9 @@ CONFIGS = [
     for bn, bm in ((64, 16), (128, 64), (128, 128), (256, 128))
     for w, st in ((4, 3), (8, 4))
     for quantized in (False, True)
+] + [
+    GemvConfig(bn, kb, w, st)
+    for bn, kb, w, st in ((16, 1, 2, 1), (32, 2, 4, 3), (64, 4, 4, 1), (128, 2, 8, 2), (16, 16, 4, 1), (32, 8, 8, 1))
 ]
 
 

@@ -105,6 +105,7 @@ def test_the_triton_kernel_is_its_twin_for_every_routing_and_config(routing, dty
     """The grouped FP8 kernel under the interpreter, on N and K that are not multiples of its tiles (K = 160: a
     128-deep step and a 32-deep one), every config shape: each row within the fp32 sums' rounding of the twin."""
     from mxgemm.kernels.grouped.fp8 import GroupedConfig, grouped_block_linear
+    from mxgemm.kernels.grouped.gemv import GemvConfig
 
     n, k = 130, 160
     q, s = _experts(n=n, k=k)
@@ -115,7 +116,9 @@ def test_the_triton_kernel_is_its_twin_for_every_routing_and_config(routing, dty
     offsets = _offsets(counts)
     _check_against_twin(mxgemm.grouped_linear(x, w, offsets), x, q, s, counts, "default")
     qd, bs = w.tensors["qdata"].view(torch.uint8), w.tensors["block_scale"]
-    for config in (GroupedConfig(16, 16), GroupedConfig(256, 32, 8), GroupedConfig(32, 16, quantized=True)):
+    configs = (GroupedConfig(16, 16), GroupedConfig(256, 32, 8), GroupedConfig(32, 16, quantized=True))
+    gemvs = (GemvConfig(16, 1, 2), GemvConfig(64, 2, 4, 3), GemvConfig(16, 16))  # K = 160: 2 steps, 1 of 256, 1 of 2048
+    for config in (*configs, *gemvs):
         _check_against_twin(grouped_block_linear(x, qd, bs, offsets, n, config), x, q, s, counts, str(config))
 
 

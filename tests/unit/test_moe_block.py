@@ -3,6 +3,7 @@ as a stable argsort sorts them (one program and several), the weighted sum in it
 bit for bit the composition of its steps (``GroupedWeights.run_experts``'s default) on the same grouped kernel, for
 uneven routings, empty experts, copies routed outside ``[0, E)`` and every config shape."""
 
+import dataclasses
 import os
 
 import pytest
@@ -122,6 +123,7 @@ def test_a_shape_of_the_block_is_planned_once_with_gate_ups_plans(monkeypatch):
 
 def test_every_config_shape_of_the_fused_projections():
     from mxgemm.kernels.grouped.fp8 import GroupedConfig, grouped_block_linear, grouped_down, grouped_gate_up
+    from mxgemm.kernels.grouped.gemv import GemvConfig
     from mxgemm.kernels.grouped.routing import sort_by_expert
 
     gate_up, down = _experts()
@@ -129,8 +131,9 @@ def test_every_config_shape_of_the_fused_projections():
     x = random_act(11, H)
     offsets, src = sort_by_expert(ids, E)
     gu, dn = gate_up.tensors, down.tensors
-    for config in (GroupedConfig(32, 16), GroupedConfig(256, 32, 8), GroupedConfig(64, 16, quantized=True)):
-        half = GroupedConfig(max(config.bn // 2, 16), config.bm, config.warps, config.stages, config.quantized)
+    configs = (GroupedConfig(32, 16), GroupedConfig(256, 32, 8), GroupedConfig(64, 16, quantized=True))
+    for config in (*configs, GemvConfig(32, 2), GemvConfig(16, 1, 2)):
+        half = dataclasses.replace(config, bn=max(config.bn // 2, 16))
         rows = x[src.long() // 2]
         both = grouped_block_linear(rows, gu["qdata"].view(torch.uint8), gu["block_scale"], offsets, 2 * I, half)
         gate, up = both.chunk(2, -1)
@@ -141,18 +144,27 @@ def test_every_config_shape_of_the_fused_projections():
         assert torch.equal(y[src.long()], plain), config
 
 
-@pytest.mark.parametrize("per_expert", [4, 64])
+@pytest.mark.parametrize("per_expert", [2, 4, 64])
 def test_every_grouped_tactic_gives_the_same_bits(per_expert):
-    """The autotuner's grouped tactics (the Triton kernel's configs of each regime; the wgmma kernel's on SM90) trade
-    speed only: on CPU every one the backend offers answers the default's bits."""
+    """The autotuner's grouped tactics (the Triton kernel's configs of each regime, the GEMV's up to 2 rows an expert;
+    the wgmma kernel's on SM90) trade speed only: on CPU every one the backend offers answers the default's bits, the
+    GEMV's (fp32 sums in another order) within 1e-6 of them."""
+    from mxgemm.kernels.grouped.gemv import GemvConfig
+
     backend = get_backend("triton")
     gate_up, _ = _experts()
     tactics = backend.grouped_tactics(per_expert, gate_up)
-    assert len(tactics) >= 3
+    gemvs = [t for t in tactics if isinstance(t.config, GemvConfig)]
+    assert len(tactics) >= 3 and bool(gemvs) == (per_expert <= 2) and all(t.config.valid() for t in gemvs)
     x = random_act(per_expert * E + 3, H, seed=per_expert)
     offsets = torch.arange(1, E + 1, dtype=torch.int32) * per_expert
     ys = [backend.run_grouped(x, gate_up, offsets, t) for t in tactics]
-    assert all(torch.equal(y, ys[0]) for y in ys[1:]) and torch.equal(ys[0][-3:], torch.zeros_like(ys[0][-3:]))
+    assert torch.equal(ys[0][-3:], torch.zeros_like(ys[0][-3:]))
+    for t, y in zip(tactics[1:], ys[1:], strict=True):
+        if t in gemvs:
+            assert torch.equal(y[-3:], ys[0][-3:]) and (y - ys[0]).float().norm() <= 1e-6 * ys[0].float().norm(), t
+        else:
+            assert torch.equal(y, ys[0]), t
 
 
 def test_the_routed_blocks_c_launch_refuses_what_it_cannot_run():

@@ -149,15 +149,19 @@ class TritonBackend(Backend, GroupedWeights):
 
     def grouped_tactics(self, per_expert: int, weight: PreparedGroupedWeight) -> list[Tactic]:
         """The default for ``per_expert`` rows an expert, then the Triton kernel's configs of that regime (in-kernel
-        quantization below 64 rows an expert, rows quantized apart from there) and, on SM90 where it builds, the
-        wgmma kernel's tiles and ring depths. Same numerics (the kernels give the same bits)."""
+        quantization below 64 rows an expert, rows quantized apart from there; up to 2 rows an expert, the GEMV's
+        too) and, on SM90 where it builds, the wgmma kernel's tiles and ring depths. Same numerics: the kernels give
+        the same bits, but the GEMV (fp32 sums on CUDA cores) may differ from them in the last bit."""
         from ..kernels.grouped.fp8 import GroupedConfig as C
+        from ..kernels.grouped.gemv import GemvConfig as G
         from ..kernels.grouped.wgmma import WgmmaConfig
 
         out = [_default_grouped(per_expert, weight.device, weight.in_features)]
         if per_expert < 64:
             configs = [C(128, 16), C(64, 16), C(64, 16, 8, 3), C(64, 32), C(128, 32), C(32, 16), C(32, 16, 4, 4)]
             configs += [C(16, 16)]  # narrow: more programs where a few experts are active
+            if per_expert <= 2:  # a row or two an expert: one row a program, its weight rows read once a row
+                configs += [G(16, 4), G(32, 4), G(64, 2, 8), G(16, 16)]
         else:
             configs = [C(128, 64, 4, 3, True), C(256, 64, 8, 3, True), C(128, 128, 8, 3, True)]
         out += [Tactic(Path.GROUPED, c) for c in configs]

@@ -16,6 +16,10 @@ own FP8 MMA and added to an fp32 accumulator times its two scales.
 ``quantized`` configs read rows quantized apart instead (the 1x128 quantizer of :mod:`mxgemm.kernels.act_quant`;
 the same bits): with many rows per expert, quantizing in the kernel would repeat the work for every weight-row tile.
 
+Each launch takes a :class:`~mxgemm.kernels.grouped.gemv.GemvConfig` instead where a tactic gives one
+(:class:`OtherKernel`): the same products as a GEMV on CUDA cores, one sorted row a program
+(:mod:`mxgemm.kernels.grouped.gemv`).
+
 The routed block's forms (:func:`grouped_gate_up`, :func:`grouped_down`) read ``src``, the token copy at each sorted
 row (:func:`mxgemm.kernels.grouped.routing.sort_by_expert`): gate/up reads row ``src // k`` of the tokens in place
 (gathers) and takes gate rows and the up rows ``N`` below them in each program, writing ``silu(gate) * up``; down
@@ -27,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
@@ -226,6 +231,15 @@ class GroupedConfig:
         return self.bn in tiles and self.bm in tiles and self.warps in (4, 8) and self.stages in range(1, 6)
 
 
+class OtherKernel(Protocol):
+    """The config of another kernel of the same products (the GEMV's: :mod:`mxgemm.kernels.grouped.gemv`), which the
+    launches below run through its ``launch`` with the arguments checked."""
+
+    def valid(self) -> bool: ...
+
+    def launch(self, x, w_bytes, block_scale, offsets, n, **form) -> torch.Tensor: ...
+
+
 def default_config(rows: int, experts: int) -> GroupedConfig:
     """By the rows per expert of an even routing of ``rows`` over ``experts``: below 64, 128 weight rows x 16 tokens
     per program, quantized in the kernel; from 64, rows quantized apart and 64-token tiles, 128 weight rows of 4 warps
@@ -255,7 +269,7 @@ def grouped_block_linear(
     block_scale: torch.Tensor,
     offsets: torch.Tensor,
     n: int,
-    config: GroupedConfig | None = None,
+    config: GroupedConfig | OtherKernel | None = None,
 ) -> torch.Tensor:
     """``x`` [S, K] bf16/fp16 (unit stride along K), rows sorted by expert; ``w_bytes`` uint8 (E4M3 bits)
     ``[E, >= n, K]``; ``block_scale`` fp32 ``[E, >= ceil(n/128), >= ceil(K/128)]``; ``offsets`` int32 ``[E]`` on
@@ -270,7 +284,7 @@ def grouped_gate_up(
     offsets: torch.Tensor,
     src: torch.Tensor,
     topk: int,
-    config: GroupedConfig | None = None,
+    config: GroupedConfig | OtherKernel | None = None,
 ) -> torch.Tensor:
     """The gate/up projection of a routed block on its tokens in place: ``x`` [T, K] in token order, ``src`` int32
     [S] the token copy (``token * topk + j``) each row sorted by expert reads, ``w_bytes`` ``[E, 2I, K]`` (gate rows,
@@ -291,7 +305,7 @@ def grouped_down(
     offsets: torch.Tensor,
     src: torch.Tensor,
     n: int,
-    config: GroupedConfig | None = None,
+    config: GroupedConfig | OtherKernel | None = None,
 ) -> torch.Tensor:
     """:func:`grouped_block_linear` with each output row written to its token copy's place: row ``i`` of the result
     [S, n] is sorted row ``j`` with ``src[j] == i`` (``src`` a permutation of ``range(S)``)."""
@@ -304,7 +318,7 @@ def _launch(
     block_scale: torch.Tensor,
     offsets: torch.Tensor,
     n: int,
-    config: GroupedConfig | None,
+    config: GroupedConfig | OtherKernel | None,
     *,
     rows: int,
     src: torch.Tensor | None = None,
@@ -313,7 +327,7 @@ def _launch(
     scatter: bool = False,
 ) -> torch.Tensor:
     """One grid of :func:`_grouped_kernel` over ``rows`` rows sorted by expert (``x`` has ``rows / topk`` rows where
-    ``src`` gathers them)."""
+    ``src`` gathers them), or another kernel's launch where ``config`` is its (:class:`OtherKernel`)."""
     k = x.shape[1]
     e = w_bytes.shape[0]
     c = config or default_config(rows, e)
@@ -323,6 +337,9 @@ def _launch(
         x = x.contiguous()
     if w_bytes.stride(2) != 1 or block_scale.dtype != torch.float32 or offsets.dtype != torch.int32:
         raise ValueError("the grouped kernel reads uint8 weights of unit stride along K, fp32 scales, int32 offsets")
+    if not isinstance(c, GroupedConfig):
+        form = {"rows": rows, "src": src, "topk": topk, "gated": gated, "scatter": scatter}
+        return c.launch(x, w_bytes, block_scale, offsets, n, **form)
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y
