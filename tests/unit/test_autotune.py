@@ -4,6 +4,7 @@ import itertools
 import json
 import logging
 import multiprocessing as mp
+from collections import Counter
 from typing import ClassVar
 
 import pytest
@@ -297,8 +298,8 @@ def test_shipped_h200_file_is_found_and_names_tactics_the_backends_offer():
 
 def test_shipped_h100_file_holds_grouped_tactics_the_backend_offers(monkeypatch):
     """The H100 file in the package (`mxgemm tune --moe`): found for an H100 80GB HBM3, tuned on these kernels, its
-    entries grouped keys of the three bench models' experts at 1-4096 tokens, each a tactic the triton backend
-    offers on SM90 for its bucket."""
+    entries the grouped keys of the three bench models' projections and the experts keys of their routed blocks at
+    1-4096 tokens, each a tactic the triton backend offers on SM90 for its bucket."""
     from types import SimpleNamespace
 
     from mxgemm import thresholds
@@ -310,13 +311,14 @@ def test_shipped_h100_file_holds_grouped_tactics_the_backend_offers(monkeypatch)
     h100 = DeviceInfo(type="cuda", name="NVIDIA H100 80GB HBM3", capability=(9, 0), index=0)
     data = json.loads(tuning.shipped_cache_path(h100).read_text())
     assert data["metadata"]["gpu"] == h100.name and data["metadata"]["kernels"] == source_digest()
-    assert len(data["entries"]) == 42  # 3 models x 2 projections x 7 token counts
+    ops = Counter(key.split("|")[0] for key in data["entries"])
+    assert ops == {"grouped": 42, "experts": 21}  # 3 models x (2 projections, the block) x 7 token counts
     monkeypatch.setattr(triton_w8a16, "_wgmma_runs", lambda device: True)
     monkeypatch.setattr(thresholds, "for_device", lambda device: thresholds.SM90)  # an H100's, on a CPU
     b = mxgemm.backends.get_backend("triton")
     for key, record in data["entries"].items():
-        op, backend, m, _, k, dtype, layout, recipe = key.split("|")
-        assert (op, backend, dtype, recipe) == ("grouped", "triton", "bfloat16", "w8a8-block"), key
+        _, backend, m, _, k, dtype, layout, recipe = key.split("|")
+        assert (backend, dtype, recipe) == ("triton", "bfloat16", "w8a8-block"), key
         experts = int(layout.split("experts:")[1].split(",")[0])
         weight = SimpleNamespace(experts=experts, device=torch.device("cuda", 0), in_features=int(k[1:]))
         assert any(recorded_as(t, record["tactic"]) for t in b.grouped_tactics(int(m[1:]), weight)), key
@@ -517,8 +519,8 @@ def grouped():
 def test_grouped_weights_are_tuned_by_rows_per_expert_and_active_experts_on_routed_rows(tmp_path, grouped):
     """The key buckets the rows per expert and the active experts of an even spread and names the expert count;
     each tactic is timed on a round of routings of those buckets' rows, drawn at random over that many experts; the
-    choice is recorded and read back from the file. Fewer rows than experts: one row on each of so many experts as
-    the bucket holds, which experts changing from routing to routing."""
+    choice is recorded and read back from the file. Fewer rows than experts: so many rows as the bucket holds, each to
+    an expert at random, which experts changing from routing to routing."""
     b = FakeGroupedTunable()
     tuner = _tuner(tmp_path, b)
     result = tuner.tune_grouped(b, grouped, 9, torch.bfloat16)  # 9 rows over 4 experts: 3 an expert -> bucket 4
@@ -536,10 +538,10 @@ def test_grouped_weights_are_tuned_by_rows_per_expert_and_active_experts_on_rout
     assert fresh.grouped_choice(b, grouped, 2, torch.bfloat16) == (None, "default")  # 2 rows: 2 active, not 4
 
     b.calls.clear()
-    result = tuner.tune_grouped(b, grouped, 2, torch.bfloat16)  # one row on each of 2 experts
+    result = tuner.tune_grouped(b, grouped, 2, torch.bfloat16)  # 2 rows over the 4 experts
     assert result.key.m_bucket == 1 and str(result.key).endswith(",experts:4,active:2|w8a8-block")
     counts = {tuple(torch.diff(torch.tensor(offs), prepend=torch.zeros(1)).tolist()) for _, _, offs in b.calls}
-    assert all(sorted(c) == [0, 0, 1, 1] for c in counts) and len(counts) > 1
+    assert all(sum(c) == 2 for c in counts) and len(counts) > 1
     again = Autotuner(TuningCache(tmp_path / "tuning.json", META))
     assert again.grouped_choice(b, grouped, 2, torch.bfloat16) == ({"name": "fast"}, "cache")
     assert again.grouped_choice(b, grouped, 3, torch.bfloat16) == (None, "default")  # 3 active: bucket 4
@@ -548,16 +550,19 @@ def test_grouped_weights_are_tuned_by_rows_per_expert_and_active_experts_on_rout
 def test_tuning_routings_spread_rows_as_a_router_does():
     """Qwen3-30B-A3B's buckets: at 16 rows an expert every expert active, the rows uneven across experts (a token
     tile of 16 rows no longer holds every expert's rows) and the same from one call to the next; at one row an
-    expert, 8 distinct experts a routing, other experts in each routing of the round (so that a round reads more
-    weights than one routing's)."""
+    expert over all 128 experts (16 tokens of top-8) about 81 experts read, some for several rows, as a router's
+    (bench --moe's 16-token routings read 82.1); at 8 rows other experts in each routing of the round (so that a round
+    reads more weights than one routing's)."""
     prefill = autotune.tuning_routings(16, 128, 128, "cpu")
     counts = [torch.diff(o, prepend=o.new_zeros(1)) for o in prefill]
     assert len(prefill) == autotune.TUNING_ROUTINGS and all(int(o[-1]) == 2048 for o in prefill)
     assert all(int(c.min()) >= 0 and int(c.max()) > 16 for c in counts)
     assert all(torch.equal(a, b) for a, b in zip(prefill, autotune.tuning_routings(16, 128, 128, "cpu"), strict=True))
     assert len({tuple(o.tolist()) for o in prefill}) == len(prefill)
+    sixteen = [torch.diff(o, prepend=o.new_zeros(1)) for o in autotune.tuning_routings(1, 128, 128, "cpu")]
+    assert all(int(c.sum()) == 128 and 70 <= int((c > 0).sum()) <= 92 and int(c.max()) >= 2 for c in sixteen)
     decode = [torch.diff(o, prepend=o.new_zeros(1)) for o in autotune.tuning_routings(1, 8, 128, "cpu")]
-    assert all(sorted(c.tolist())[-9:] == [0] + [1] * 8 for c in decode)
+    assert all(int(c.sum()) == 8 and int((c > 0).sum()) >= 6 for c in decode)
     assert len(set().union(*(set(torch.nonzero(c).flatten().tolist()) for c in decode))) > 32
 
 
