@@ -192,17 +192,24 @@ class Autotuner:
             )
 
     def tune_grouped(
-        self, backend: Backend, weight: PreparedGroupedWeight, rows: int, x_dtype: torch.dtype, *, write: bool = True
+        self,
+        backend: Backend,
+        weight: PreparedGroupedWeight,
+        rows: int,
+        x_dtype: torch.dtype,
+        *,
+        topk: int | None = None,
+        write: bool = True,
     ) -> TuneResult | None:
         """:meth:`tune` for grouped weights at ``rows`` rows sorted by expert: each tactic timed on a round of
         :func:`tuning_routings` of the key's buckets (its rows per expert times its active experts, drawn at random,
-        as a router spreads them)."""
+        as a router spreads them; as the top-``topk`` copies of tokens where the rows are a routed block's)."""
         if not backend.tunable or not isinstance(backend, GroupedWeights) or _capturing():
             return None
         key = TuneKey.grouped(backend.name, weight, rows, x_dtype)
         per, active = grouped_buckets(rows, weight.experts)
-        routings = tuning_routings(per, active, weight.experts, weight.device)
-        x = torch.randn(per * active, weight.in_features, device=weight.device).to(x_dtype)
+        routings = tuning_routings(per, active, weight.experts, weight.device, topk=topk)
+        x = torch.randn(int(routings[0][-1]), weight.in_features, device=weight.device).to(x_dtype)
         tactics = backend.grouped_tactics(per, weight)
 
         def calls(tactic: Any) -> list:
@@ -230,7 +237,7 @@ class Autotuner:
         rows = tokens * topk
         key = TuneKey.grouped(backend.name, gate_up, rows, x_dtype, op="experts")
         per, active = grouped_buckets(rows, gate_up.experts)
-        timed = max(1, per * active // topk)  # the tokens of the buckets' copies
+        timed = _bucket_tokens(per, active, topk)
         second = self.grouped_choice(backend, down, timed * topk, x_dtype)[0]
         routings = tuning_top_k(timed, topk, gate_up.experts, gate_up.device, x_dtype)
         x = torch.randn(timed, gate_up.in_features, device=gate_up.device).to(x_dtype)
@@ -327,46 +334,62 @@ def tactic_for_call(backend: Backend, weight: PreparedWeight, x: torch.Tensor) -
 
 
 def tuning_routings(
-    per: int, active: int, experts: int, device: torch.device, rounds: int = TUNING_ROUTINGS
+    per: int,
+    active: int,
+    experts: int,
+    device: torch.device,
+    rounds: int | None = None,
+    topk: int | None = None,
 ) -> list[torch.Tensor]:
-    """The routings a grouped tactic is timed on: ``rounds`` offsets (int32 [E], cumulative row ends) of ``per *
-    active`` rows each, drawn from a fixed seed, each row to an expert drawn uniformly from all ``experts``, as a
-    router's rows fall across tokens: the experts a round reads change from call to call, so that their weights do not
-    stay in L2, as a decode's do not, and the loads are as uneven as a router's (16 tokens of Qwen3-30B-A3B's top-8,
-    128 rows over 128 experts, read about 81 experts, some of them for 2-4 rows; one row on each of 128 experts, or an
-    even routing that fills every token tile of ``per`` rows exactly, favours kernels that routed calls do not)."""
-    g = torch.Generator().manual_seed(0)
-    return [
-        torch.bincount(torch.randint(experts, (per * active,), generator=g), minlength=experts)
-        .cumsum(0)
-        .to(torch.int32)
-        .to(device)
-        for _ in range(rounds)
-    ]
+    """The routings a grouped tactic is timed on: ``rounds`` (:data:`TUNING_ROUTINGS` unless given) offsets (int32 [E],
+    cumulative row ends) of ``per * active`` rows each, drawn from a fixed seed, each row to an expert drawn uniformly
+    from all ``experts``, as a router's rows fall across tokens: the experts a round reads change from call to call, so
+    that their weights do not stay in L2, as a decode's do not, and the loads are as uneven as a router's (16 tokens of
+    Qwen3-30B-A3B's top-8, 128 rows over 128 experts, read about 81 experts, some of them for 2-4 rows; one row on each
+    of 128 experts, or an even routing that fills every token tile of ``per`` rows exactly, favours kernels that routed
+    calls do not). With ``topk``, the rows are the top-``topk`` copies of as many tokens as the buckets hold
+    (:func:`tuning_top_k`'s draws), so that a token's experts are distinct, as a router's are (one token of
+    Mixtral-8x7B's top-2 reads two experts, never one)."""
+    if topk:
+        tokens = _bucket_tokens(per, active, topk)
+        picks = [ids.flatten() for ids, _ in tuning_top_k(tokens, topk, experts, "cpu", torch.float32, rounds)]
+    else:
+        g = torch.Generator().manual_seed(0)
+        picks = [torch.randint(experts, (per * active,), generator=g) for _ in range(rounds or TUNING_ROUTINGS)]
+    return [torch.bincount(p, minlength=experts).cumsum(0).to(torch.int32).to(device) for p in picks]
+
+
+def _bucket_tokens(per: int, active: int, topk: int) -> int:
+    """The tokens whose top-``topk`` copies fill the buckets' ``per * active`` rows (at least one)."""
+    return max(1, per * active // topk)
 
 
 def tuning_top_k(
-    tokens: int, topk: int, experts: int, device: torch.device, dtype: torch.dtype, rounds: int = TUNING_ROUTINGS
+    tokens: int, topk: int, experts: int, device: torch.device, dtype: torch.dtype, rounds: int | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The routings the routed block is timed on: ``rounds`` uniform top-k draws from a fixed seed, each the expert ids
+    """The routings the routed block is timed on: ``rounds`` (:data:`TUNING_ROUTINGS` unless given) uniform top-k
+    draws from a fixed seed, each the expert ids
     [tokens, topk] (distinct for each token) and their weights [tokens, topk] in ``dtype`` (softmaxed)."""
     g = torch.Generator().manual_seed(0)
     out = []
-    for _ in range(rounds):
+    for _ in range(rounds or TUNING_ROUTINGS):
         ids = torch.rand(tokens, experts, generator=g).topk(min(topk, experts), dim=1).indices
         weights = torch.rand(ids.shape, generator=g).softmax(-1).to(dtype)
         out.append((ids.to(device), weights.to(device)))
     return out
 
 
-def tactic_for_grouped_call(backend: Backend, weight: PreparedGroupedWeight, rows: int, x: torch.Tensor) -> Any:
-    """:func:`tactic_for_call` for grouped weights at ``rows`` rows sorted by expert of ``x``'s dtype."""
+def tactic_for_grouped_call(
+    backend: Backend, weight: PreparedGroupedWeight, rows: int, x: torch.Tensor, topk: int | None = None
+) -> Any:
+    """:func:`tactic_for_call` for grouped weights at ``rows`` rows sorted by expert of ``x``'s dtype (the top-``topk``
+    copies of a routed block's tokens, where given)."""
     if not backend.tunable or not isinstance(backend, GroupedWeights):
         return None
     tuner = tuner_for(x.device)
     return _recorded_or_tuned(
         tuner.grouped_choice(backend, weight, rows, x.dtype)[0],
-        lambda: tuner.tune_grouped(backend, weight, rows, x.dtype),
+        lambda: tuner.tune_grouped(backend, weight, rows, x.dtype, topk=topk),
     )
 
 
@@ -391,7 +414,7 @@ def tactics_for_experts_call(
     :func:`tactic_for_grouped_call` finds it; gate/up's the block's own (:meth:`Autotuner.grouped_choice` of op
     "experts"; tuned on a miss only with ``MXGEMM_AUTOTUNE=1``), else the projection's."""
     rows = tokens * topk
-    second = tactic_for_grouped_call(backend, down, rows, x)
+    second = tactic_for_grouped_call(backend, down, rows, x, topk)
     if not backend.tunable or not isinstance(backend, GroupedWeights):
         return None, second
     tuner = tuner_for(x.device)

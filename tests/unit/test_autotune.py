@@ -564,6 +564,27 @@ def test_tuning_routings_spread_rows_as_a_router_does():
     decode = [torch.diff(o, prepend=o.new_zeros(1)) for o in autotune.tuning_routings(1, 8, 128, "cpu")]
     assert all(int(c.sum()) == 8 and int((c > 0).sum()) >= 6 for c in decode)
     assert len(set().union(*(set(torch.nonzero(c).flatten().tolist()) for c in decode))) > 32
+    one_token = [torch.diff(o, prepend=o.new_zeros(1)) for o in autotune.tuning_routings(1, 8, 128, "cpu", topk=8)]
+    assert all(sorted(c.tolist())[-9:] == [0] + [1] * 8 for c in one_token)  # a token's top-8: 8 distinct experts
+    mixtral = [torch.diff(o, prepend=o.new_zeros(1)) for o in autotune.tuning_routings(1, 2, 8, "cpu", topk=2)]
+    assert (
+        all(sorted(c.tolist()) == [0] * 6 + [1, 1] for c in mixtral) and len({tuple(c.tolist()) for c in mixtral}) > 1
+    )
+    odd = autotune.tuning_routings(1, 8, 8, "cpu", topk=3)  # 8 rows of the bucket: 2 tokens' top-3 copies
+    assert all(int(o[-1]) == 6 for o in odd)
+
+
+def test_a_routed_blocks_projection_is_tuned_on_its_tokens_top_k_copies(tmp_path, grouped):
+    """With ``topk`` (``tune --moe``, a routed block's down on a miss) the projection's tactics are timed on the
+    top-k copies of tokens, and the choice is recorded under the same key as without."""
+    b = FakeGroupedTunable()
+    result = _tuner(tmp_path, b).tune_grouped(b, grouped, 2, torch.bfloat16, topk=2)  # one token of top-2
+    assert str(result.key).endswith(",experts:4,active:2|w8a8-block")
+    timed = {tuple(torch.diff(torch.tensor(offs), prepend=torch.zeros(1)).tolist()) for _, _, offs in b.calls}
+    assert timed == {
+        tuple(torch.diff(o, prepend=o.new_zeros(1)).tolist()) for o in autotune.tuning_routings(1, 2, 4, "cpu", topk=2)
+    }
+    assert all(sorted(c) == [0, 0, 1, 1] for c in timed) and len(timed) > 1
 
 
 def test_grouped_calls_take_the_tuned_tactic_of_each_projection(tmp_path, grouped, monkeypatch):

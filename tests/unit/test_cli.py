@@ -80,7 +80,10 @@ def test_tune_moe_tunes_the_experts_by_rows_per_expert(capsys, monkeypatch, tmp_
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("tunes the triton backend's grouped weights under the interpreter")
+    from mxgemm import autotune
+
     monkeypatch.setenv("MXGEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "TUNING_ROUTINGS", 2)  # each tactic on 2 routings, not 8: the interpreter is slow
     tiny = {"tiny-moe": (4, 64, 32, 2)}  # experts, hidden, width, top-k
     monkeypatch.setattr(bench_moe, "MOE_MODELS", tiny)
     monkeypatch.setattr(cli, "MOE_MODELS", tiny)

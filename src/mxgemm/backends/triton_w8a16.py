@@ -150,8 +150,9 @@ class TritonBackend(Backend, GroupedWeights):
     def grouped_tactics(self, per_expert: int, weight: PreparedGroupedWeight) -> list[Tactic]:
         """The default for ``per_expert`` rows an expert, then the Triton kernel's configs of that regime (in-kernel
         quantization below 64 rows an expert, rows quantized apart from there; up to 2 rows an expert, the GEMV's
-        too) and, on SM90 where it builds, the wgmma kernel's tiles and ring depths. Same numerics: the kernels give
-        the same bits, but the GEMV (fp32 sums on CUDA cores) may differ from them in the last bit."""
+        too) and, on SM90 where it builds, the wgmma kernel's tiles and ring depths. The same recipe, each within the
+        tensor cores' rounding of the twin; the bits may differ between them in the last place (narrower Triton tiles
+        in the routed block, the GEMV's fp32 sums on CUDA cores)."""
         from ..kernels.grouped.fp8 import GroupedConfig as C
         from ..kernels.grouped.gemv import GemvConfig as G
         from ..kernels.grouped.wgmma import WgmmaConfig
