@@ -55,6 +55,8 @@
 #   grouped-variants  lab/grouped_variants.py: the tree's grouped wgmma kernel beside the kernel before the persistent
 #           grid (f0b8c98~1) and the tree's with each of VARIANT_PATCHES (default lab/patches/grouped-*.patch; one
 #           that does not apply is left out) applied
+#   rows-quant  lab/rows_quant.py: the routed rows' 1x128 quantizer (kernels/grouped/quant.py) by rows a program and
+#           warps at prefill sizes of Qwen3, Mixtral and DeepSeek-V3, bits compared, with the copy floor
 #   block-tactics  lab/block_tactics.py: Qwen3's routed block with each of gate/up's tactics beside gate/up alone
 #           at 1, 4 and 16 tokens; then lab/read_floor.py --one-token
 #   eager-gap  lab/moe_eager_gap.py (GAP_ARGS, default --layers 24): the MoE model's eager one-token decode, bf16 vs
@@ -221,6 +223,9 @@ for stage in "$@"; do
       timeout "${GEMV_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_gpu_grouped.py \
         tests/gpu/test_gpu_autotune.py -k "every_config or blocks_gate_up or fused_block" > "$out/gemv-tests.txt" 2>&1
       tail -4 "$out/gemv-tests.txt" ;;
+    rows-quant)  # lab/rows_quant.py: the routed rows' 1x128 quantizer by rows a program and warps, at prefill sizes
+      timeout 240 python3 lab/rows_quant.py --json "$out/rows-quant.json" > "$out/rows-quant.txt" 2>&1
+      tail -32 "$out/rows-quant.txt" ;;
     block-tactics)
       timeout 240 python3 lab/block_tactics.py --json "$out/block-tactics.json" > "$out/block-tactics.txt" 2>&1
       tail -40 "$out/block-tactics.txt"

@@ -1,0 +1,83 @@
+"""The routed rows' 1x128 quantizer (``kernels/grouped/quant.py``, which the wgmma kernel reads) at prefill sizes: its
+launch as it ships (16 rows a program, 4 warps) beside other rows a program and warps, bits compared, and the floor
+(bytes read and written over the copy bandwidth measured here). At 4096 tokens it takes 73 µs of Qwen3 gate/up's
+413 in ``mxgemm bench --moe`` (docs/performance.md), about half the copy bandwidth: programs of 4 KB.
+
+Forms: gathered (gate/up's input: the tokens' rows at each sorted copy) and gated (down's: ``silu(gate) * up``).
+
+Run on the device: PYTHONPATH=src python3 lab/rows_quant.py --json rows-quant.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+
+import torch
+import triton
+
+from mxgemm.kernels.grouped import quant
+from mxgemm.kernels.grouped.fp8 import _interpreting
+from mxgemm.timing import time_cuda
+
+# model, tokens, top-k, hidden, expert width
+PROBLEMS = (
+    ("qwen3-30b-a3b", 4096, 8, 2048, 768),
+    ("mixtral-8x7b", 4096, 2, 4096, 14336),
+    ("deepseek-v3", 1024, 8, 7168, 2048),
+)
+LAUNCHES = ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))  # rows a program, warps
+
+
+def launch(x, src, topk, gated, rows_per_program, warps):
+    """quantize_rows with ``rows_per_program`` rows a program and ``warps`` warps."""
+    rows = src.shape[0] if src is not None else x.shape[0]
+    k = x.shape[1] // 2 if gated else x.shape[1]
+    sp, kp = -(-rows // 4) * 4, -(-k // 128) * 128
+    q = torch.empty((sp, kp), dtype=torch.uint8, device=x.device)
+    s = torch.empty((kp // 128, sp), dtype=torch.float32, device=x.device)
+    quant._rows_kernel[(triton.cdiv(sp, rows_per_program), kp // 128)](
+        x, x if src is None else src, q, s, rows, k, sp, kp, topk, x.stride(0),
+        BLOCK=rows_per_program, GATHER=src is not None, GATED=gated, INTERPRET=_interpreting(), num_warps=warps,
+    )  # fmt: skip
+    return q, s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    probe = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    copy_us = time_cuda([partial(torch.empty_like(probe).copy_, probe)])
+    bandwidth = 2 * probe.numel() / (copy_us * 1e-6)  # bytes read plus written a second
+    del probe
+    print(f"copy {bandwidth / 1e12:.3f} TB/s (read plus written)")
+    out = []
+    for model, tokens, topk, hidden, width in PROBLEMS:
+        rows = tokens * topk
+        src = torch.randperm(rows, device="cuda", dtype=torch.int64).to(torch.int32)
+        forms = (
+            ("gathered", [torch.randn(tokens, hidden, device="cuda").bfloat16() for _ in range(2)], src, False),
+            ("gated", [torch.randn(rows, 2 * width, device="cuda").bfloat16() for _ in range(2)], None, True),
+        )
+        for form, xs, s, gated in forms:
+            k = xs[0].shape[1] // (2 if gated else 1)
+            moved = rows * k * (2 * (2 if gated else 1) + 1) + rows * (k // 128) * 4
+            ref = quant.quantize_rows(xs[0], s, topk, gated=gated)
+            for per, warps in LAUNCHES:
+                q, sc = launch(xs[0], s, topk, gated, per, warps)
+                same = torch.equal(q, ref[0]) and torch.equal(sc, ref[1])
+                us = time_cuda([partial(launch, x, s, topk, gated, per, warps) for x in xs])
+                row = {"model": model, "form": form, "rows": rows, "k": k, "rows_per_program": per, "warps": warps}
+                row |= {"us": us, "floor_us": moved / bandwidth * 1e6, "same_bits": same}
+                out.append(row)
+                print(f"{model:14s} {form:8s} {rows:6d} x {k:5d}  {per:3d} rows {warps} warps  {us:7.1f} µs  "
+                      f"floor {row['floor_us']:6.1f}  bits {'equal' if same else 'DIFFER'}", flush=True)  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bandwidth, "rows": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
