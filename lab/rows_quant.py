@@ -1,7 +1,8 @@
 """The routed rows' 1x128 quantizer (``kernels/grouped/quant.py``, which the wgmma kernel reads) at prefill sizes: its
-launch as it ships (16 rows a program, 4 warps) beside other rows a program and warps, bits compared, and the floor
-(bytes read and written over the copy bandwidth measured here). At 4096 tokens it takes 73 µs of Qwen3 gate/up's
-413 in ``mxgemm bench --moe`` (docs/performance.md), about half the copy bandwidth: programs of 4 KB.
+launch as it ships (16 rows a program, 4 warps) beside other rows a program and warps (``quantize_rows``'s
+``block_rows`` and ``warps``), bits compared, and the floor (bytes read and written over the copy bandwidth measured
+here). At 4096 tokens it takes 73 µs of Qwen3 gate/up's 413 in ``mxgemm bench --moe`` (docs/performance.md), about half
+the copy bandwidth: programs of 4 KB.
 
 Forms: gathered (gate/up's input: the tokens' rows at each sorted copy) and gated (down's: ``silu(gate) * up``).
 
@@ -15,10 +16,8 @@ import json
 from functools import partial
 
 import torch
-import triton
 
-from mxgemm.kernels.grouped import quant
-from mxgemm.kernels.grouped.fp8 import _interpreting
+from mxgemm.kernels.grouped.quant import quantize_rows
 from mxgemm.timing import time_cuda
 
 # model, tokens, top-k, hidden, expert width
@@ -28,20 +27,6 @@ PROBLEMS = (
     ("deepseek-v3", 1024, 8, 7168, 2048),
 )
 LAUNCHES = ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))  # rows a program, warps
-
-
-def launch(x, src, topk, gated, rows_per_program, warps):
-    """quantize_rows with ``rows_per_program`` rows a program and ``warps`` warps."""
-    rows = src.shape[0] if src is not None else x.shape[0]
-    k = x.shape[1] // 2 if gated else x.shape[1]
-    sp, kp = -(-rows // 4) * 4, -(-k // 128) * 128
-    q = torch.empty((sp, kp), dtype=torch.uint8, device=x.device)
-    s = torch.empty((kp // 128, sp), dtype=torch.float32, device=x.device)
-    quant._rows_kernel[(triton.cdiv(sp, rows_per_program), kp // 128)](
-        x, x if src is None else src, q, s, rows, k, sp, kp, topk, x.stride(0),
-        BLOCK=rows_per_program, GATHER=src is not None, GATED=gated, INTERPRET=_interpreting(), num_warps=warps,
-    )  # fmt: skip
-    return q, s
 
 
 def main() -> None:
@@ -64,16 +49,18 @@ def main() -> None:
         for form, xs, s, gated in forms:
             k = xs[0].shape[1] // (2 if gated else 1)
             moved = rows * k * (2 * (2 if gated else 1) + 1) + rows * (k // 128) * 4
-            ref = quant.quantize_rows(xs[0], s, topk, gated=gated)
+            ref = quantize_rows(xs[0], s, topk, gated=gated)
             for per, warps in LAUNCHES:
-                q, sc = launch(xs[0], s, topk, gated, per, warps)
+                launch = {"gated": gated, "block_rows": per, "warps": warps}
+                q, sc = quantize_rows(xs[0], s, topk, **launch)
                 same = torch.equal(q, ref[0]) and torch.equal(sc, ref[1])
-                us = time_cuda([partial(launch, x, s, topk, gated, per, warps) for x in xs])
+                us = time_cuda([partial(quantize_rows, x, s, topk, **launch) for x in xs])
                 row = {"model": model, "form": form, "rows": rows, "k": k, "rows_per_program": per, "warps": warps}
                 row |= {"us": us, "floor_us": moved / bandwidth * 1e6, "same_bits": same}
                 out.append(row)
-                print(f"{model:14s} {form:8s} {rows:6d} x {k:5d}  {per:3d} rows {warps} warps  {us:7.1f} µs  "
-                      f"floor {row['floor_us']:6.1f}  bits {'equal' if same else 'DIFFER'}", flush=True)  # fmt: skip
+                bits = "equal" if same else "DIFFER"
+                shape = f"{model:14s} {form:8s} {rows:6d} x {k:5d}  {per:3d} rows {warps} warps"
+                print(f"{shape}  {us:7.1f} µs  floor {row['floor_us']:6.1f}  bits {bits}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bandwidth, "rows": out}, f, indent=1)

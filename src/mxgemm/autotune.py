@@ -368,8 +368,8 @@ def tuning_top_k(
     tokens: int, topk: int, experts: int, device: torch.device, dtype: torch.dtype, rounds: int | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The routings the routed block is timed on: ``rounds`` (:data:`TUNING_ROUTINGS` unless given) uniform top-k
-    draws from a fixed seed, each the expert ids
-    [tokens, topk] (distinct for each token) and their weights [tokens, topk] in ``dtype`` (softmaxed)."""
+    draws from a fixed seed, each the expert ids [tokens, topk] (distinct for each token) and their weights [tokens,
+    topk] in ``dtype`` (softmaxed)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(rounds or TUNING_ROUTINGS):

@@ -53,6 +53,21 @@ def test_gated_rows_are_the_reference_quantization_of_pytorchs_product(dtype):
     _check(q, s, h[:, :160])
 
 
+@interpreted
+def test_the_rows_launch_shape_keeps_the_bits():
+    """Other rows a program and warps (``block_rows``, ``warps``: what lab/rows_quant.py times) give the same bits,
+    gathered and gated, rows past a program's end included."""
+    from mxgemm.kernels.grouped.quant import quantize_rows
+
+    x, h = random_act(9, 200, seed=3), random_act(37, 2 * 160, seed=4)
+    src = torch.randperm(27).to(torch.int32)
+    for args, kw in (((x, src, 3), {}), ((h,), {"gated": True})):
+        ref = quantize_rows(*args, **kw)
+        for rows, warps in ((32, 4), (64, 8)):
+            q, s = quantize_rows(*args, **kw, block_rows=rows, warps=warps)
+            assert torch.equal(q, ref[0]) and torch.equal(s, ref[1]), (rows, warps)
+
+
 def test_configs_and_one_line_refusals():
     assert WgmmaConfig().valid() and WgmmaConfig(64, 64, 2).valid() and WgmmaConfig(128, 64, 6).valid()
     w, bs, off = torch.zeros(2, 8, 128, dtype=torch.uint8), torch.zeros(2, 1, 1), torch.zeros(2, dtype=torch.int32)

@@ -61,11 +61,17 @@ def _rows_kernel(
 
 
 def quantize_rows(
-    x: torch.Tensor, src: torch.Tensor | None = None, topk: int = 1, *, gated: bool = False
+    x: torch.Tensor,
+    src: torch.Tensor | None = None,
+    topk: int = 1,
+    *,
+    gated: bool = False,
+    block_rows: int = _BLOCK_ROWS,
+    warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [T, K] bf16/fp16 (unit stride along K) -> (uint8 E4M3 ``[Sp, Kp]``, fp32 ``[Kp / 128, Sp]``) of the rows
     ``x[src // topk]`` (``src`` int32 [S]), of ``x``'s rows, or (``gated``: ``x`` [S, 2K] as ``[gate | up]``) of
-    ``silu(gate) * up``."""
+    ``silu(gate) * up``; ``block_rows`` rows (a power of two) and ``warps`` warps a program, the same bits at any."""
     if x.stride(1) != 1:
         x = x.contiguous()
     rows = src.shape[0] if src is not None else x.shape[0]
@@ -74,7 +80,7 @@ def quantize_rows(
     q = torch.empty((sp, kp), dtype=torch.uint8, device=x.device)
     s = torch.empty((kp // 128, sp), dtype=torch.float32, device=x.device)
     if sp and kp:
-        _rows_kernel[(triton.cdiv(sp, _BLOCK_ROWS), kp // 128)](
+        _rows_kernel[(triton.cdiv(sp, block_rows), kp // 128)](
             x,
             x if src is None else src,  # not read without src
             q,
@@ -85,10 +91,10 @@ def quantize_rows(
             kp,
             topk,
             x.stride(0),
-            BLOCK=_BLOCK_ROWS,
+            BLOCK=block_rows,
             GATHER=src is not None,
             GATED=gated,
             INTERPRET=_interpreting(),
-            num_warps=4,
+            num_warps=warps,
         )
     return q, s
