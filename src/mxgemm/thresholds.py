@@ -47,8 +47,8 @@ class Thresholds:
     grouped_wgmma_from: int
     # ... and at any rows from this K (the same section: `mxgemm tune --moe`, tune-moe-h100.txt)
     grouped_wgmma_deep_k: int
-    # ... its persistent grid (CTAs taking tiles in turn) up to this K, a CTA per tile above (the same section: the
-    # persistent grid against a CTA per tile)
+    # ... with 64-row tiles, its persistent grid (CTAs taking tiles in turn) up to this K, a CTA per tile above (the
+    # same section: the persistent grid against a CTA per tile); 128-row tiles on the persistent grid at any K
     grouped_persistent_max_k: int
 
 

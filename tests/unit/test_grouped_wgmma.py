@@ -84,10 +84,10 @@ def test_configs_and_one_line_refusals():
 
 def test_which_kernel_a_grouped_call_takes(monkeypatch):
     """On SM90 with the library built: the wgmma kernel from grouped_wgmma_from rows per expert of an even routing
-    (at any rows from K = grouped_wgmma_deep_k), 64-row tiles below 128 rows per expert and 128-row ones from there,
-    on its persistent grid up to K = grouped_persistent_max_k; the Triton kernel below that, on other GPUs, on a CPU,
-    and where the library does not build. The tactics offered start with that default; the wgmma kernel's only where
-    it runs."""
+    (at any rows from K = grouped_wgmma_deep_k), 64-row tiles below 128 rows per expert, on its persistent grid up to
+    K = grouped_persistent_max_k, and 128-row ones on its persistent grid from there; the Triton kernel below that, on
+    other GPUs, on a CPU, and where the library does not build. The tactics offered start with that default; the wgmma
+    kernel's only where it runs."""
     from types import SimpleNamespace
 
     from mxgemm import thresholds
@@ -114,7 +114,8 @@ def test_which_kernel_a_grouped_call_takes(monkeypatch):
     assert _default_grouped(WGMMA_FROM, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4, persistent=True)
     assert _default_grouped(127, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4, persistent=True)
     assert _default_grouped(128, gpu, PERSISTENT_MAX_K).config == WgmmaConfig(128, 128, 4, persistent=True)
-    assert _default_grouped(128, gpu, PERSISTENT_MAX_K + 128).config == WgmmaConfig(tn=128, wn=128, stages=4)
+    assert _default_grouped(128, gpu, PERSISTENT_MAX_K + 128).config == WgmmaConfig(128, 128, 4, persistent=True)
+    assert _default_grouped(127, gpu, PERSISTENT_MAX_K + 128).config == WgmmaConfig(tn=64, wn=128, stages=4)
     assert _default_grouped(1, gpu, WGMMA_DEEP_K).config == WgmmaConfig(tn=64, wn=128, stages=4)
     assert _default_grouped(1, gpu, WGMMA_DEEP_K - 128).path == Path.GROUPED
     assert _default_grouped(1, cpu, WGMMA_DEEP_K).path == Path.GROUPED

@@ -259,13 +259,15 @@ def _experts_tactics(rows: int, gate_up: PreparedGroupedWeight, tactics: tuple) 
 def _default_grouped(per_expert: int, device: torch.device, k: int) -> Tactic:
     """The grouped kernel and config for ``per_expert`` rows an expert (of an even routing) of ``k`` columns: on SM90
     from the device's ``grouped_wgmma_from`` rows, or at any rows from K = ``grouped_wgmma_deep_k``, the wgmma kernel
-    where it builds (64-row tiles below 128 rows an expert, 128 from there; its persistent grid up to K =
-    ``grouped_persistent_max_k``); else the Triton kernel's default."""
+    where it builds (64-row tiles below 128 rows an expert, on its persistent grid up to K =
+    ``grouped_persistent_max_k``; 128-row tiles from there, on its persistent grid); else the Triton kernel's
+    default."""
     t = thresholds.for_device(device)
     if (per_expert >= t.grouped_wgmma_from or k >= t.grouped_wgmma_deep_k) and _wgmma_runs(device):
         from ..kernels.grouped.wgmma import WgmmaConfig
 
-        tn, persistent = 128 if per_expert >= 128 else 64, k <= t.grouped_persistent_max_k
+        tn = 128 if per_expert >= 128 else 64
+        persistent = tn == 128 or k <= t.grouped_persistent_max_k
         return Tactic(Path.WGMMA, WgmmaConfig(tn=tn, wn=128, stages=4, persistent=persistent))
     from ..kernels.grouped.fp8 import default_config
 

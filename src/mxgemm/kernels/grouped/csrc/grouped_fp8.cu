@@ -9,8 +9,11 @@
 // accelerator (TMA, 128-byte swizzle; elements past a tensor read as zeros), completing on an mbarrier per stage.
 // The consumers run 4 wgmma.m64nNk32 per block into a block accumulator, free the stage, and add the block's product
 // times the weight block's scale and each row's scale into the fp32 result (the two-level accumulation of blockwise
-// FP8); each thread loads its two rows' scales and the weight block's scale of the next block from global memory
-// while the tensor cores work (a tile starts at any row; a TMA copy of the scales from such rows stopped the kernel:
+// FP8). With 128-row tiles each consumer warpgroup keeps two block accumulators and issues the next block's wgmma
+// before it adds the last block's product, so that the tensor cores run during that addition; their 192 registers a
+// thread come from a producer warpgroup that gives its own away (setmaxnreg; its lane 0 of one warp loads). Each
+// thread loads its two rows' scales and the weight block's scale of the next block from global memory while the
+// tensor cores work (a tile starts at any row; a TMA copy of the scales from such rows stopped the kernel:
 // docs/performance.md).
 //
 // Grouping: the work items are the routing's token tiles x the weight tiles, and every warp finds its items' expert
@@ -140,6 +143,22 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+// an arrival on `bar` by the threads where `pred` holds, predicated rather than branched around: a branch while a wgmma
+// is in flight makes ptxas serialize the wgmma (C7518)
+__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
+                   smem_u32(bar)),
+               "r"((int)pred)
+               : "memory");
+}
+// each register of `r` taken as read and written here, so that the compiler keeps its reads and writes on their side
+// of the wgmma issues and waits around it
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
 template <typename T>
 __device__ __forceinline__ void store_pair(T* y, float v0, float v1) {
   *reinterpret_cast<uint32_t*>(y) = pack_pair<T>(v0, v1);
@@ -153,6 +172,10 @@ __device__ __forceinline__ void locate(int idx, int used, int wtiles, int& slot,
   slot = first + local % size;
   wtile = local / size;
 }
+
+// 128-row tiles: a producer warpgroup that gives its registers to the two consumer warpgroups (setmaxnreg 40 / 232;
+// 9 warps get at most 168 registers a thread), whose two block accumulators and result take 192
+__host__ __device__ constexpr int producer_threads(int TW) { return TW == 2 ? 128 : 32; }
 
 // the kernels' body; TMA_OUT: whole 64-row slices through `ymap` (128-row tiles), their staging 1 KB past the ring's
 // barriers
@@ -170,7 +193,10 @@ __device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUte
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + ST * STAGE);
   uint64_t* empty = full + ST;
   uint8_t* out_smem = smem + ST * STAGE + 1024;  // TMA_OUT: TW output tiles, each staged for its TMA store
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, wg = warp / 4;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  // 128-row tiles: the warpgroup and the tile's expert read from lane 0, so that ptxas knows the branches on them
+  // warp-uniform (else it serializes the wgmma kept in flight across the loop: C7518)
+  const int wg = TW == 2 ? __shfl_sync(0xffffffffu, warp / 4, 0) : warp / 4;
 
   if (tid == 0) {
     for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * TW);
@@ -184,6 +210,10 @@ __device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUte
   int stage = 0;  // ring stages filled (producer) or consumed (consumers) so far
 
   if (wg == TW) {  // producer: the activation tile first in the stage, the weight tile after it
+    if constexpr (TW == 2) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+      if (warp != 4 * TW) return;  // one warp loads
+    }
     for (int idx = blockIdx.x; idx < items; idx += gridDim.x) {
       int slot, wtile;
       locate(idx, used, wtiles, slot, wtile);
@@ -206,6 +236,7 @@ __device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUte
     return;
   }
 
+  if constexpr (TW == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int trow = wg * 64 + 16 * (warp % 4) + g;  // a consumer thread's rows in the tile: trow and trow + 8
   const uint64_t dx0 = desc_sw128(smem_u32(smem) + wg * 64 * BK), dw0 = desc_sw128(smem_u32(smem) + XB);
   // two adjacent columns per store where the row stride and the output keep them 4-byte aligned
@@ -213,7 +244,8 @@ __device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUte
   for (int idx = blockIdx.x; idx < items; idx += gridDim.x) {
     int slot, wtile;
     locate(idx, used, wtiles, slot, wtile);
-    const Tile my = find_tile<TN>(a, slot, lane, scan);
+    Tile my = find_tile<TN>(a, slot, lane, scan);
+    if constexpr (TW == 2) my.expert = __shfl_sync(0xffffffffu, my.expert, 0);
     const int n0 = wtile * WN;
     float acc[WN / 2];
 #pragma unroll
@@ -225,24 +257,66 @@ __device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUte
       const float* xs0 = a.XS + min(my.tok0 + trow, a.ld_xs - 1);
       const float* xs1 = a.XS + min(my.tok0 + trow + 8, a.ld_xs - 1);
       float next0 = __ldg(xs0), next1 = __ldg(xs1), nextw = __ldg(sw);
-      float blk[WN / 2];
-      for (int it = 0; it < a.kblocks; ++it) {
-        const int n = stage + it, s = n % ST;
-        mbar_wait(&full[s], (n / ST) & 1);
-        const uint64_t off = (uint64_t)(s * (STAGE / 16));
-        wgmma_fence();
+      if constexpr (TW == 2) {
+        // 128-row tiles: two block accumulators, block it + 1's wgmma issued into one before block it, in the other,
+        // is promoted, so that the tensor cores run while the warpgroup promotes (the operand fences keep the compiler
+        // from moving a read of a block's registers above the wait that retires it); 64-row tiles promote each block
+        // after it (two accumulators take them past the registers of two CTAs an SM)
+        float b0[WN / 2], b1[WN / 2];
+        auto issue = [&](float(&b)[WN / 2], int it) {
+          const int n = stage + it, s = n % ST;
+          mbar_wait(&full[s], (n / ST) & 1);
+          const uint64_t off = (uint64_t)(s * (STAGE / 16));
+          fence_operands(b);
+          wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(blk, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
-        wgmma_commit();
-        const float x0 = next0 * nextw, x1 = next1 * nextw;
-        if (it + 1 < a.kblocks) {
-          next0 = __ldg(xs0 + (size_t)(it + 1) * a.ld_xs), next1 = __ldg(xs1 + (size_t)(it + 1) * a.ld_xs);
-          nextw = __ldg(sw + it + 1);
-        }
+          for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(b, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
+          wgmma_commit();
+        };
+        // block it, done in b: block it + 1 issued into `other`, b promoted while it runs, block it + 1 waited for
+        auto step = [&](float(&b)[WN / 2], float(&other)[WN / 2], int it) {
+          const float x0 = next0 * nextw, x1 = next1 * nextw;
+          const bool more = it + 1 < a.kblocks;
+          if (more) {
+            next0 = __ldg(xs0 + (size_t)(it + 1) * a.ld_xs), next1 = __ldg(xs1 + (size_t)(it + 1) * a.ld_xs);
+            nextw = __ldg(sw + it + 1);
+            issue(other, it + 1);
+          }
+          promote_rows<WN>(acc, b, x0, x1);
+          wgmma_wait0();
+          fence_operands(other);
+          __syncwarp();
+          mbar_arrive_if(&empty[(stage + it + 1) % ST], more && lane == 0);
+        };
+        issue(b0, 0);
         wgmma_wait0();
+        fence_operands(b0);
         __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);
-        promote_rows<WN>(acc, blk, x0, x1);
+        mbar_arrive_if(&empty[stage % ST], lane == 0);
+        for (int it = 0; it < a.kblocks; it += 2) {
+          step(b0, b1, it);
+          if (it + 1 < a.kblocks) step(b1, b0, it + 1);
+        }
+      } else {
+        float blk[WN / 2];
+        for (int it = 0; it < a.kblocks; ++it) {
+          const int n = stage + it, s = n % ST;
+          mbar_wait(&full[s], (n / ST) & 1);
+          const uint64_t off = (uint64_t)(s * (STAGE / 16));
+          wgmma_fence();
+#pragma unroll
+          for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(blk, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
+          wgmma_commit();
+          const float x0 = next0 * nextw, x1 = next1 * nextw;
+          if (it + 1 < a.kblocks) {
+            next0 = __ldg(xs0 + (size_t)(it + 1) * a.ld_xs), next1 = __ldg(xs1 + (size_t)(it + 1) * a.ld_xs);
+            nextw = __ldg(sw + it + 1);
+          }
+          wgmma_wait0();
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[s]);
+          promote_rows<WN>(acc, blk, x0, x1);
+        }
       }
       stage += a.kblocks;
     }
@@ -295,13 +369,12 @@ __device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUte
 }
 
 template <int WN, int TW, int ST, typename T>
-__global__ void __launch_bounds__(128 * TW + 32) grouped_kernel(const __grid_constant__ CUtensorMap wmap,
-                                                                const __grid_constant__ CUtensorMap xmap,
-                                                                const Args a) {
+__global__ void __launch_bounds__(128 * TW + producer_threads(TW), TW == 2 ? 1 : 0)
+    grouped_kernel(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap xmap, const Args a) {
   grouped_body<WN, TW, ST, T, false>(wmap, xmap, nullptr, a);
 }
 template <int WN, int ST, typename T>
-__global__ void __launch_bounds__(288) grouped_kernel_tma(const __grid_constant__ CUtensorMap wmap,
+__global__ void __launch_bounds__(384, 1) grouped_kernel_tma(const __grid_constant__ CUtensorMap wmap,
                                                           const __grid_constant__ CUtensorMap xmap, const Args a,
                                                           const __grid_constant__ CUtensorMap ymap) {
   grouped_body<WN, 2, ST, T, true>(wmap, xmap, &ymap, a);
@@ -341,7 +414,7 @@ int start(K kernel, int threads, int smem, const Args& a, Grid grid, cudaStream_
 template <int WN, int TW, int ST, typename T>
 int launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const CUtensorMap* ymap, const Args& a, Grid grid,
            cudaStream_t stream) {
-  constexpr int STAGE = (64 * TW + WN) * BK, THREADS = 128 * TW + 32;
+  constexpr int STAGE = (64 * TW + WN) * BK, THREADS = 128 * TW + producer_threads(TW);
   if constexpr (TW == 2)
     if (ymap)
       return start<WN>(grouped_kernel_tma<WN, ST, T>, THREADS, ST * STAGE + 1024 + 2 * 64 * WN * 2 + 1024, a, grid,
