@@ -195,7 +195,7 @@ __device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUte
   uint8_t* out_smem = smem + ST * STAGE + 1024;  // TMA_OUT: TW output tiles, each staged for its TMA store
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   // 128-row tiles: the warpgroup and the tile's expert read from lane 0, so that ptxas knows the branches on them
-  // warp-uniform (else it serializes the wgmma kept in flight across the loop: C7518)
+  // warp-uniform (else it serializes the wgmma kept in flight while a block is promoted: C7518)
   const int wg = TW == 2 ? __shfl_sync(0xffffffffu, warp / 4, 0) : warp / 4;
 
   if (tid == 0) {
@@ -257,22 +257,24 @@ __device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUte
       const float* xs0 = a.XS + min(my.tok0 + trow, a.ld_xs - 1);
       const float* xs1 = a.XS + min(my.tok0 + trow + 8, a.ld_xs - 1);
       float next0 = __ldg(xs0), next1 = __ldg(xs1), nextw = __ldg(sw);
+      // block it's wgmma into b once its stage is full (the operand fence keeps the compiler from moving b's last
+      // reads below it)
+      auto issue = [&](float(&b)[WN / 2], int it) {
+        const int n = stage + it, s = n % ST;
+        mbar_wait(&full[s], (n / ST) & 1);
+        const uint64_t off = (uint64_t)(s * (STAGE / 16));
+        fence_operands(b);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(b, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
+        wgmma_commit();
+      };
       if constexpr (TW == 2) {
         // 128-row tiles: two block accumulators, block it + 1's wgmma issued into one before block it, in the other,
         // is promoted, so that the tensor cores run while the warpgroup promotes (the operand fences keep the compiler
         // from moving a read of a block's registers above the wait that retires it); 64-row tiles promote each block
         // after it (two accumulators take them past the registers of two CTAs an SM)
         float b0[WN / 2], b1[WN / 2];
-        auto issue = [&](float(&b)[WN / 2], int it) {
-          const int n = stage + it, s = n % ST;
-          mbar_wait(&full[s], (n / ST) & 1);
-          const uint64_t off = (uint64_t)(s * (STAGE / 16));
-          fence_operands(b);
-          wgmma_fence();
-#pragma unroll
-          for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(b, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
-          wgmma_commit();
-        };
         // block it, done in b: block it + 1 issued into `other`, b promoted while it runs, block it + 1 waited for
         auto step = [&](float(&b)[WN / 2], float(&other)[WN / 2], int it) {
           const float x0 = next0 * nextw, x1 = next1 * nextw;
@@ -300,13 +302,7 @@ __device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUte
       } else {
         float blk[WN / 2];
         for (int it = 0; it < a.kblocks; ++it) {
-          const int n = stage + it, s = n % ST;
-          mbar_wait(&full[s], (n / ST) & 1);
-          const uint64_t off = (uint64_t)(s * (STAGE / 16));
-          wgmma_fence();
-#pragma unroll
-          for (int ks = 0; ks < BK / 32; ++ks) wgmma<WN>(blk, dx0 + off + 2 * ks, dw0 + off + 2 * ks, ks);
-          wgmma_commit();
+          issue(blk, it);
           const float x0 = next0 * nextw, x1 = next1 * nextw;
           if (it + 1 < a.kblocks) {
             next0 = __ldg(xs0 + (size_t)(it + 1) * a.ld_xs), next1 = __ldg(xs1 + (size_t)(it + 1) * a.ld_xs);
@@ -314,7 +310,7 @@ __device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUte
           }
           wgmma_wait0();
           __syncwarp();
-          if (lane == 0) mbar_arrive(&empty[s]);
+          if (lane == 0) mbar_arrive(&empty[(stage + it) % ST]);
           promote_rows<WN>(acc, blk, x0, x1);
         }
       }
