@@ -233,7 +233,7 @@ for stage in "$@"; do
         > "$out/read-floor-one-token.txt" 2>&1; tail -6 "$out/read-floor-one-token.txt" ;;
     moe-tune)  # mxgemm tune --moe (MOE_TUNE_ARGS, e.g. --m 1 4 16), its entries merged into the package's tuning file
       # of this GPU where its environment record is this one's (else written as that file)
-      ( time MXGEMM_CACHE_DIR="$out/cache" timeout "${MOE_TUNE_S:-300}" python3 -m mxgemm tune --moe ${MOE_TUNE_ARGS:-} ) \
+      ( time MXGEMM_CACHE_DIR="$out/cache" timeout "${MOE_TUNE_S:-420}" python3 -m mxgemm tune --moe ${MOE_TUNE_ARGS:-} ) \
         > "$out/tune-moe.txt" 2>&1
       python3 - "$out"/cache/tuning-*.json <<'PY'
 import json, re, sys
