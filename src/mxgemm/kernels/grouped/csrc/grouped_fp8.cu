@@ -143,8 +143,7 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-// an arrival on `bar` by the threads where `pred` holds, predicated rather than branched around: a branch while a wgmma
-// is in flight makes ptxas serialize the wgmma (C7518)
+// an arrival on `bar` by the threads where `pred` holds, predicated rather than branched around
 __device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
                    smem_u32(bar)),
@@ -194,8 +193,7 @@ __device__ __forceinline__ void grouped_body(const CUtensorMap& wmap, const CUte
   uint64_t* empty = full + ST;
   uint8_t* out_smem = smem + ST * STAGE + 1024;  // TMA_OUT: TW output tiles, each staged for its TMA store
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  // 128-row tiles: the warpgroup and the tile's expert read from lane 0, so that ptxas knows the branches on them
-  // warp-uniform (else it serializes the wgmma kept in flight while a block is promoted: C7518)
+  // 128-row tiles: the warpgroup and the tile's expert read from lane 0, which ptxas knows warp-uniform
   const int wg = TW == 2 ? __shfl_sync(0xffffffffu, warp / 4, 0) : warp / 4;
 
   if (tid == 0) {
