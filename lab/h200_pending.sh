@@ -339,6 +339,7 @@ PY
       # 128-row token tile; grouped-wide, 128 x 160 tiles with a producer warpgroup; grouped-regs, that warpgroup's
       # registers given to 128 x 128 tiles' consumers; grouped-vstore, the output in 16-byte stores after an exchange
       # in each quad of lanes; grouped-xscale, the rows' scales bulk-copied into each stage by the producer;
+      # grouped-overlap-plain, the 128-row tiles' overlapped loop without its predicated release and lane-0 reads;
       # LARGE_ARGS="--no-wide --persistent" times both grids; the
       # ablations grouped-noscale, grouped-nopromote, grouped-nostore time the kernel without a part; default:
       # grouped-regs, grouped-vstore, grouped-xscale and grouped-regs-xscale) at the LARGE prefill
