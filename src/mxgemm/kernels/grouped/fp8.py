@@ -263,6 +263,19 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def routed_flags(experts: int, src: torch.Tensor | None, gated: bool, scatter: bool) -> dict:
+    """The compile-time flags a grouped launch passes its kernel: the E + 1 routing groups rounded up to a power of
+    two, whether rows are gathered through ``src`` (not when they are scattered through it), gated, scattered, and
+    whether Triton's interpreter runs it."""
+    return {
+        "GROUPS": triton.next_power_of_2(experts + 1),
+        "GATHER": src is not None and not scatter,
+        "GATED": gated,
+        "SCATTER": scatter,
+        "INTERPRET": _interpreting(),
+    }
+
+
 def grouped_block_linear(
     x: torch.Tensor,
     w_bytes: torch.Tensor,
@@ -369,14 +382,10 @@ def _launch(
         block_scale.stride(0),
         block_scale.stride(1),
         y.stride(0),
-        GROUPS=triton.next_power_of_2(e + 1),
         BN=c.bn,
         BM=c.bm,
         QUANTIZED=c.quantized,
-        GATHER=src is not None and not scatter,
-        GATED=gated,
-        SCATTER=scatter,
-        INTERPRET=_interpreting(),
+        **routed_flags(e, src, gated, scatter),
         **cfg,
     )
     return y

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import _interpreting, _silu_times, quantized_1x128, rounded, tile_of
+from .fp8 import _silu_times, quantized_1x128, rounded, routed_flags, tile_of
 
 __all__ = ["GemvConfig", "grouped_gemv"]
 
@@ -169,14 +169,10 @@ def grouped_gemv(
         block_scale.stride(0),
         block_scale.stride(1),
         y.stride(0),
-        GROUPS=triton.next_power_of_2(e + 1),
         BN=config.bn,
         KB=config.kb,
         STAGES=config.stages,
-        GATHER=src is not None and not scatter,
-        GATED=gated,
-        SCATTER=scatter,
-        INTERPRET=_interpreting(),
+        **routed_flags(e, src, gated, scatter),
         num_warps=config.warps,
     )
     return y
