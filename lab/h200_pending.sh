@@ -47,6 +47,9 @@
 #           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
 #   grad-modes  lab/grad_modes.py (GRAD_ARGS, default --layers 16): eager generate under no_grad against under
 #           inference_mode, where the q/k/v groups run apart, bf16 and mxgemm
+#   block-variants  lab/block_variants.py: the routed block's one C call built from the tree's grouped sources
+#           beside BLOCK_PATCHES' (lab/patches), timed and compared bit for bit (BLOCK_ARGS); then the routed
+#           block's GPU tests with the last patch applied
 #   grouped-ncu  Nsight Compute on the grouped wgmma kernel and DeepGEMM's contiguous kernel (lab/grouped_ncu.py),
 #           Qwen3 and Mixtral gate/up at 4096 tokens by default (NCU_PROBLEMS)
 #   grouped-large  the tree's grouped wgmma kernel beside lab/patches' LARGE_PATCHES (default grouped-regs,
@@ -335,6 +338,21 @@ PY
       done
       grep -E "^===|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|Shared Memory|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Issue Slots Busy|Achieved Occupancy" \
         "$out/grouped-ncu.txt" | cut -c1-140 ;;
+    block-variants)  # lab/block_variants.py: the routed block's one C call from the tree's grouped sources beside each
+      # of BLOCK_PATCHES' (default block-gather-wide: the gathered rows quantized in the dense wide quantizer's shape
+      # where the grid has several waves) with BLOCK_ARGS (e.g. --tokens 16 4096); then the last patch applied to this
+      # copy of the tree and the routed block's GPU tests (BLOCK_TESTS: pytest's -k)
+      specs="tree=src/mxgemm/kernels/grouped/csrc"; patch=""
+      for name in ${BLOCK_PATCHES:-block-gather-wide}; do
+        patch=lab/patches/$name.patch; dir=$(variant "$patch") || continue
+        specs="$specs ${name#block-}=$dir"
+      done
+      timeout "${BLOCK_S:-300}" python3 lab/block_variants.py $specs ${BLOCK_ARGS:-} --json "$out/block-variants.json" \
+        > "$out/block-variants.txt" 2>&1; tail -20 "$out/block-variants.txt"
+      [ -n "$patch" ] && git apply "$patch" && timeout "${BLOCK_TESTS_S:-240}" python3 -m pytest \
+        tests/gpu/test_gpu_grouped.py -q -p no:warnings -x -k "${BLOCK_TESTS:-block or c_launch or moe}" \
+        > "$out/block-tests.txt" 2>&1; tail -3 "$out/block-tests.txt"
+      [ -n "$patch" ] && git apply -R "$patch" ;;
     grouped-large)  # the wgmma kernel's tree beside each of LARGE_PATCHES (grouped-mc, CTA pairs that multicast the
       # 128-row token tile; grouped-wide, 128 x 160 tiles with a producer warpgroup; grouped-regs, that warpgroup's
       # registers given to 128 x 128 tiles' consumers; grouped-vstore, the output in 16-byte stores after an exchange
