@@ -82,6 +82,22 @@ variant() {  # variant PATCH: the kernels' folder copied to /tmp/variants/NAME w
     echo "$name: does not apply to this tree, left out" >&2; return 1; fi
   echo "$v/src/mxgemm/kernels/grouped/csrc"
 }
+patched_specs() {  # patched_specs PREFIX NAME ...: `specs`, the tree's grouped sources as "tree" and, for each
+  # lab/patches/NAME.patch that applies, a patched copy named NAME less PREFIX; `patch`, the last NAME's patch
+  local prefix=$1 name dir; shift
+  specs="tree=src/mxgemm/kernels/grouped/csrc"; patch=""
+  for name in "$@"; do
+    patch=lab/patches/$name.patch; dir=$(variant "$patch") || continue
+    specs="$specs ${name#"$prefix"}=$dir"
+  done
+}
+patched_tests() {  # patched_tests PATCH LIMIT FILE [PYTEST ARGS]: tests/gpu/test_gpu_grouped.py with PATCH applied to
+  # this copy of the tree (undone after), its last lines into $out/FILE
+  local patch=$1 limit=$2 file=$3; shift 3
+  [ -n "$patch" ] && git apply "$patch" || return 0
+  timeout "$limit" python3 -m pytest tests/gpu/test_gpu_grouped.py -q -p no:warnings -x "$@" > "$out/$file" 2>&1
+  tail -3 "$out/$file"; git apply -R "$patch"
+}
 bench() {  # bench NAME TIMEOUT SET [SET ...]: NAME.{json,md,png} under $out
   local name="$1" limit="$2"; shift 2
   ( cd "$out" && MXGEMM_CACHE_DIR="$out/empty-cache" timeout "$limit" python3 -m mxgemm bench --model "$@" \
@@ -342,17 +358,10 @@ PY
       # of BLOCK_PATCHES' (default block-gather-wide: the gathered rows quantized in the dense wide quantizer's shape
       # where the grid has several waves) with BLOCK_ARGS (e.g. --tokens 16 4096); then the last patch applied to this
       # copy of the tree and the routed block's GPU tests (BLOCK_TESTS: pytest's -k)
-      specs="tree=src/mxgemm/kernels/grouped/csrc"; patch=""
-      for name in ${BLOCK_PATCHES:-block-gather-wide}; do
-        patch=lab/patches/$name.patch; dir=$(variant "$patch") || continue
-        specs="$specs ${name#block-}=$dir"
-      done
+      patched_specs block- ${BLOCK_PATCHES:-block-gather-wide}
       timeout "${BLOCK_S:-300}" python3 lab/block_variants.py $specs ${BLOCK_ARGS:-} --json "$out/block-variants.json" \
         > "$out/block-variants.txt" 2>&1; tail -20 "$out/block-variants.txt"
-      [ -n "$patch" ] && git apply "$patch" && timeout "${BLOCK_TESTS_S:-240}" python3 -m pytest \
-        tests/gpu/test_gpu_grouped.py -q -p no:warnings -x -k "${BLOCK_TESTS:-block or c_launch or moe}" \
-        > "$out/block-tests.txt" 2>&1; tail -3 "$out/block-tests.txt"
-      [ -n "$patch" ] && git apply -R "$patch" ;;
+      patched_tests "$patch" "${BLOCK_TESTS_S:-240}" block-tests.txt -k "${BLOCK_TESTS:-block or c_launch or moe}" ;;
     grouped-large)  # the wgmma kernel's tree beside each of LARGE_PATCHES (grouped-mc, CTA pairs that multicast the
       # 128-row token tile; grouped-wide, 128 x 160 tiles with a producer warpgroup; grouped-regs, that warpgroup's
       # registers given to 128 x 128 tiles' consumers; grouped-vstore, the output in 16-byte stores after an exchange
@@ -363,17 +372,11 @@ PY
       # grouped-regs, grouped-vstore, grouped-xscale and grouped-regs-xscale) at the LARGE prefill
       # sizes (lab/grouped_variants.py --large LARGE_ARGS); then the last patch applied to this copy of the tree and
       # the grouped GPU tests of LARGE_TESTS (default: all; none: no tests) run on it
-      csrc=src/mxgemm/kernels/grouped/csrc; specs="tree=$csrc"; patch=""
-      for name in ${LARGE_PATCHES:-grouped-regs grouped-vstore grouped-xscale grouped-regs-xscale}; do
-        patch=lab/patches/$name.patch; dir=$(variant "$patch") || continue
-        specs="$specs ${name#grouped-}=$dir"
-      done
+      patched_specs grouped- ${LARGE_PATCHES:-grouped-regs grouped-vstore grouped-xscale grouped-regs-xscale}
       timeout 300 python3 lab/grouped_variants.py $specs --large ${LARGE_ARGS:-} --json "$out/grouped-large.json" \
         > "$out/grouped-large.txt" 2>&1; tail -30 "$out/grouped-large.txt"
       [ "${LARGE_TESTS:-}" = none ] && continue  # the ablations' patches (timing only) fail the tests by design
-      git apply "$patch" && timeout 330 python3 -m pytest tests/gpu/test_gpu_grouped.py -q -p no:warnings -x \
-        ${LARGE_TESTS:+-k "$LARGE_TESTS"} > "$out/grouped-large-tests.txt" 2>&1; tail -3 "$out/grouped-large-tests.txt"
-      git apply -R "$patch" ;;
+      patched_tests "$patch" 330 grouped-large-tests.txt ${LARGE_TESTS:+-k "$LARGE_TESTS"} ;;
     *) echo "usage: $0 tune|gate|ship|tests|crossover|fp8-ncu|small-m-ncu|prefill|quant|ulp|eager|e2e|load|lt-algos|bench-8b|bench-more|bench-all ..." >&2
        exit 2 ;;
   esac
