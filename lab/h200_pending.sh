@@ -355,10 +355,9 @@ PY
       grep -E "^===|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|Shared Memory|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Issue Slots Busy|Achieved Occupancy" \
         "$out/grouped-ncu.txt" | cut -c1-140 ;;
     block-variants)  # lab/block_variants.py: the routed block's one C call from the tree's grouped sources beside each
-      # of BLOCK_PATCHES' (default block-gather-wide: the gathered rows quantized in the dense wide quantizer's shape
-      # where the grid has several waves) with BLOCK_ARGS (e.g. --tokens 16 4096); then the last patch applied to this
-      # copy of the tree and the routed block's GPU tests (BLOCK_TESTS: pytest's -k)
-      patched_specs block- ${BLOCK_PATCHES:-block-gather-wide}
+      # of BLOCK_PATCHES' (names of lab/patches, none by default) with BLOCK_ARGS (e.g. --tokens 16 4096); then the last
+      # patch applied to this copy of the tree and the routed block's GPU tests (BLOCK_TESTS: pytest's -k)
+      patched_specs block- ${BLOCK_PATCHES:?BLOCK_PATCHES names the lab/patches to time}
       timeout "${BLOCK_S:-300}" python3 lab/block_variants.py $specs ${BLOCK_ARGS:-} --json "$out/block-variants.json" \
         > "$out/block-variants.txt" 2>&1; tail -20 "$out/block-variants.txt"
       patched_tests "$patch" "${BLOCK_TESTS_S:-240}" block-tests.txt -k "${BLOCK_TESTS:-block or c_launch or moe}" ;;

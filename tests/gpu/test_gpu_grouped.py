@@ -298,6 +298,7 @@ def test_the_fused_block_is_the_composition_of_its_steps(tokens, dtype):
         (3000, 16, 8, torch.int32, torch.float16, 512),  # 24000 copies: 24 sorting blocks
         (600, 256, 8, torch.int64, torch.bfloat16, 256),  # DeepSeek-V3's 256 experts: the sort's shared memory
         (257, 64, 6, torch.int16, torch.bfloat16, 2080),  # ids converted; combine's columns past a 2048 block
+        (1001, 16, 7, torch.int64, torch.bfloat16, 1024),  # 7007 copies: the wide gathered quantizer, a padded row
     ],
 )
 def test_the_routed_blocks_c_launch_is_its_launches_one_by_one(tokens, experts, k, ids_dtype, dtype, hidden):

@@ -514,10 +514,16 @@ int moe_experts(const void* X, const void* ids, int ids_64, const void* weights,
   cudaError_t err = ids_64 ? moe::sort_by_expert((const long long*)ids, m.rows, E, (int*)(ws + m.counts), offsets, src, st)
                            : moe::sort_by_expert((const int*)ids, m.rows, E, (int*)(ws + m.counts), offsets, src, st);
   if (err != cudaSuccess) return (int)err;
-  moe::gather_quant_kernel<T><<<dim3(sp / 4, kp1 / BK), 128, 0, st>>>((const T*)X, H, (int)T_, H, src, k, rows,
-                                                                     (uint32_t*)(ws + m.xq), (float*)(ws + m.xs), sp, kp1);
+  uint8_t* xq = ws + m.xq;
+  float* xs = (float*)(ws + m.xs);
+  if (sp / 4 * (kp1 / BK) >= QUANT_WIDE_FROM && kp1 % (4 * BK) == 0)  // launch_quant's choice of shape
+    moe::gather_quant_kernel<T, 16><<<dim3(sp / 4, kp1 / (4 * BK)), 128, 0, st>>>((const T*)X, H, (int)T_, H, src, k,
+                                                                               rows, xq, xs, sp, kp1);
+  else
+    moe::gather_quant_kernel<T, 4><<<dim3(sp / 4, kp1 / BK), 128, 0, st>>>((const T*)X, H, (int)T_, H, src, k, rows,
+                                                                          xq, xs, sp, kp1);
   if ((err = cudaGetLastError()) != cudaSuccess) return (int)err;
-  int e = grouped_gemm(W1, S1, s1_expert, s1_stride, ws + m.xq, ws + m.xs, sp, sp, offsets, nullptr, h, 2 * I, fp16,
+  int e = grouped_gemm(W1, S1, s1_expert, s1_stride, xq, xs, sp, sp, offsets, nullptr, h, 2 * I, fp16,
                        rows, E, 2 * I, H, c1[0], c1[1], c1[2], token_tile_slots(rows, E, c1[0]), c1[3], st);
   if (e) return e;
   err = launch_quant<T, true>(h, 2 * I, h + I, 2 * I, rows, I, ws + m.pq, ws + m.ps, sp, kp2, st);

@@ -129,21 +129,30 @@ cudaError_t sort_by_expert(const I* ids, long long copies, int E, int* counts, i
 }
 
 // Rows [Mp, Kp] e4m3 and scales [Kp / 128, Mp] of row i = token src[i] / topk of X [M, K] (row stride ldx), for
-// i < rows; zeros past them (quant_1x128_kernel's layout and rule): a warp per row and 128-wide K group
-template <typename T>
+// i < rows; zeros past them (quant_1x128_kernel's layout and rule), a warp per row, in the two shapes of the dense
+// quantizers: N = 4 elements a lane, a 128-wide K group a warp (quant_1x128_kernel's); N = 16, four consecutive K
+// groups a warp and 8 lanes a group (quant_1x128_wide_kernel's: two 16-byte loads where rows are 16-byte aligned, one
+// 16-byte store, 3 shuffle steps a group instead of 5; Kp % 512 == 0), for grids of several waves
+template <typename T, int N>
 __global__ void __launch_bounds__(128) gather_quant_kernel(const T* __restrict__ X, int ldx, int M, int K,
                                                            const int* __restrict__ src, int topk, int rows,
-                                                           uint32_t* __restrict__ Q, float* __restrict__ XS, int Mp,
+                                                           uint8_t* __restrict__ Q, float* __restrict__ XS, int Mp,
                                                            int Kp) {
+  constexpr int LANES = sm90::BK / N;  // lanes a group
   const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int col = blockIdx.y * sm90::BK + 4 * lane;
+  const int group = blockIdx.y * (32 / LANES) + lane / LANES;
+  const int col = group * sm90::BK + N * (lane % LANES);
   const int token = row < rows ? src[row] / topk : M;  // M: a row of zeros
-  float v[4];
-  load_values<T, 4>(X, ldx, token, col, M, K, v);
-  uint32_t bits[1];
-  const float scale = quant_values<4, 32>(v, bits);
-  Q[((size_t)row * Kp + col) / 4] = bits[0];
-  if (lane == 0) XS[(size_t)blockIdx.y * Mp + row] = scale;
+  float v[N];
+  load_values<T, N>(X, ldx, token, col, M, K, v);
+  uint32_t bits[N / 4];
+  const float scale = quant_values<N, LANES>(v, bits);
+  const size_t at = (size_t)row * Kp + col;
+  if constexpr (N == 4)
+    reinterpret_cast<uint32_t*>(Q)[at / 4] = bits[0];
+  else
+    reinterpret_cast<uint4*>(Q)[at / 16] = make_uint4(bits[0], bits[1], bits[2], bits[3]);
+  if (lane % LANES == 0) XS[(size_t)group * Mp + row] = scale;
 }
 
 // out[t] = round(sum_j round(y[t * k + j] * w[t, j])) for j = 0..k-1 in turn, in fp32 (each product rounded to T
