@@ -123,7 +123,7 @@ class Autotuner:
         return self._recorded(
             (op, backend.name, weight.op_meta, per_bucket, active, x_dtype),
             lambda: TuneKey.grouped(backend.name, weight, rows, x_dtype, op=op),
-            lambda: backend.grouped_tactics(per_bucket, weight),
+            lambda: backend.grouped_tactics(per_bucket, weight, active),
             backend.name,
         )
 
@@ -210,7 +210,7 @@ class Autotuner:
         per, active = grouped_buckets(rows, weight.experts)
         routings = tuning_routings(per, active, weight.experts, weight.device, topk=topk)
         x = torch.randn(int(routings[0][-1]), weight.in_features, device=weight.device).to(x_dtype)
-        tactics = backend.grouped_tactics(per, weight)
+        tactics = backend.grouped_tactics(per, weight, active)
 
         def calls(tactic: Any) -> list:
             return [backend.run_grouped(x, weight, offsets, tactic) for offsets in routings]
@@ -241,7 +241,7 @@ class Autotuner:
         second = self.grouped_choice(backend, down, timed * topk, x_dtype)[0]
         routings = tuning_top_k(timed, topk, gate_up.experts, gate_up.device, x_dtype)
         x = torch.randn(timed, gate_up.in_features, device=gate_up.device).to(x_dtype)
-        tactics = backend.grouped_tactics(per, gate_up)
+        tactics = backend.grouped_tactics(per, gate_up, active)
 
         def calls(tactic: Any) -> list:
             return [backend.run_experts(x, ids, w, gate_up, down, (tactic, second)) for ids, w in routings]

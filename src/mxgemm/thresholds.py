@@ -50,6 +50,10 @@ class Thresholds:
     # ... with 64-row tiles, its persistent grid (CTAs taking tiles in turn) up to this K, a CTA per tile above (the
     # same section: the persistent grid against a CTA per tile); 128-row tiles on the persistent grid at any K
     grouped_persistent_max_k: int
+    # the GEMV (kernels/grouped/gemv.py) where a call's rows are at most 2 or the experts over this, so that each
+    # active expert has about one row, as at one token ("Mixtures of experts": the GEMV against the grouped kernels,
+    # gemv-decode-stages1-h100.txt, and the tuner's choices, tune-moe-h100-m1-4-16-64.txt)
+    grouped_gemv_experts_per_row: int
 
 
 SM90 = Thresholds(
@@ -66,6 +70,7 @@ SM90 = Thresholds(
     grouped_wgmma_from=8,
     grouped_wgmma_deep_k=4096,
     grouped_persistent_max_k=2048,
+    grouped_gemv_experts_per_row=8,
 )
 
 _TABLES: dict[int, Thresholds] = {90: SM90}

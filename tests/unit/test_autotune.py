@@ -501,7 +501,7 @@ class FakeGroupedTunable(FakeTunable):
     name = "fake_grouped_tunable"
     COSTS: ClassVar[dict] = {"default": 10.0, "fast": 6.0, "broken": None}
 
-    def grouped_tactics(self, per_expert, weight):
+    def grouped_tactics(self, per_expert, weight, active=None):
         return [{"name": n} for n in self.COSTS]
 
     def run_grouped(self, x, weight, offsets, tactic=None):

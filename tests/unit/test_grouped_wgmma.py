@@ -83,25 +83,44 @@ def test_configs_and_one_line_refusals():
 
 
 def test_which_kernel_a_grouped_call_takes(monkeypatch):
-    """On SM90 with the library built: the wgmma kernel from grouped_wgmma_from rows per expert of an even routing
-    (at any rows from K = grouped_wgmma_deep_k), 64-row tiles below 128 rows per expert, on its persistent grid up to
-    K = grouped_persistent_max_k, and 128-row ones on its persistent grid from there; the Triton kernel below that, on
-    other GPUs, on a CPU, and where the library does not build. The tactics offered start with that default; the wgmma
-    kernel's only where it runs."""
+    """The GEMV where a call has at most 2 rows or one for grouped_gemv_experts_per_row experts, on any device and at
+    any K (one token of a top-k routing); else on SM90 with the library built: the wgmma kernel from grouped_wgmma_from
+    rows per expert of an even routing (at any rows from K = grouped_wgmma_deep_k), 64-row tiles below 128 rows per
+    expert, on its persistent grid up to K = grouped_persistent_max_k, and 128-row ones on its persistent grid from
+    there; the Triton kernel below that, on other GPUs, on a CPU, and where the library does not build. The tactics
+    offered start with that default; the wgmma kernel's only where it runs. The routed block's down takes the GEMV
+    where gate/up's default does."""
     from types import SimpleNamespace
 
     from mxgemm import thresholds
     from mxgemm.backends import get_backend, triton_w8a16
-    from mxgemm.backends.triton_w8a16 import Path, _default_grouped
+    from mxgemm.backends.triton_w8a16 import Path, _default_grouped, _experts_tactics
     from mxgemm.thresholds import SM90
 
     WGMMA_FROM, WGMMA_DEEP_K = SM90.grouped_wgmma_from, SM90.grouped_wgmma_deep_k
     PERSISTENT_MAX_K = SM90.grouped_persistent_max_k
     from mxgemm.kernels.grouped.fp8 import GroupedConfig
+    from mxgemm.kernels.grouped.gemv import GemvConfig
     from mxgemm.kernels.grouped.wgmma import Availability
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert _default_grouped(4096, cpu, 2048) == triton_w8a16.Tactic(Path.GROUPED, GroupedConfig(256, 64, 8, 3, True))
+
+    def per8(per_expert, device, k):  # per_expert rows on each of 8 experts
+        return _default_grouped(8 * per_expert, 8, device, k)
+
+    gemv, triton = (triton_w8a16.Tactic(Path.GROUPED, c) for c in (GemvConfig(16, 4), GroupedConfig(128, 16)))
+    every = SM90.grouped_gemv_experts_per_row
+    assert _default_grouped(2, 8, cpu, 2048) == gemv and _default_grouped(3, 8, cpu, 2048) == triton
+    assert _default_grouped(128 // every, 128, cpu, 768) == gemv  # one token of Qwen3-30B-A3B's top 8 of 128
+    assert _default_grouped(128 // every + 1, 128, cpu, 768) == triton
+    qwen3 = SimpleNamespace(experts=128, device=cpu, in_features=2048)
+    assert _experts_tactics(8, qwen3, (None, None)) == (gemv, gemv)
+    assert _experts_tactics(64, qwen3, (None, None)) == (triton, None)
+    tuned = triton_w8a16.Tactic(Path.GROUPED, GroupedConfig(64, 16))
+    assert _experts_tactics(8, qwen3, (tuned, None)) == (tuned, gemv)
+    assert get_backend("triton").grouped_tactics(1, qwen3, active=8)[0] == gemv
+    assert get_backend("triton").grouped_tactics(1, qwen3)[0] == triton  # one row on each of 128
+    assert per8(4096, cpu, 2048) == triton_w8a16.Tactic(Path.GROUPED, GroupedConfig(256, 64, 8, 3, True))
     assert not wgmma.wgmma_status((8, 9)) and "SM90" in wgmma.wgmma_status((8, 9)).reason
     weight = SimpleNamespace(experts=8, device=cpu, in_features=2048)
     assert {t.path for t in get_backend("triton").grouped_tactics(256, weight)} == {Path.GROUPED}
@@ -110,23 +129,24 @@ def test_which_kernel_a_grouped_call_takes(monkeypatch):
     monkeypatch.setattr(triton_w8a16.torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setattr(thresholds, "_sm", functools.cache(thresholds._sm.__wrapped__))  # this test's answers only
     monkeypatch.setattr(wgmma, "wgmma_status", lambda cap: built[0])
-    assert _default_grouped(WGMMA_FROM - 1, gpu, 2048).path == Path.GROUPED
-    assert _default_grouped(WGMMA_FROM, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4, persistent=True)
-    assert _default_grouped(127, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4, persistent=True)
-    assert _default_grouped(128, gpu, PERSISTENT_MAX_K).config == WgmmaConfig(128, 128, 4, persistent=True)
-    assert _default_grouped(128, gpu, PERSISTENT_MAX_K + 128).config == WgmmaConfig(128, 128, 4, persistent=True)
-    assert _default_grouped(127, gpu, PERSISTENT_MAX_K + 128).config == WgmmaConfig(tn=64, wn=128, stages=4)
-    assert _default_grouped(1, gpu, WGMMA_DEEP_K).config == WgmmaConfig(tn=64, wn=128, stages=4)
-    assert _default_grouped(1, gpu, WGMMA_DEEP_K - 128).path == Path.GROUPED
-    assert _default_grouped(1, cpu, WGMMA_DEEP_K).path == Path.GROUPED
+    assert per8(WGMMA_FROM - 1, gpu, 2048).path == Path.GROUPED
+    assert per8(WGMMA_FROM, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4, persistent=True)
+    assert per8(127, gpu, 2048).config == WgmmaConfig(tn=64, wn=128, stages=4, persistent=True)
+    assert per8(128, gpu, PERSISTENT_MAX_K).config == WgmmaConfig(128, 128, 4, persistent=True)
+    assert per8(128, gpu, PERSISTENT_MAX_K + 128).config == WgmmaConfig(128, 128, 4, persistent=True)
+    assert per8(127, gpu, PERSISTENT_MAX_K + 128).config == WgmmaConfig(tn=64, wn=128, stages=4)
+    assert per8(1, gpu, WGMMA_DEEP_K).config == WgmmaConfig(tn=64, wn=128, stages=4)
+    assert per8(1, gpu, WGMMA_DEEP_K - 128).path == Path.GROUPED
+    assert per8(1, cpu, WGMMA_DEEP_K).path == Path.GROUPED
     tactics = get_backend("triton").grouped_tactics(128, SimpleNamespace(experts=8, device=gpu, in_features=2048))
-    assert tactics[0] == _default_grouped(128, gpu, 2048) and len(set(tactics)) == len(tactics)
+    assert tactics[0] == per8(128, gpu, 2048) and len(set(tactics)) == len(tactics)
     assert sum(t.path == Path.WGMMA for t in tactics) == 16 and sum(t.path == Path.GROUPED for t in tactics) == 3
     assert sum(t.path == Path.WGMMA and t.config.persistent for t in tactics) == 8
+    assert _default_grouped(2, 8, gpu, WGMMA_DEEP_K) == gemv  # Mixtral's one token: at any K
     capability[0] = (10, 0)
-    assert _default_grouped(128, gpu, 2048).path == Path.GROUPED
+    assert per8(128, gpu, 2048).path == Path.GROUPED
     capability[0], built[0] = (9, 0), Availability(False, "nvcc was not found")
-    assert _default_grouped(128, gpu, 2048).path == Path.GROUPED
+    assert per8(128, gpu, 2048).path == Path.GROUPED
 
 
 def _moe_workspace(t: int, k: int, e: int, h: int, i: int, elem: int) -> int:

@@ -15,6 +15,7 @@ def test_every_device_finds_a_table_and_sm90_holds_the_measured_values():
     assert thresholds.for_device(torch.device("cpu")) is sm90  # the interpreter's runs
     assert (sm90.dequant_min_m, sm90.shared_input_max_rows, sm90.joined_max_rows) == (256, 1024, 4096)
     assert (sm90.grouped_wgmma_from, sm90.grouped_wgmma_deep_k, sm90.grouped_persistent_max_k) == (8, 4096, 2048)
+    assert sm90.grouped_gemv_experts_per_row == 8
     assert "H200" in sm90.measured_on and "H100" in sm90.measured_on
     with pytest.raises(dataclasses.FrozenInstanceError):
         sm90.dequant_min_m = 1

@@ -106,9 +106,10 @@ class GroupedWeights(ABC):
         """Turn checkpoint tensors (float8 ``[E, N, K]``, uint8 E8M0 ``[E, N, K/32]``) into this backend's prepared
         grouped weight, once."""
 
-    def grouped_tactics(self, per_expert: int, weight: PreparedGroupedWeight) -> list[Any]:
-        """Tactics the autotuner may try for ``per_expert`` rows an expert (a bucket of an even routing); the first
-        is the default :meth:`run_grouped` takes for them and always valid. This default: that one alone."""
+    def grouped_tactics(self, per_expert: int, weight: PreparedGroupedWeight, active: int | None = None) -> list[Any]:
+        """Tactics the autotuner may try for ``per_expert`` rows on each of ``active`` experts (None: all; the buckets
+        of an even routing); the first is the default :meth:`run_grouped` takes for them and always valid. This
+        default: that one alone."""
         return [None]
 
     @abstractmethod

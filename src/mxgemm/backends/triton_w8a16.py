@@ -2,11 +2,12 @@
 activations) the weight is dequantized chunk by chunk into a transient bf16 buffer for cuBLAS instead (same numerics:
 ``kernels/dequant.py``).
 
-Grouped weights of a mixture of experts (FP8 tensor cores, compute capability 8.9 and up): ``w8a8-block``, each
-expert re-encoded to 128x128 blocks once, its rows quantized per 1x128 inside the grouped GEMM
-(``kernels/grouped/fp8.py``); on SM90, from ``grouped_wgmma_from`` rows per expert of an even routing (at any rows
-from K = ``grouped_wgmma_deep_k``; :mod:`mxgemm.thresholds`), the rows quantized apart and multiplied by the TMA/wgmma
-kernel (``kernels/grouped/wgmma.py``) where nvcc builds it, the same recipe."""
+Grouped weights of a mixture of experts (FP8 tensor cores, compute capability 8.9 and up): ``w8a8-block``, each expert
+re-encoded to 128x128 blocks once, its rows quantized per 1x128 inside the grouped GEMM (``kernels/grouped/fp8.py``), or
+inside the GEMV on CUDA cores (``kernels/grouped/gemv.py``) where a call has about one row an active expert (at most 2
+rows, or one for ``grouped_gemv_experts_per_row`` experts); on SM90, from ``grouped_wgmma_from`` rows per expert of an
+even routing (at any rows from K = ``grouped_wgmma_deep_k``; :mod:`mxgemm.thresholds`), the rows quantized apart and
+multiplied by the TMA/wgmma kernel (``kernels/grouped/wgmma.py``) where nvcc builds it, the same recipe."""
 
 from __future__ import annotations
 
@@ -137,8 +138,9 @@ class TritonBackend(Backend, GroupedWeights):
                 False, f"grouped weights need FP8 tensor cores (compute capability >= 8.9); {device} is below that"
             )
         t = thresholds.for_sm(device.sm)
+        gemv = f"; the GEMV where a call has at most 2 rows or one for {t.grouped_gemv_experts_per_row} experts"
         wgmma = f"; from {t.grouped_wgmma_from} rows per expert (any from K = {t.grouped_wgmma_deep_k}) the wgmma one"
-        return Availability(True, f"grouped FP8 Triton kernel on {device}" + (wgmma if device.sm == 90 else ""))
+        return Availability(True, f"grouped FP8 Triton kernel on {device}{gemv}" + (wgmma if device.sm == 90 else ""))
 
     def prepare_grouped(self, qdata: torch.Tensor, scale: torch.Tensor, recipe: str) -> PreparedGroupedWeight:
         """Each expert re-encoded to 128x128 blocks, unpadded; refused as a dense weight is by ``hybrid_sm90``
@@ -147,17 +149,20 @@ class TritonBackend(Backend, GroupedWeights):
         tensors, info = check_reencoding(qdata, lambda: prepare_grouped_block128(qdata, scale))
         return PreparedGroupedWeight(self.name, recipe, n, k, tensors, info, experts=e)
 
-    def grouped_tactics(self, per_expert: int, weight: PreparedGroupedWeight) -> list[Tactic]:
-        """The default for ``per_expert`` rows an expert, then the Triton kernel's configs of that regime (in-kernel
-        quantization below 64 rows an expert, rows quantized apart from there; up to 2 rows an expert, the GEMV's
-        too) and, on SM90 where it builds, the wgmma kernel's tiles and ring depths. The same recipe, each within the
-        tensor cores' rounding of the twin; the bits may differ between them in the last place (narrower Triton tiles
-        in the routed block, the GEMV's fp32 sums on CUDA cores)."""
+    def grouped_tactics(
+        self, per_expert: int, weight: PreparedGroupedWeight, active: int | None = None
+    ) -> list[Tactic]:
+        """The default for ``per_expert`` rows on each of ``active`` experts (None: all), then the Triton kernel's
+        configs of that regime (in-kernel quantization below 64 rows an expert, rows quantized apart from there; up to 2
+        rows an expert, the GEMV's too) and, on SM90 where it builds, the wgmma kernel's tiles and ring depths. The same
+        recipe, each within the tensor cores' rounding of the twin; the bits may differ between them in the last place
+        (narrower Triton tiles in the routed block, the GEMV's fp32 sums on CUDA cores)."""
         from ..kernels.grouped.fp8 import GroupedConfig as C
         from ..kernels.grouped.gemv import GemvConfig as G
         from ..kernels.grouped.wgmma import WgmmaConfig
 
-        out = [_default_grouped(per_expert, weight.device, weight.in_features)]
+        rows = per_expert * (active or weight.experts)
+        out = [_default_grouped(rows, weight.experts, weight.device, weight.in_features)]
         if per_expert < 64:
             configs = [C(128, 16), C(64, 16), C(64, 16, 8, 3), C(64, 32), C(128, 32), C(32, 16), C(32, 16, 4, 4)]
             configs += [C(16, 16)]  # narrow: more programs where a few experts are active
@@ -181,7 +186,7 @@ class TritonBackend(Backend, GroupedWeights):
 
         t = weight.tensors
         qd, bs, n = t["qdata"].view(torch.uint8), t["block_scale"], weight.out_features
-        tactic = tactic or _default_grouped(-(-x.shape[0] // weight.experts), x.device, weight.in_features)
+        tactic = tactic or _default_grouped(x.shape[0], weight.experts, x.device, weight.in_features)
         if tactic.path == Path.WGMMA:
             from ..kernels.grouped.quant import quantize_rows
             from ..kernels.grouped.wgmma import grouped_wgmma
@@ -246,22 +251,37 @@ def _wgmma_runs(device: torch.device) -> bool:
 
 def _experts_tactics(rows: int, gate_up: PreparedGroupedWeight, tactics: tuple) -> tuple[Tactic, Tactic | None]:
     """The routed block's two tactics for ``rows`` token copies from the caller's (None: the default): gate/up's; down's
-    where it is of gate/up's kernel, else (wgmma) that kernel's default or gate/up's config, else (Triton) None, the
-    Triton kernel's default."""
-    default = _default_grouped(-(-rows // gate_up.experts), gate_up.device, gate_up.in_features)
+    where it is of gate/up's kernel, else (wgmma) that kernel's default or gate/up's config, else (Triton) the GEMV
+    where it is the default at these rows, or None, the Triton kernel's default."""
+    default = _default_grouped(rows, gate_up.experts, gate_up.device, gate_up.in_features)
     first = tactics[0] or default
     second = tactics[1] if tactics[1] is not None and tactics[1].path == first.path else None
     if first.path == Path.WGMMA:
         second = second or (default if default.path == Path.WGMMA else first)
-    return first, second
+    return first, second or _default_gemv(rows, gate_up.experts, gate_up.device)
 
 
-def _default_grouped(per_expert: int, device: torch.device, k: int) -> Tactic:
-    """The grouped kernel and config for ``per_expert`` rows an expert (of an even routing) of ``k`` columns: on SM90
-    from the device's ``grouped_wgmma_from`` rows, or at any rows from K = ``grouped_wgmma_deep_k``, the wgmma kernel
-    where it builds (64-row tiles below 128 rows an expert, on its persistent grid up to K =
-    ``grouped_persistent_max_k``; 128-row tiles from there, on its persistent grid); else the Triton kernel's
-    default."""
+def _default_gemv(rows: int, experts: int, device: torch.device) -> Tactic | None:
+    """The GEMV (16 weight rows a program, 4 blocks a step) where ``rows`` rows over ``experts`` experts are at most 2
+    or ``experts / grouped_gemv_experts_per_row``: about one row an active expert, each reading its expert's weight
+    rows once; else None."""
+    if rows > max(2, experts // thresholds.for_device(device).grouped_gemv_experts_per_row):
+        return None
+    from ..kernels.grouped.gemv import GemvConfig
+
+    return Tactic(Path.GROUPED, GemvConfig(16, 4))
+
+
+def _default_grouped(rows: int, experts: int, device: torch.device, k: int) -> Tactic:
+    """The grouped kernel and config for ``rows`` rows over ``experts`` experts (an even routing) of ``k`` columns: the
+    GEMV where :func:`_default_gemv` takes it; else, with ``per_expert`` rows an expert, on SM90 from the device's
+    ``grouped_wgmma_from`` rows, or at any rows from K = ``grouped_wgmma_deep_k``, the wgmma kernel where it builds
+    (64-row tiles below 128 rows an expert, on its persistent grid up to K = ``grouped_persistent_max_k``; 128-row tiles
+    from there, on its persistent grid); else the Triton kernel's default."""
+    gemv = _default_gemv(rows, experts, device)
+    if gemv is not None:
+        return gemv
+    per_expert = -(-rows // max(experts, 1))
     t = thresholds.for_device(device)
     if (per_expert >= t.grouped_wgmma_from or k >= t.grouped_wgmma_deep_k) and _wgmma_runs(device):
         from ..kernels.grouped.wgmma import WgmmaConfig
