@@ -68,6 +68,7 @@ CONFIGS = [
     GemvConfig(bn, kb, w, st)
     for bn, kb, w, st in ((16, 1, 2, 1), (32, 2, 4, 3), (64, 4, 4, 1), (128, 2, 8, 2), (16, 16, 4, 1), (32, 8, 8, 1))
 ]
+CONFIGS.append(GemvConfig(16, 4))  # the default at one row an active expert (triton_w8a16._default_gemv)
 
 
 @pytest.mark.parametrize("n,k", [(130, 160), (1536, 2048), (2048, 768)])
