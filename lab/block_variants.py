@@ -23,21 +23,8 @@ import mxgemm
 from mxgemm import autotune
 from mxgemm.backends import get_backend
 from mxgemm.bench_moe import MOE_MODELS, random_experts, top_k_routing
-from mxgemm.kernels import nvcc
 from mxgemm.kernels.grouped import wgmma
 from mxgemm.timing import time_cuda
-
-HEADERS = Path(wgmma.__file__).parents[1] / "csrc"
-
-
-def load(folder: Path):
-    """The folder's library with the package's argument types."""
-    lib = nvcc.build(
-        folder / "grouped_fp8.cu", (9, 0), suffix="a", symbols=("mxgemm_moe_experts",), include_dirs=(HEADERS,)
-    )
-    lib.mxgemm_moe_experts.argtypes, lib.mxgemm_moe_experts.restype = wgmma._MOE_ARGS, wgmma._I
-    lib.mxgemm_moe_workspace.argtypes, lib.mxgemm_moe_workspace.restype = [wgmma._L, *[wgmma._I] * 5], wgmma._L
-    return lib
 
 
 def run(lib, plan, x, ids, w, gate_up, down):
@@ -57,7 +44,8 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 256, 2048, 4096])
     parser.add_argument("--json")
     args = parser.parse_args()
-    libs = {name: load(Path(folder)) for name, folder in (spec.split("=", 1) for spec in args.variants)}
+    folders = dict(spec.split("=", 1) for spec in args.variants)
+    libs = {name: wgmma.build(Path(folder) / "grouped_fp8.cu", (9, 0)) for name, folder in folders.items()}
     cuda, triton = torch.device("cuda"), get_backend("triton")
     out = []
     print(f"{'model':14s} {'tokens':>6s} " + " ".join(f"{v:>9s}" for v in libs) + "  same bits", flush=True)

@@ -37,8 +37,14 @@ _MOE_ARGS = [_P, _P, _I, _P, _P, _P, _L, _I, _P, _P, _L, _I, _P, _P, _L, *[_I] *
 @functools.cache
 def library(capability: tuple[int, int]) -> ctypes.CDLL:
     """Build (once, cached on disk) and load the kernel for sm_90a. Raises RuntimeError when it cannot be built."""
+    return build(_SOURCE, capability)
+
+
+def build(source: Path, capability: tuple[int, int]) -> ctypes.CDLL:
+    """``source`` (the package's ``grouped_fp8.cu`` or a copy of it) built for sm_90a with the package's headers
+    (cached on disk) and loaded, its entry points typed. Raises RuntimeError when it cannot be built."""
     symbols = ("mxgemm_grouped_fp8", "mxgemm_moe_experts", "mxgemm_moe_workspace", "mxgemm_token_tile_slots")
-    lib = nvcc.build(_SOURCE, capability, suffix="a", symbols=symbols, include_dirs=(_HEADERS,))
+    lib = nvcc.build(source, capability, suffix="a", symbols=symbols, include_dirs=(_HEADERS,))
     lib.mxgemm_grouped_fp8.argtypes, lib.mxgemm_grouped_fp8.restype = _ARGS, _I
     lib.mxgemm_moe_experts.argtypes, lib.mxgemm_moe_experts.restype = _MOE_ARGS, _I
     lib.mxgemm_moe_workspace.argtypes, lib.mxgemm_moe_workspace.restype = [_L, _I, _I, _I, _I, _I], _L
