@@ -252,7 +252,7 @@ def _quantize(args: argparse.Namespace, console: Console) -> int:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     console.print(escape(str(report)))
-    console.print(escape(f"wrote {args.scheme} compressed-tensors checkpoint to {out}"))
+    console.print(escape(f"wrote {args.scheme} compressed-tensors checkpoint to {args.out_dir}"))
     return 0
 
 
