@@ -47,6 +47,8 @@
 #           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
 #   grad-modes  lab/grad_modes.py (GRAD_ARGS, default --layers 16): eager generate under no_grad against under
 #           inference_mode, where the q/k/v groups run apart, bf16 and mxgemm
+#   dense-variants  lab/dense_variants.py: the dense FP8 kernel's tokens-as-M configs from the tree's sources beside
+#           DENSE_PATCHES' (lab/patches), timed and compared bit for bit; then the FP8 kernel's GPU tests patched
 #   block-variants  lab/block_variants.py: the routed block's one C call built from the tree's grouped sources
 #           beside BLOCK_PATCHES' (lab/patches), timed and compared bit for bit (BLOCK_ARGS); then the routed
 #           block's GPU tests with the last patch applied
@@ -91,11 +93,11 @@ patched_specs() {  # patched_specs PREFIX NAME ...: `specs`, the tree's grouped 
     specs="$specs ${name#"$prefix"}=$dir"
   done
 }
-patched_tests() {  # patched_tests PATCH LIMIT FILE [PYTEST ARGS]: tests/gpu/test_gpu_grouped.py with PATCH applied to
-  # this copy of the tree (undone after), its last lines into $out/FILE
+patched_tests() {  # patched_tests PATCH LIMIT FILE [PYTEST ARGS]: TESTS (default tests/gpu/test_gpu_grouped.py) with
+  # PATCH applied to this copy of the tree (undone after), its last lines into $out/FILE
   local patch=$1 limit=$2 file=$3; shift 3
   [ -n "$patch" ] && git apply "$patch" || return 0
-  timeout "$limit" python3 -m pytest tests/gpu/test_gpu_grouped.py -q -p no:warnings -x "$@" > "$out/$file" 2>&1
+  timeout "$limit" python3 -m pytest ${TESTS:-tests/gpu/test_gpu_grouped.py} -q -p no:warnings -x "$@" > "$out/$file" 2>&1
   tail -3 "$out/$file"; git apply -R "$patch"
 }
 bench() {  # bench NAME TIMEOUT SET [SET ...]: NAME.{json,md,png} under $out
@@ -354,6 +356,15 @@ PY
       done
       grep -E "^===|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|Shared Memory|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Issue Slots Busy|Achieved Occupancy" \
         "$out/grouped-ncu.txt" | cut -c1-140 ;;
+    dense-variants)  # lab/dense_variants.py: the dense FP8 kernel's tokens-as-M configs from the tree's sources beside
+      # each of DENSE_PATCHES' (names of lab/patches; tokm-overlap: two block accumulators, the next block's wgmma
+      # issued before the last is promoted) at M = 64-512 (DENSE_ARGS); then the last patch applied to this copy of
+      # the tree and the FP8 kernel's GPU tests
+      patched_specs dense- ${DENSE_PATCHES:?DENSE_PATCHES names the lab/patches to time}
+      ( cd lab && timeout "${DENSE_S:-300}" python3 dense_variants.py $(for s in $specs; do d=${s#*=}; \
+          case $d in /*) ;; *) d=../$d ;; esac; echo "${s%%=*}=${d%/grouped/csrc}/csrc"; done) ${DENSE_ARGS:-} \
+          --json "$out/dense-variants.json" ) > "$out/dense-variants.txt" 2>&1; tail -24 "$out/dense-variants.txt"
+      TESTS=tests/gpu/test_gpu_fp8_gemm.py patched_tests "$patch" "${DENSE_TESTS_S:-240}" dense-tests.txt ;;
     block-variants)  # lab/block_variants.py: the routed block's one C call from the tree's grouped sources beside each
       # of BLOCK_PATCHES' (names of lab/patches, none by default) with BLOCK_ARGS (e.g. --tokens 16 4096); then the last
       # patch applied to this copy of the tree and the routed block's GPU tests (BLOCK_TESTS: pytest's -k)
