@@ -67,6 +67,8 @@
 #   eager-gap  lab/moe_eager_gap.py (GAP_ARGS, default --layers 24): the MoE model's eager one-token decode, bf16 vs
 #           mxgemm, under inference_mode and no_grad: layer 0's parts back to back, generate's ms and kernels a token,
 #           each part's host ms inside generate
+#   gemv-default  mxgemm bench --moe at 1 and 4 tokens with the shipped tuning file, with its grouped entries left out
+#           (the defaults, the GEMV among them) and with the GEMV default off as well
 #   gemv    lab/gemv_decode.py: the grouped GEMV on CUDA cores beside the grouped kernel and the read floor at 1 and 4
 #           tokens, plain and block forms (GEMV_ARGS, e.g. --stages 1); then the grouped GPU tests that run it
 #   bench-8b / bench-more / bench-all  benchmark sets (llama3-8b / llama3-70b and hidden-7168 / all three in one
@@ -238,6 +240,40 @@ for stage in "$@"; do
     eager-gap)
       timeout "${GAP_S:-400}" python3 lab/moe_eager_gap.py ${GAP_ARGS:---layers 24} --json "$out/eager-gap.json" \
         > "$out/eager-gap.txt" 2>&1; tail -22 "$out/eager-gap.txt" ;;
+    gemv-default)  # mxgemm bench --moe at 1 and 4 tokens (GEMV_DEFAULT_ARGS), bf16 beside, three ways: the shipped
+      # tuning file; no grouped entries in it (the defaults: the GEMV at about one row an active expert); no grouped
+      # entries and the GEMV default off (the default before it); a table of the three last
+      args="--moe --m 1 4 --baselines bf16 ${GEMV_DEFAULT_ARGS:-}"
+      timeout 150 python3 -m mxgemm bench $args --json "$out/gemv-default-tuned.json" \
+        > "$out/gemv-default-tuned.txt" 2>&1
+      mkdir -p /tmp/tuned-full && cp src/mxgemm/tuned/*.json /tmp/tuned-full/
+      python3 - <<'PY'
+import glob, json
+for f in glob.glob("src/mxgemm/tuned/*.json"):
+    d = json.load(open(f))
+    d["entries"] = {k: v for k, v in d["entries"].items() if not k.startswith(("grouped|", "experts|"))}
+    open(f, "w").write(json.dumps(d, indent=1, sort_keys=True) + "\n")
+PY
+      timeout 150 python3 -m mxgemm bench $args --json "$out/gemv-default-gemv.json" > "$out/gemv-default-gemv.txt" 2>&1
+      timeout 150 python3 - $args --json "$out/gemv-default-before.json" > "$out/gemv-default-before.txt" 2>&1 <<'PY'
+import sys
+from mxgemm import cli
+from mxgemm.backends import triton_w8a16
+triton_w8a16._default_gemv = lambda rows, experts, device: None  # the default as before the GEMV took it
+sys.exit(cli.main(["bench", *sys.argv[1:]]))
+PY
+      cp /tmp/tuned-full/*.json src/mxgemm/tuned/
+      python3 - "$out" <<'PY' | tee "$out/gemv-default.md"
+import json, sys
+runs = {w: json.load(open(f"{sys.argv[1]}/gemv-default-{w}.json"))["rows"] for w in ("tuned", "gemv", "before")}
+t = {w: {(r["model"], r["proj"], r["tokens"]): r["us"]["mxgemm"] for r in rows} for w, rows in runs.items()}
+print("| model | proj | tokens | tuned µs | GEMV default µs | default before µs | before / GEMV default |")
+print("|---|---|---|---|---|---|---|")
+for (model, proj, tokens), us in t["tuned"].items():
+    gemv, before = t["gemv"][model, proj, tokens], t["before"][model, proj, tokens]
+    print(f"| {model} | {proj} | {tokens} | {us:.1f} | {gemv:.1f} | {before:.1f} | {before / gemv:.2f} |")
+PY
+      ;;
     gemv)  # lab/gemv_decode.py: the GEMV beside the grouped kernel and the read floor; then the grouped GPU tests
       ( cd lab && timeout "${GEMV_S:-400}" python3 gemv_decode.py ${GEMV_ARGS:-} --json "$out/gemv-decode.json" ) \
         > "$out/gemv-decode.txt" 2>&1; tail -16 "$out/gemv-decode.txt"
