@@ -12,6 +12,7 @@ multiplied by the TMA/wgmma kernel (``kernels/grouped/wgmma.py``) where nvcc bui
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -253,34 +254,44 @@ def _experts_tactics(rows: int, gate_up: PreparedGroupedWeight, tactics: tuple) 
     """The routed block's two tactics for ``rows`` token copies from the caller's (None: the default): gate/up's; down's
     where it is of gate/up's kernel, else (wgmma) that kernel's default or gate/up's config, else (Triton) the GEMV
     where it is the default at these rows, or None, the Triton kernel's default."""
-    default = _default_grouped(rows, gate_up.experts, gate_up.device, gate_up.in_features)
+    gemv = _default_gemv(rows, gate_up.experts, gate_up.device)
+    default = gemv or _default_kernel(rows, gate_up.experts, gate_up.device, gate_up.in_features)
     first = tactics[0] or default
     second = tactics[1] if tactics[1] is not None and tactics[1].path == first.path else None
     if first.path == Path.WGMMA:
         second = second or (default if default.path == Path.WGMMA else first)
-    return first, second or _default_gemv(rows, gate_up.experts, gate_up.device)
+    return first, second or gemv
 
 
-def _default_gemv(rows: int, experts: int, device: torch.device) -> Tactic | None:
-    """The GEMV (16 weight rows a program, 4 blocks a step) where ``rows`` rows over ``experts`` experts are at most 2
-    or ``experts / grouped_gemv_experts_per_row``: about one row an active expert, each reading its expert's weight
-    rows once; else None."""
-    if rows > max(2, experts // thresholds.for_device(device).grouped_gemv_experts_per_row):
-        return None
+@functools.cache
+def _gemv_tactic() -> Tactic:
+    """The GEMV's default launch: 16 weight rows a program, 4 blocks a step."""
     from ..kernels.grouped.gemv import GemvConfig
 
     return Tactic(Path.GROUPED, GemvConfig(16, 4))
 
 
+def _default_gemv(rows: int, experts: int, device: torch.device) -> Tactic | None:
+    """The GEMV (:func:`_gemv_tactic`) where ``rows`` rows over ``experts`` experts are at most 2 or ``experts /
+    grouped_gemv_experts_per_row``: about one row an active expert, each reading its expert's weight rows once; else
+    None."""
+    if rows > max(2, experts // thresholds.for_device(device).grouped_gemv_experts_per_row):
+        return None
+    return _gemv_tactic()
+
+
 def _default_grouped(rows: int, experts: int, device: torch.device, k: int) -> Tactic:
     """The grouped kernel and config for ``rows`` rows over ``experts`` experts (an even routing) of ``k`` columns: the
-    GEMV where :func:`_default_gemv` takes it; else, with ``per_expert`` rows an expert, on SM90 from the device's
-    ``grouped_wgmma_from`` rows, or at any rows from K = ``grouped_wgmma_deep_k``, the wgmma kernel where it builds
-    (64-row tiles below 128 rows an expert, on its persistent grid up to K = ``grouped_persistent_max_k``; 128-row tiles
-    from there, on its persistent grid); else the Triton kernel's default."""
-    gemv = _default_gemv(rows, experts, device)
-    if gemv is not None:
-        return gemv
+    GEMV where :func:`_default_gemv` takes it, else :func:`_default_kernel`."""
+    return _default_gemv(rows, experts, device) or _default_kernel(rows, experts, device, k)
+
+
+def _default_kernel(rows: int, experts: int, device: torch.device, k: int) -> Tactic:
+    """The grouped kernel for ``rows`` rows over ``experts`` experts of ``k`` columns, the GEMV aside: with
+    ``per_expert`` rows an expert, on SM90 from the device's ``grouped_wgmma_from`` rows, or at any rows from K =
+    ``grouped_wgmma_deep_k``, the wgmma kernel where it builds (64-row tiles below 128 rows an expert, on its persistent
+    grid up to K = ``grouped_persistent_max_k``; 128-row tiles from there, on its persistent grid); else the Triton
+    kernel's default."""
     per_expert = -(-rows // max(experts, 1))
     t = thresholds.for_device(device)
     if (per_expert >= t.grouped_wgmma_from or k >= t.grouped_wgmma_deep_k) and _wgmma_runs(device):
