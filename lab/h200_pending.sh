@@ -45,6 +45,7 @@
 #   moe-gate / moe-bench / moe-tune / moe-e2e / moe-graphs  the experts: their GPU tests, mxgemm bench --moe (DeepGEMM
 #           beside where .anchors/deepgemm was carried), mxgemm tune --moe merged into the shipped tuning file, the
 #           MoE e2e (48 layers where they fit), eager decode with MXFP8Experts' graphs against without
+#   reship  the tuning file that moe-tune merged on this warm machine (kept in /tmp) back into this call's tree
 #   grad-modes  lab/grad_modes.py (GRAD_ARGS, default --layers 16): eager generate under no_grad against under
 #           inference_mode, where the q/k/v groups run apart, bf16 and mxgemm
 #   dense-variants  lab/dense_variants.py: the dense FP8 kernel's tokens-as-M configs from the tree's sources beside
@@ -230,7 +231,7 @@ for stage in "$@"; do
     moe-gate)  # the GPU tests of the grouped kernels, the routed block and MXFP8Experts' eager graphs; whether the
       # shipped tuning file is used (its record this Python's kernels' digest)
       python3 -m mxgemm info 2>&1 | grep -i "tuning" | cut -c1-200
-      timeout 300 python3 -m pytest tests -q -p no:warnings -m gpu --tb=short -k "grouped or moe or wgmma or routing" \
+      timeout "${MOE_GATE_S:-300}" python3 -m pytest tests -q -p no:warnings -m gpu --tb=short -k "grouped or moe or wgmma or routing" \
         > "$out/moe-gate.txt" 2>&1; tail -3 "$out/moe-gate.txt" ;;
     moe-bench)  # mxgemm bench --moe; DeepGEMM's columns where the anchors' copy was carried to .anchors/deepgemm
       ( dg="$PWD/.anchors/deepgemm/DeepGEMM"; cd "$out" && PYTHONPATH="$PYTHONPATH:$dg" \
@@ -305,7 +306,10 @@ old["entries"].update(new["entries"])
 shipped.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
 print(f"{shipped}: {len(new['entries'])} grouped entries merged, {len(old['entries'])} in all")
 PY
-      cp src/mxgemm/tuned/tuning-*.json "$out/" ; tail -3 "$out/tune-moe.txt" ;;
+      cp src/mxgemm/tuned/tuning-*.json "$out/"; mkdir -p /tmp/tuned-merged; cp src/mxgemm/tuned/tuning-*.json /tmp/tuned-merged/
+      tail -3 "$out/tune-moe.txt" ;;
+    reship)  # a later call on the same warm machine: the tuning file that moe-tune merged replaces this copy's
+      for f in /tmp/tuned-merged/tuning-*.json; do [ -e "$f" ] && cp "$f" src/mxgemm/tuned/ && echo "reshipped $f"; done ;;
     moe-e2e)  # the Qwen3-30B-A3B-shaped model through generate: 48 layers where 2 x 61 GB fit, else 24;
       # MOE_E2E_MODES (default "eager graphs"): one mode a call where both do not fit one call's time (the JSON is
       # written after each row, the file named by the mode)
