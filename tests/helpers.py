@@ -150,7 +150,7 @@ def guards_tag_safe(code) -> dict[str, bool]:
     return safe
 
 
-def tiny_qwen3_moe(layers: int = 2, *, hidden: int = 64, width: int = 32, experts: int = 4):
+def tiny_qwen3_moe(layers: int = 2, *, hidden: int = 64, width: int = 32, experts: int = 4, seed: int = 0):
     """A tiny random Qwen3-MoE causal LM in bf16 (transformers' 3-D experts, top-2 routing), seeded."""
     import transformers
 
@@ -165,7 +165,7 @@ def tiny_qwen3_moe(layers: int = 2, *, hidden: int = 64, width: int = 32, expert
         num_experts=experts,
         num_experts_per_tok=2,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
 
 

@@ -24,6 +24,28 @@ _ABSENT = object()
 _MX_KEYS = ("weight", "weight_scale")
 
 
+def mx_entries(
+    state_dict: dict, prefix: str, names: tuple[str, ...], missing_keys: list, unexpected_keys: list, error_msgs: list
+) -> dict[str, torch.Tensor] | None:
+    """A module's MX tensors ``names`` from the state dict being loaded into it, the lists of
+    ``nn.Module._load_from_state_dict`` updated: {name: tensor} where all are there, else None, each absent one
+    missing and, where some are there, an error: they load together, never a new tensor beside old ones."""
+    keys = [prefix + name for name in names]
+    unexpected_keys[:] = [key for key in unexpected_keys if key not in keys]
+    present = [key in state_dict for key in keys]
+    if all(present):
+        return {name: state_dict[key] for name, key in zip(names, keys, strict=True)}
+    missing_keys.extend(key for key, there in zip(keys, present, strict=True) if not there)
+    if any(present):
+        error_msgs.append(f"{', '.join(keys[:-1])} and {keys[-1]} must be loaded together")
+    return None
+
+
+def device_after(fn, device: torch.device) -> torch.device:
+    """Where ``nn.Module._apply``'s ``fn`` sends a tensor on ``device`` (dtype casts leave uint8 alone)."""
+    return fn(torch.empty(0, dtype=torch.uint8, device=device)).device
+
+
 class MXFP8Linear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` an MXFP8 weight ``weight`` float8 [N, K] with ``weight_scale`` uint8 [N, K/32].
 
@@ -155,17 +177,12 @@ class MXFP8Linear(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        keys = [prefix + name for name in _MX_KEYS]
-        unexpected_keys[:] = [key for key in unexpected_keys if key not in keys]
-        present = [key in state_dict for key in keys]
-        if not all(present):
-            missing_keys.extend(key for key, there in zip(keys, present, strict=True) if not there)
-            if any(present):
-                error_msgs.append(f"{keys[0]} and {keys[1]} must be loaded together")
+        entries = mx_entries(state_dict, prefix, _MX_KEYS, missing_keys, unexpected_keys, error_msgs)
+        if entries is None:
             return
-        weight, scale = (state_dict[key] for key in keys)
+        weight, scale = entries.values()
         try:
-            self._check_mx(weight, scale, keys[0], keys[1])
+            self._check_mx(weight, scale, prefix + "weight", prefix + "weight_scale")
         except ValueError as exc:
             error_msgs.append(str(exc))
             return
@@ -188,9 +205,8 @@ class MXFP8Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # the bias
-        device = self._prepared.device
-        target = fn(torch.empty(0, dtype=torch.uint8, device=device)).device  # dtype casts leave uint8 alone
-        if target != device:
+        target = device_after(fn, self._prepared.device)
+        if target != self._prepared.device:
             weight, scale = self.mx_weight()
             self._prepare(weight.to(target), scale.to(target))
         return self

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .errors import BackendUnavailableError
@@ -120,7 +121,8 @@ def quantize_model(
     experts as one CUDA graph in eager decode calls (:func:`mxgemm.fusion.fuse`). ``experts``: False
     leaves every experts module as it is (the report says so).
 
-    Every request is checked before the model changes. By default each layer then frees its full-precision weight as
+    Every request is checked before the model changes, and weights on the meta device (layers accelerate offloaded,
+    or never loaded) are refused then, naming the first. By default each layer then frees its full-precision weight as
     its replacement goes in, so the model never holds both copies of more than one layer; a failure partway (out of
     memory, a kernel's error) leaves the layers before it replaced, and the error says so. ``atomic``: build every
     replacement first and put them in only once all are built, so that a failure leaves the model as it was, at the
@@ -188,6 +190,17 @@ def _check_every_layer_resolves(model: nn.Module, backend, scale_mode, recipe, s
         if type(module) is nn.Linear and not skip_reason(name, module, skip, routers):
             shape = (module.out_features, module.in_features)
             resolve_backend(backend, device=module.weight.device, recipe=recipe, shape=shape)
+            _check_loaded(name, module.weight)
+
+
+def _check_loaded(name: str, *weights: torch.Tensor) -> None:
+    """Raise where a weight to quantize holds no data: on the meta device, as accelerate leaves offloaded layers."""
+    if any(w.is_meta for w in weights):
+        raise ValueError(
+            f"{name} has its weights on the meta device (offloaded by accelerate, or never loaded): quantize_model "
+            "quantizes weights in memory; load the model without offloading, or convert its folder with "
+            "`mxgemm quantize` and load that"
+        )
 
 
 def _experts_plan(model: nn.Module, backend, recipe, skip) -> dict[str, str]:
@@ -200,6 +213,7 @@ def _experts_plan(model: nn.Module, backend, recipe, skip) -> dict[str, str]:
         reason = "matches skip" if matches_skip(name, skip) else experts_unfit_reason(module)
         device = module.gate_up_proj.device
         if not reason:
+            _check_loaded(name, module.gate_up_proj, module.down_proj)
             try:
                 resolve_backend(backend, device=device, recipe=recipe, grouped=True)
             except BackendUnavailableError as exc:

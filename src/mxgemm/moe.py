@@ -16,9 +16,10 @@ from torch import nn
 from . import tuning
 from .backends import get_backend
 from .device import DeviceInfo
-from .format import quantize
+from .format import check_mx_pair, quantize
 from .graphs import EagerGraphs, graphable
 from .grouped import PreparedGroupedWeight, prepare_grouped_weight
+from .linear import device_after, mx_entries
 from .ops import moe_experts_op
 from .resolve import explain_auto
 
@@ -39,6 +40,8 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # each expert's, as checkpo
 # Eager calls of up to this many tokens (decode batches) replay CUDA graphs; a graph keeps a static copy of the
 # tokens and its output ([T, H] each), so longer calls (prompts of any length) run directly.
 GRAPHED_TOKENS = 64
+# an experts module's MX tensors, as its state dict and transformers' stacked checkpoints name them
+_MX_KEYS = ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale")
 
 
 def moe_experts(
@@ -184,10 +187,24 @@ class MXFP8Experts(nn.Module):
     """The experts of one mixture-of-experts layer on prepared grouped weights, called as transformers calls its 3-D
     experts modules: ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``
     (:func:`moe_experts`). ``gate_up_proj`` / ``down_proj`` and their ``_scale`` are the MX tensors rebuilt from the
-    prepared weights (what they compute), as in its state dict."""
+    prepared weights (what they compute), as in its state dict. ``backend`` / ``recipe``: what the weights were
+    prepared for (None: ``auto``), asked again where they are prepared anew: a state dict loaded (its four MX tensors
+    together, checked for dtype and shape) or a move to another device; dtype casts of the module leave them as they
+    are."""
 
-    def __init__(self, gate_up: PreparedGroupedWeight, down: PreparedGroupedWeight):
+    def __init__(
+        self,
+        gate_up: PreparedGroupedWeight,
+        down: PreparedGroupedWeight,
+        *,
+        backend: str | None = None,
+        recipe: str | None = None,
+    ):
         super().__init__()
+        self.requested_backend, self.requested_recipe = backend, recipe
+        self._hold(gate_up, down)
+
+    def _hold(self, gate_up: PreparedGroupedWeight, down: PreparedGroupedWeight) -> None:
         reason = _pair_reason(gate_up, down)
         if reason:
             raise ValueError(reason)
@@ -195,7 +212,17 @@ class MXFP8Experts(nn.Module):
         self.num_experts = gate_up.experts
         # what a traced call reads (_traced): the op's arguments as plain values in the module's own __dict__
         self._op = {"gate_up": gate_up.traced_args(), "down": down.traced_args(), "hidden": gate_up.in_features}
-        self._graphs = EagerGraphs()
+        self._graphs = EagerGraphs()  # graphs read the weights they were captured with: new weights, new graphs
+
+    def _prepare(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Prepare anew from the four MX tensors (:data:`_MX_KEYS`), on their device, as asked when built."""
+        options = {"backend": self.requested_backend, "recipe": self.requested_recipe}
+        gate_up = prepare_grouped_weight(tensors["gate_up_proj"], tensors["gate_up_proj_scale"], **options)
+        self._hold(gate_up, prepare_grouped_weight(tensors["down_proj"], tensors["down_proj_scale"], **options))
+
+    def _mx_tensors(self) -> dict[str, torch.Tensor]:
+        (gate_up, gate_up_scale), (down, down_scale) = self._exported(self.gate_up), self._exported(self.down)
+        return dict(zip(_MX_KEYS, (gate_up, gate_up_scale, down, down_scale), strict=True))
 
     @classmethod
     def from_experts(
@@ -216,7 +243,7 @@ class MXFP8Experts(nn.Module):
             t = quantize(weight.detach(), scale_mode=scale_mode)
             return prepare_grouped_weight(t.qdata, t.scale, backend=backend, recipe=recipe)
 
-        return cls(prepared(module.gate_up_proj), prepared(module.down_proj))
+        return cls(prepared(module.gate_up_proj), prepared(module.down_proj), backend=backend, recipe=recipe)
 
     @classmethod
     def from_quantized(
@@ -236,6 +263,7 @@ class MXFP8Experts(nn.Module):
         return cls(
             prepare_grouped_weight(gate_up, gate_up_scale, **options),
             prepare_grouped_weight(down, down_scale, **options),
+            **options,
         )
 
     @property
@@ -275,9 +303,34 @@ class MXFP8Experts(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name, weight in (("gate_up_proj", self.gate_up), ("down_proj", self.down)):
-            qdata, scale = self._exported(weight)
-            destination[prefix + name], destination[prefix + name + "_scale"] = qdata, scale
+        destination.update({prefix + name: t for name, t in self._mx_tensors().items()})
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        new = mx_entries(state_dict, prefix, _MX_KEYS, missing_keys, unexpected_keys, error_msgs)
+        if new is None:
+            return
+        for weight, want in (("gate_up_proj", self.gate_up), ("down_proj", self.down)):
+            shape = [want.experts, want.out_features, want.in_features]
+            try:
+                check_mx_pair(new[weight], new[weight + "_scale"])
+                if list(new[weight].shape) != shape:
+                    raise ValueError(f"must be {shape}, got {list(new[weight].shape)}")
+            except (TypeError, ValueError) as exc:
+                error_msgs.append(f"{prefix}{weight} and its scale: {exc}")
+                return
+        self._prepare({name: t.to(self.gate_up.device) for name, t in new.items()})
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        target = device_after(fn, self.gate_up.device)
+        if target != self.gate_up.device:
+            self._prepare({name: t.to(target) for name, t in self._mx_tensors().items()})
+        return self
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

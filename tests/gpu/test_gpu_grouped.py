@@ -511,3 +511,47 @@ def test_moe_blocks_replay_router_and_experts_with_the_direct_calls_bits(monkeyp
         for _ in range(3):
             block(random_act(2, 256, device="cuda")[None])
     assert block.calls == 3 and block._mxgemm_block_graphs is None
+
+
+def test_experts_moved_or_loaded_anew_run_their_new_weights(monkeypatch):
+    """``MXFP8Experts`` built on the CPU and moved to the GPU prepare there for the backend ``auto`` resolves (the
+    bits of experts built there), and back; a state dict loaded into experts and into a graphed MoE block whose eager
+    graphs replayed the old weights answers the new weights' bits (the graphs made anew, not replayed)."""
+    from helpers import tiny_qwen3_moe
+
+    from mxgemm.moe import MXFP8Experts
+
+    monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
+    mx = [mxgemm.quantize(torch.randn(shape) * 0.05) for shape in ((32, 1024, 1024), (32, 1024, 512))]
+    tensors = [t for m in mx for t in (m.qdata, m.scale)]
+    experts = MXFP8Experts.from_quantized(*tensors)
+    assert experts.backend == "emulation"
+    experts.cuda()
+    here = MXFP8Experts.from_quantized(*(t.cuda() for t in tensors))
+    assert experts.backend == here.backend == "triton" and experts.gate_up.device.type == "cuda"
+    x, (ids, w) = random_act(3, 1024, device="cuda"), _top_k(3, 32, 8, seed=5)
+    assert torch.equal(experts(x, ids, w), here(x, ids, w))
+    experts.cpu()
+    assert experts.backend == "emulation" and torch.equal(experts.down_proj, mx[1].qdata)
+
+    other = MXFP8Experts(*_block(32, 1024, 512, seed=9))
+    for _ in range(3):  # the third call replays the graph of the old weights
+        before = here(x, ids, w)
+    assert len(here._graphs) == 1
+    here.load_state_dict(other.state_dict())
+    for _ in range(3):
+        assert torch.equal(here(x, ids, w), other(x, ids, w))
+    assert not torch.equal(here(x, ids, w), before)
+
+    model, donor = (tiny_qwen3_moe(layers=1, hidden=256, width=128, experts=8, seed=s).cuda() for s in (0, 1))
+    for m in (model, donor):
+        mxgemm.quantize_model(m)
+    block, theirs = model.model.layers[0].mlp, donor.model.layers[0].mlp
+    h = random_act(2, 256, device="cuda")[None]
+    with torch.no_grad():
+        for _ in range(3):
+            before = block(h)
+        model.load_state_dict(donor.state_dict())
+        for _ in range(3):
+            assert torch.equal(block(h), theirs(h))
+    assert not torch.equal(block(h), before)

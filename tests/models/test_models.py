@@ -104,6 +104,23 @@ def test_a_request_that_cannot_run_fails_before_the_model_changes():
         assert all(type(m) is nn.Linear for m in model), kwargs
 
 
+@pytest.mark.parametrize(
+    "skip, layer", [(("lm_head",), "model.layers.0.self_attn.q_proj"), (("*_proj", "lm_head"), "experts")]
+)
+def test_weights_on_the_meta_device_are_refused_before_the_model_changes(skip, layer):
+    """Layers accelerate offloaded (or never loaded) hold no data on the meta device: quantizing them would leave
+    weights of nothing, so the request is refused, naming the first such layer (linear or experts), and the model
+    stays as it was."""
+    accelerate = pytest.importorskip("accelerate")
+    from helpers import tiny_qwen3_moe
+
+    with accelerate.init_empty_weights():
+        model = tiny_qwen3_moe(layers=1)
+    with pytest.raises(ValueError, match=f"{layer}.* has its weights on the meta device .*`mxgemm quantize`"):
+        mxgemm.quantize_model(model, skip=skip)
+    assert not any(type(m).__name__.startswith("MXFP8") for m in model.modules())
+
+
 def _fail_at_the_third_layer(monkeypatch):
     """MXFP8Linear.from_linear running out of GPU memory at its third call; returns the real one."""
     real, calls = mxgemm.MXFP8Linear.from_linear, []

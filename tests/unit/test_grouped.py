@@ -69,6 +69,17 @@ def test_the_prepared_copy_is_one_byte_a_parameter_and_exports_what_it_computes(
         assert torch.equal(mxgemm.grouped_linear(x, again, offsets), mxgemm.grouped_linear(x, w, offsets))
 
 
+def test_a_prepared_weight_prints_what_it_holds_not_its_values():
+    q, s = _experts(n=64, k=128)
+    w = mxgemm.prepare_grouped_weight(q, s, backend="emulation", recipe="w8a16")
+    assert repr(w) == (
+        f"PreparedGroupedWeight(backend='emulation', recipe='w8a16', out_features=64, in_features=128, experts={E}, "
+        f"qdata=float8_e4m3fn[{E}, 64, 128], scale=uint8[{E}, 64, 4], {E * 64 * 132} bytes on cpu)"
+    )
+    dense = mxgemm.prepare_weight(q[0], s[0], backend="emulation", recipe="w8a16")
+    assert repr(dense).startswith("PreparedWeight(backend='emulation', recipe='w8a16', out_features=64, in_features=")
+
+
 @interpreter
 def test_auto_takes_a_backend_that_runs_grouped_weights_and_a_named_one_that_does_not_says_so(monkeypatch):
     q, s = _experts()

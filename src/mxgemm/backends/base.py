@@ -222,6 +222,15 @@ class PreparedWeight:
         self.__dict__.update(state)
         _LIVE[id(self.op_tensors[0])] = self
 
+    def __repr__(self) -> str:  # what it holds, not the tensors' values
+        tensors = ", ".join(f"{n}={str(t.dtype)[6:]}{list(t.shape)}" for n, t in self.tensors.items())
+        extra = "".join(f", {k}={v}" for k, v in self._meta_extra().items())
+        return (
+            f"{type(self).__name__}(backend={self.backend!r}, recipe={getattr(self.recipe, 'value', self.recipe)!r}, "
+            f"out_features={self.out_features}, in_features={self.in_features}{extra}, {tensors}, "
+            f"{self.nbytes} bytes on {self.device})"
+        )
+
     @property
     def device(self) -> torch.device:
         return self._device
@@ -260,7 +269,7 @@ class PreparedWeight:
 _META_KEYS = {"names", "fp8", "recipe", "out_features", "in_features", "info"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class PreparedGroupedWeight(PreparedWeight):
     """The weights of ``experts`` experts, ``[E, N, K]`` (``out_features`` N and ``in_features`` K each), prepared once
     for one backend (:class:`mxgemm.backends.capabilities.GroupedWeights`); it crosses the op boundary as a dense
