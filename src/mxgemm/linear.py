@@ -11,7 +11,7 @@ from .format import SCALE_DTYPES, ScaleMode, check_mx_pair, quantize
 from .ops import run_gated
 from .weights import PreparedWeight, check_inputs, linear, op_linear, op_linear_gated, prepare_weight, wants_grad
 
-__all__ = ["MXFP8Linear"]
+__all__ = ["MXFP8Linear", "MXModule"]
 
 # The group outputs (mxgemm.fusion) a trace has made and not yet handed to all their members, by group key:
 # [input, output, members still to take theirs]. Traced calls only; the entry goes when the last member takes its view.
@@ -21,32 +21,68 @@ _TRACED_GROUPS: dict[int, list] = {}
 _WIDE = (torch.float32, torch.float64)  # inputs run in bf16, their outputs cast back
 _ABSENT = object()
 
-_MX_KEYS = ("weight", "weight_scale")
+
+class MXModule(nn.Module):
+    """What :class:`MXFP8Linear` and :class:`mxgemm.moe.MXFP8Experts` share: their state dict holds their MX tensors
+    (``mx_keys``), rebuilt from the prepared weights; loading one takes them all together, checked, and prepares them
+    anew on the module's device (never a new tensor beside old ones); a move to another device prepares them there;
+    dtype casts leave them as they are."""
+
+    mx_keys: tuple[str, ...] = ()
+
+    def mx_tensors(self) -> dict[str, torch.Tensor]:
+        """The MX tensors of what the module computes, by ``mx_keys``."""
+        raise NotImplementedError
+
+    def _check_mx_tensors(self, new: dict[str, torch.Tensor], prefix: str) -> None:
+        """Raise TypeError/ValueError, naming the tensor, unless ``new`` can replace the module's MX tensors."""
+        raise NotImplementedError
+
+    def _prepare_mx(self, new: dict[str, torch.Tensor]) -> None:
+        """Prepare anew from MX tensors (checked), on their device."""
+        raise NotImplementedError
+
+    @property
+    def mx_device(self) -> torch.device:
+        """Where the prepared weights are."""
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination.update({prefix + name: t for name, t in self.mx_tensors().items()})
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        keys = [prefix + name for name in self.mx_keys]
+        unexpected_keys[:] = [key for key in unexpected_keys if key not in keys]
+        present = [key in state_dict for key in keys]
+        if not all(present):
+            missing_keys.extend(key for key, there in zip(keys, present, strict=True) if not there)
+            if any(present):
+                error_msgs.append(f"{', '.join(keys[:-1])} and {keys[-1]} must be loaded together")
+            return
+        new = {name: state_dict[key] for name, key in zip(self.mx_keys, keys, strict=True)}
+        try:
+            self._check_mx_tensors(new, prefix)
+        except (TypeError, ValueError) as exc:
+            error_msgs.append(str(exc))
+            return
+        self._prepare_mx({name: t.to(self.mx_device) for name, t in new.items()})
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        device = self.mx_device
+        target = fn(torch.empty(0, dtype=torch.uint8, device=device)).device  # dtype casts leave uint8 alone
+        if target != device:
+            self._prepare_mx({name: t.to(target) for name, t in self.mx_tensors().items()})
+        return self
 
 
-def mx_entries(
-    state_dict: dict, prefix: str, names: tuple[str, ...], missing_keys: list, unexpected_keys: list, error_msgs: list
-) -> dict[str, torch.Tensor] | None:
-    """A module's MX tensors ``names`` from the state dict being loaded into it, the lists of
-    ``nn.Module._load_from_state_dict`` updated: {name: tensor} where all are there, else None, each absent one
-    missing and, where some are there, an error: they load together, never a new tensor beside old ones."""
-    keys = [prefix + name for name in names]
-    unexpected_keys[:] = [key for key in unexpected_keys if key not in keys]
-    present = [key in state_dict for key in keys]
-    if all(present):
-        return {name: state_dict[key] for name, key in zip(names, keys, strict=True)}
-    missing_keys.extend(key for key, there in zip(keys, present, strict=True) if not there)
-    if any(present):
-        error_msgs.append(f"{', '.join(keys[:-1])} and {keys[-1]} must be loaded together")
-    return None
-
-
-def device_after(fn, device: torch.device) -> torch.device:
-    """Where ``nn.Module._apply``'s ``fn`` sends a tensor on ``device`` (dtype casts leave uint8 alone)."""
-    return fn(torch.empty(0, dtype=torch.uint8, device=device)).device
-
-
-class MXFP8Linear(nn.Module):
+class MXFP8Linear(MXModule):
     """``y = x @ W^T + b`` with ``W`` an MXFP8 weight ``weight`` float8 [N, K] with ``weight_scale`` uint8 [N, K/32].
 
     The layer keeps one copy of the weight on its device: the backend's prepared tensors. ``weight`` and
@@ -61,6 +97,7 @@ class MXFP8Linear(nn.Module):
     """
 
     shared: tuple | None = None
+    mx_keys = ("weight", "weight_scale")
 
     def __init__(
         self,
@@ -166,28 +203,18 @@ class MXFP8Linear(nn.Module):
                 f"{sname} must be uint8 (or float8_e8m0fnu) [{n}, {k // 32}], got {scale.dtype} {tuple(scale.shape)}"
             )
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        weight, scale = self.mx_weight()
-        destination[prefix + "weight"], destination[prefix + "weight_scale"] = weight, scale
+    def mx_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.mx_keys, self.mx_weight(), strict=True))
 
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        entries = mx_entries(state_dict, prefix, _MX_KEYS, missing_keys, unexpected_keys, error_msgs)
-        if entries is None:
-            return
-        weight, scale = entries.values()
-        try:
-            self._check_mx(weight, scale, prefix + "weight", prefix + "weight_scale")
-        except ValueError as exc:
-            error_msgs.append(str(exc))
-            return
-        device = self._prepared.device
-        self._prepare(weight.to(device), scale.to(device))
+    def _check_mx_tensors(self, new: dict[str, torch.Tensor], prefix: str) -> None:
+        self._check_mx(new["weight"], new["weight_scale"], prefix + "weight", prefix + "weight_scale")
+
+    def _prepare_mx(self, new: dict[str, torch.Tensor]) -> None:
+        self._prepare(new["weight"], new["weight_scale"])
+
+    @property
+    def mx_device(self) -> torch.device:
+        return self._prepared.device
 
     def share(self, prepared: PreparedWeight, bias: torch.Tensor | None, shared: tuple, traced: dict) -> None:
         """Join a group of layers that read the same input (:func:`mxgemm.fusion.fuse_shared_inputs`): ``prepared``
@@ -202,14 +229,6 @@ class MXFP8Linear(nn.Module):
         if self.shared is not None:
             self.shared[0].disable(f"a member was {why}")
             self.shared = self._traced_group = None
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)  # the bias
-        target = device_after(fn, self._prepared.device)
-        if target != self._prepared.device:
-            weight, scale = self.mx_weight()
-            self._prepare(weight.to(target), scale.to(target))
-        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():

@@ -19,7 +19,7 @@ from .device import DeviceInfo
 from .format import check_mx_pair, quantize
 from .graphs import EagerGraphs, graphable
 from .grouped import PreparedGroupedWeight, prepare_grouped_weight
-from .linear import device_after, mx_entries
+from .linear import MXModule
 from .ops import moe_experts_op
 from .resolve import explain_auto
 
@@ -40,8 +40,6 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # each expert's, as checkpo
 # Eager calls of up to this many tokens (decode batches) replay CUDA graphs; a graph keeps a static copy of the
 # tokens and its output ([T, H] each), so longer calls (prompts of any length) run directly.
 GRAPHED_TOKENS = 64
-# an experts module's MX tensors, as its state dict and transformers' stacked checkpoints name them
-_MX_KEYS = ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale")
 
 
 def moe_experts(
@@ -183,7 +181,7 @@ def experts_unfit_reason(module: nn.Module) -> str:
     return ""
 
 
-class MXFP8Experts(nn.Module):
+class MXFP8Experts(MXModule):
     """The experts of one mixture-of-experts layer on prepared grouped weights, called as transformers calls its 3-D
     experts modules: ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``
     (:func:`moe_experts`). ``gate_up_proj`` / ``down_proj`` and their ``_scale`` are the MX tensors rebuilt from the
@@ -214,15 +212,31 @@ class MXFP8Experts(nn.Module):
         self._op = {"gate_up": gate_up.traced_args(), "down": down.traced_args(), "hidden": gate_up.in_features}
         self._graphs = EagerGraphs()  # graphs read the weights they were captured with: new weights, new graphs
 
-    def _prepare(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Prepare anew from the four MX tensors (:data:`_MX_KEYS`), on their device, as asked when built."""
-        options = {"backend": self.requested_backend, "recipe": self.requested_recipe}
-        gate_up = prepare_grouped_weight(tensors["gate_up_proj"], tensors["gate_up_proj_scale"], **options)
-        self._hold(gate_up, prepare_grouped_weight(tensors["down_proj"], tensors["down_proj_scale"], **options))
+    # its MX tensors, as its state dict and transformers' stacked checkpoints name them
+    mx_keys = ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale")
 
-    def _mx_tensors(self) -> dict[str, torch.Tensor]:
+    def mx_tensors(self) -> dict[str, torch.Tensor]:
         (gate_up, gate_up_scale), (down, down_scale) = self._exported(self.gate_up), self._exported(self.down)
-        return dict(zip(_MX_KEYS, (gate_up, gate_up_scale, down, down_scale), strict=True))
+        return dict(zip(self.mx_keys, (gate_up, gate_up_scale, down, down_scale), strict=True))
+
+    def _check_mx_tensors(self, new: dict[str, torch.Tensor], prefix: str) -> None:
+        for weight, want in (("gate_up_proj", self.gate_up), ("down_proj", self.down)):
+            shape = [want.experts, want.out_features, want.in_features]
+            try:
+                check_mx_pair(new[weight], new[weight + "_scale"])
+                if list(new[weight].shape) != shape:
+                    raise ValueError(f"must be {shape}, got {list(new[weight].shape)}")
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{prefix}{weight} and its scale: {exc}") from None
+
+    def _prepare_mx(self, new: dict[str, torch.Tensor]) -> None:
+        options = {"backend": self.requested_backend, "recipe": self.requested_recipe}
+        gate_up = prepare_grouped_weight(new["gate_up_proj"], new["gate_up_proj_scale"], **options)
+        self._hold(gate_up, prepare_grouped_weight(new["down_proj"], new["down_proj_scale"], **options))
+
+    @property
+    def mx_device(self) -> torch.device:
+        return self.gate_up.device
 
     @classmethod
     def from_experts(
@@ -300,37 +314,6 @@ class MXFP8Experts(nn.Module):
     @property
     def down_proj_scale(self) -> torch.Tensor:
         return self._exported(self.down)[1]
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination.update({prefix + name: t for name, t in self._mx_tensors().items()})
-
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        new = mx_entries(state_dict, prefix, _MX_KEYS, missing_keys, unexpected_keys, error_msgs)
-        if new is None:
-            return
-        for weight, want in (("gate_up_proj", self.gate_up), ("down_proj", self.down)):
-            shape = [want.experts, want.out_features, want.in_features]
-            try:
-                check_mx_pair(new[weight], new[weight + "_scale"])
-                if list(new[weight].shape) != shape:
-                    raise ValueError(f"must be {shape}, got {list(new[weight].shape)}")
-            except (TypeError, ValueError) as exc:
-                error_msgs.append(f"{prefix}{weight} and its scale: {exc}")
-                return
-        self._prepare({name: t.to(self.gate_up.device) for name, t in new.items()})
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        target = device_after(fn, self.gate_up.device)
-        if target != self.gate_up.device:
-            self._prepare({name: t.to(target) for name, t in self._mx_tensors().items()})
-        return self
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
