@@ -532,10 +532,11 @@ def test_experts_moved_or_loaded_anew_run_their_new_weights(monkeypatch):
     x, (ids, w) = random_act(3, 1024, device="cuda"), _top_k(3, 32, 8, seed=5)
     assert torch.equal(experts(x, ids, w), here(x, ids, w))
     experts.cpu()
-    assert experts.backend == "emulation" and torch.equal(experts.down_proj, mx[1].qdata)
+    assert experts.backend == "emulation"
+    assert torch.equal(experts.down_proj.view(torch.uint8), mx[1].qdata.view(torch.uint8))
 
     other = MXFP8Experts(*_block(32, 1024, 512, seed=9))
-    for _ in range(3):  # the third call replays the graph of the old weights
+    for _ in range(3):  # the second call of these inputs captures a graph of the old weights, the others replay it
         before = here(x, ids, w)
     assert len(here._graphs) == 1
     here.load_state_dict(other.state_dict())
