@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ __all__ = ["MXFP8Linear", "MXModule"]
 _TRACED_GROUPS: dict[int, list] = {}
 
 _WIDE = (torch.float32, torch.float64)  # inputs run in bf16, their outputs cast back
+_PREPARATIONS = itertools.count()  # MXModule._held's numbers
 _ABSENT = object()
 
 
@@ -29,6 +32,12 @@ class MXModule(nn.Module):
     dtype casts leave them as they are."""
 
     mx_keys: tuple[str, ...] = ()
+
+    def _held(self) -> None:
+        """Number the prepared weights the module now holds, once more: a plain value in its ``__dict__`` for what
+        keys on a module's state by value (the graphs of :mod:`mxgemm.moe_blocks`), where the ids of weights freed
+        may come back on new ones; the number never does."""
+        self._holding = next(_PREPARATIONS)
 
     def mx_tensors(self) -> dict[str, torch.Tensor]:
         """The MX tensors of what the module computes, by ``mx_keys``."""
@@ -183,6 +192,7 @@ class MXFP8Linear(MXModule):
         self._op = prepared.traced_args()  # what a traced call reads (_traced)
         backend = get_backend(prepared.backend)  # on_gated's fewest rows, or None
         self._gated_from = backend.gated_from(prepared) if isinstance(backend, GatedInput) else None
+        self._held()
 
     @torch.no_grad()
     def load_mx_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:

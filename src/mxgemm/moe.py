@@ -211,6 +211,7 @@ class MXFP8Experts(MXModule):
         # what a traced call reads (_traced): the op's arguments as plain values in the module's own __dict__
         self._op = {"gate_up": gate_up.traced_args(), "down": down.traced_args(), "hidden": gate_up.in_features}
         self._graphs = EagerGraphs()  # graphs read the weights they were captured with: new weights, new graphs
+        self._held()
 
     # its MX tensors, as its state dict and transformers' stacked checkpoints name them
     mx_keys = ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale")

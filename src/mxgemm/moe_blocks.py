@@ -11,8 +11,9 @@ their host time. Parameters, buffers and the state dict stay as they were; the r
 
 A graph bakes in what the block's Python read when it was captured, so each call's signature holds the block's state:
 every module's attributes (``top_k``, ``training``, ...: plain values by value, other objects by identity), its
-parameters' and buffers' storage, its children. Changing any of them captures anew; a change inside an object a
-module holds (a field of a config it reads when called) is not seen. A forward that changes that state itself
+parameters' and buffers' storage, its children. Changing any of them captures anew (mxgemm's layers number the
+prepared weights they hold, so that new weights whose objects reuse freed ones' ids still do); a change inside an
+object a module holds (a field of a config it reads when called) is not seen. A forward that changes that state itself
 (keeps its router logits, counts its calls) would see it change only once, when captured: such a block runs directly
 from then on, and says so in the log.
 Calls run the block's own forward where a graph could not stand in for it: traced calls, more rows, gradients asked

@@ -188,6 +188,25 @@ def test_a_state_dict_of_other_experts_is_refused_and_the_weights_kept(change, m
     assert b.gate_up is prepared and torch.equal(_call(b), before)
 
 
+def test_a_graphed_blocks_state_changes_with_new_weights_even_where_their_ids_come_back(monkeypatch):
+    """The state a graphed MoE block keys its graphs on tells new prepared weights from old by the number each layer
+    gives the weights it holds, not by the objects' ids alone (CPython hands freed objects' ids to new ones)."""
+    from mxgemm import moe_blocks
+
+    model = _tiny("qwen2_moe").to(torch.bfloat16)  # a shared expert: MXFP8Linear layers inside the block too
+    mxgemm.quantize_model(model, backend="emulation")
+    block = model.model.layers[0].mlp
+    assert moe_blocks.is_graphed_block(block)
+    monkeypatch.setattr(moe_blocks, "id", lambda _: 0, raising=False)  # every id the same
+    state = moe_blocks._state(block)
+    assert moe_blocks._state(block) == state
+    block.experts.load_state_dict(block.experts.state_dict())
+    assert moe_blocks._state(block) != state
+    state = moe_blocks._state(block)
+    block.shared_expert.down_proj.load_state_dict(block.shared_expert.down_proj.state_dict())
+    assert moe_blocks._state(block) != state
+
+
 def test_module_dtype_casts_keep_the_quantized_experts():
     experts = MXFP8Experts(*_experts()[0])
     before, prepared = _call(experts), experts.gate_up
