@@ -515,8 +515,9 @@ def test_moe_blocks_replay_router_and_experts_with_the_direct_calls_bits(monkeyp
 
 def test_experts_moved_or_loaded_anew_run_their_new_weights(monkeypatch):
     """``MXFP8Experts`` built on the CPU and moved to the GPU prepare there for the backend ``auto`` resolves (the
-    bits of experts built there), and back; a state dict loaded into experts and into a graphed MoE block whose eager
-    graphs replayed the old weights answers the new weights' bits (the graphs made anew, not replayed)."""
+    bits of experts built there), and back (the bits of experts built on the CPU); a state dict loaded into experts
+    and into a graphed MoE block whose eager graphs replayed the old weights answers the new weights' bits (the
+    graphs made anew, not replayed)."""
     from helpers import tiny_qwen3_moe
 
     from mxgemm.moe import MXFP8Experts
@@ -532,8 +533,9 @@ def test_experts_moved_or_loaded_anew_run_their_new_weights(monkeypatch):
     x, (ids, w) = random_act(3, 1024, device="cuda"), _top_k(3, 32, 8, seed=5)
     assert torch.equal(experts(x, ids, w), here(x, ids, w))
     experts.cpu()
-    assert experts.backend == "emulation"
-    assert torch.equal(experts.down_proj.view(torch.uint8), mx[1].qdata.view(torch.uint8))
+    on_cpu = MXFP8Experts.from_quantized(*tensors)
+    assert experts.backend == "emulation" and experts.gate_up.device.type == "cpu"
+    assert torch.equal(experts(x.cpu(), ids.cpu(), w.cpu()), on_cpu(x.cpu(), ids.cpu(), w.cpu()))
 
     other = MXFP8Experts(*_block(32, 1024, 512, seed=9))
     for _ in range(3):  # the second call of these inputs captures a graph of the old weights, the others replay it
