@@ -7,7 +7,7 @@ from .checkpoints import CheckpointError, load_checkpoint, save_checkpoint
 from .device import DeviceInfo, describe_device
 from .errors import BackendUnavailableError, MXGemmError, UnknownBackendError
 from .format import BLOCK_SIZE, MXTensor, dequantize, quantize
-from .fusion import fuse_shared_inputs
+from .fusion import fuse, fuse_shared_inputs
 from .gated import fuse_gated_mlps
 from .grouped import PreparedGroupedWeight, grouped_linear, prepare_grouped_weight
 from .linear import MXFP8Linear
@@ -40,6 +40,7 @@ __all__ = [
     "dequantize",
     "describe_device",
     "explain_auto",
+    "fuse",
     "fuse_gated_mlps",
     "fuse_shared_inputs",
     "grouped_linear",

@@ -189,7 +189,7 @@ class SharedInput:
 def unfit_reason(members: Sequence[MXFP8Linear]) -> str:
     """Why these layers cannot run as one, or "" when they can: the same input size, backend, recipe and device, a
     backend layout that splits by rows without padding, run-time info the backend can join
-    (:meth:`JoinsRows.joined_info`), biases on all or none, none of them in a group already."""
+    (:meth:`JoinsRows.joined_info`), biases on all or none, none of them in a group that still runs as one."""
     first = members[0].prepared
     backend = get_backend(first.backend)
     layout = backend.row_layout(first) if isinstance(backend, JoinsRows) else None
@@ -197,7 +197,7 @@ def unfit_reason(members: Sequence[MXFP8Linear]) -> str:
         return f"{first.backend}'s prepared weights do not split by rows"
     for m in members:
         w = m.prepared
-        if m.shared is not None:
+        if m.shared is not None and m.shared[0].enabled:  # a switched-off group's members may group again
             return "already in a group"
         if (w.backend, w.recipe, w.in_features, w.device) != (
             first.backend,

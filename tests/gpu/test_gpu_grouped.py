@@ -558,3 +558,25 @@ def test_experts_moved_or_loaded_anew_run_their_new_weights(monkeypatch):
         for _ in range(3):
             assert torch.equal(block(h), theirs(h))
     assert not torch.equal(block(h), before)
+
+
+def test_a_model_quantized_on_the_cpu_runs_on_the_gpu_as_one_quantized_there():
+    """A tiny Qwen3-MoE quantized on the CPU and moved to the GPU prepares every layer and the experts there for the
+    backends ``auto`` resolves; ``mxgemm.fuse`` makes its q/k/v groups again; its logits are the bits of the same
+    model quantized on the GPU."""
+    import copy
+
+    from helpers import tiny_qwen3_moe
+
+    model = tiny_qwen3_moe(layers=1, hidden=256, width=128, experts=8)
+    there = copy.deepcopy(model).cuda()
+    mxgemm.quantize_model(model)
+    mxgemm.quantize_model(there)
+    model.cuda()
+    assert "model.layers.0.self_attn: q_proj, k_proj, v_proj" in mxgemm.fuse(model)
+    attention, experts = model.model.layers[0].self_attn, model.model.layers[0].mlp.experts
+    assert attention.q_proj.backend == there.model.layers[0].self_attn.q_proj.backend != "emulation"
+    assert experts.backend == "triton" and attention.q_proj.shared is not None
+    tokens = torch.randint(0, 128, (2, 5), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, there(tokens).logits)

@@ -335,6 +335,10 @@ def test_reloading_a_member_and_fp32_inputs_and_gradients():
     assert k.shared is None and not group.enabled
     with torch.no_grad():
         assert torch.equal(fused(x), alone(x))
+    account = mxgemm.fuse(fused)  # the groups made again, q/k/v with k's new weight
+    assert "self_attn: q_proj, k_proj, v_proj" in account and k.shared is not None and k.shared[0].enabled
+    with torch.no_grad():
+        assert torch.equal(fused(x), alone(x))
 
 
 def test_traced_calls_run_each_group_as_one_op():
