@@ -184,7 +184,8 @@ def _stops_partway(name: str, reports: list[LayerReport], atomic: bool):
 
 def _check_every_layer_resolves(model: nn.Module, backend, scale_mode, recipe, skip, routers) -> None:
     """Raise, before the model changes, what converting any linear layer would raise for its request: an unknown
-    scale mode, recipe or backend, or a named backend that cannot run a layer's shape on its device."""
+    scale mode, recipe or backend, a named backend that cannot run a layer's shape on its device, or a weight on the
+    meta device (:func:`_check_loaded`)."""
     check_request(None, None, scale_mode)
     for name, module in model.named_modules():
         if type(module) is nn.Linear and not skip_reason(name, module, skip, routers):

@@ -181,6 +181,20 @@ def experts_unfit_reason(module: nn.Module) -> str:
     return ""
 
 
+def _prepared_pair(
+    gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+    backend: str | None,
+    recipe: str | None,
+) -> tuple[PreparedGroupedWeight, PreparedGroupedWeight]:
+    """An experts module's two grouped weights prepared from their MX tensors, on their device, for one request."""
+    options = {"backend": backend, "recipe": recipe}
+    gate_up_weight = prepare_grouped_weight(gate_up, gate_up_scale, **options)
+    return gate_up_weight, prepare_grouped_weight(down, down_scale, **options)
+
+
 class MXFP8Experts(MXModule):
     """The experts of one mixture-of-experts layer on prepared grouped weights, called as transformers calls its 3-D
     experts modules: ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``
@@ -189,6 +203,9 @@ class MXFP8Experts(MXModule):
     prepared for (None: ``auto``), asked again where they are prepared anew: a state dict loaded (its four MX tensors
     together, checked for dtype and shape) or a move to another device; dtype casts of the module leave them as they
     are."""
+
+    # its MX tensors, as its state dict and transformers' stacked checkpoints name them (in _prepared_pair's order)
+    mx_keys = ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale")
 
     def __init__(
         self,
@@ -213,9 +230,6 @@ class MXFP8Experts(MXModule):
         self._graphs = EagerGraphs()  # graphs read the weights they were captured with: new weights, new graphs
         self._held()
 
-    # its MX tensors, as its state dict and transformers' stacked checkpoints name them
-    mx_keys = ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale")
-
     def mx_tensors(self) -> dict[str, torch.Tensor]:
         (gate_up, gate_up_scale), (down, down_scale) = self._exported(self.gate_up), self._exported(self.down)
         return dict(zip(self.mx_keys, (gate_up, gate_up_scale, down, down_scale), strict=True))
@@ -231,9 +245,7 @@ class MXFP8Experts(MXModule):
                 raise ValueError(f"{prefix}{weight} and its scale: {exc}") from None
 
     def _prepare_mx(self, new: dict[str, torch.Tensor]) -> None:
-        options = {"backend": self.requested_backend, "recipe": self.requested_recipe}
-        gate_up = prepare_grouped_weight(new["gate_up_proj"], new["gate_up_proj_scale"], **options)
-        self._hold(gate_up, prepare_grouped_weight(new["down_proj"], new["down_proj_scale"], **options))
+        self._hold(*_prepared_pair(*(new[key] for key in self.mx_keys), self.requested_backend, self.requested_recipe))
 
     @property
     def mx_device(self) -> torch.device:
@@ -274,12 +286,8 @@ class MXFP8Experts(MXModule):
         """The experts from their MX tensors as checkpoints hold them once stacked: ``gate_up`` float8 [E, 2I, H]
         (gate rows first, then up) and ``down`` [E, H, I], each with its E8M0 scale (uint8 or float8_e8m0fnu,
         [E, N, K/32]), prepared on their device (:func:`mxgemm.prepare_grouped_weight`)."""
-        options = {"backend": backend, "recipe": recipe}
-        return cls(
-            prepare_grouped_weight(gate_up, gate_up_scale, **options),
-            prepare_grouped_weight(down, down_scale, **options),
-            **options,
-        )
+        pair = _prepared_pair(gate_up, gate_up_scale, down, down_scale, backend, recipe)
+        return cls(*pair, backend=backend, recipe=recipe)
 
     @property
     def gate_up(self) -> PreparedGroupedWeight:
