@@ -312,10 +312,10 @@ PY
       for f in /tmp/tuned-merged/tuning-*.json; do [ -e "$f" ] && cp "$f" src/mxgemm/tuned/ && echo "reshipped $f"; done ;;
     moe-e2e)  # the Qwen3-30B-A3B-shaped model through generate: 48 layers where 2 x 61 GB fit, else 24;
       # MOE_E2E_MODES (default "eager graphs"): one mode a call where both do not fit one call's time (the JSON is
-      # written after each row, the file named by the mode)
+      # written after each row, the file named by the mode); MOE_E2E_BATCHES (default "1 16") likewise
       layers=$(python3 -c "import torch; print(48 if torch.cuda.get_device_properties(0).total_memory > 120e9 else 24)")
-      modes="${MOE_E2E_MODES:-eager graphs}"; name="e2e-moe-${GPU_TAG:-h200}${MOE_E2E_MODES:+-${modes// /-}}"
-      timeout "${MOE_E2E_S:-560}" python3 bench/model_e2e.py --moe --layers "$layers" --modes $modes --batches 1 16 \
+      modes="${MOE_E2E_MODES:-eager graphs}"; name="e2e-moe-${GPU_TAG:-h200}${MOE_E2E_MODES:+-${modes// /-}}${MOE_E2E_BATCHES:+-b${MOE_E2E_BATCHES// /-}}"
+      timeout "${MOE_E2E_S:-560}" python3 bench/model_e2e.py --moe --layers "$layers" --modes $modes --batches ${MOE_E2E_BATCHES:-1 16} \
         --new 64 --repeats 2 --eager-repeats 3 --json "$out/$name.json" --markdown "$out/$name.md" \
         > "$out/$name.log" 2>&1; tail -12 "$out/$name.log" ;;
     moe-apart)  # the MoE e2e's prefill and eager batch 16 taken apart, no tuning file in any: this tree under
