@@ -1,8 +1,9 @@
 """The routed rows' 1x128 quantizer (``kernels/grouped/quant.py``, which the wgmma kernel reads) at prefill sizes: its
 launch as it ships (16 rows a program, 4 warps) beside other rows a program and warps (``quantize_rows``'s
 ``block_rows`` and ``warps``), bits compared, and the floor (bytes read and written over the copy bandwidth measured
-here). At 4096 tokens it takes 73 µs of Qwen3 gate/up's 413 in ``mxgemm bench --moe`` (docs/performance.md), about half
-the copy bandwidth: programs of 4 KB.
+here). Of Qwen3 gate/up's 381 µs at 4096 tokens in ``mxgemm bench --moe`` it takes about 73, 0.87x the copy floor of
+its 203 MB (docs/performance.md): the plain form has little to gain; the gathered form reads each token's row from L2
+``topk`` times and writes a third of the bytes, where programs of 4 KB may leave bandwidth unused.
 
 Forms: gathered (gate/up's input: the tokens' rows at each sorted copy) and gated (down's: ``silu(gate) * up``).
 
