@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from .backends import PreparedGroupedWeight
+from .backends import PreparedGroupedWeight, PreparedWeight
 from .format import check_mx_pair, e8m0_bytes
 from .ops import grouped_linear_op
 from .resolve import resolve_and_prepare
 from .weights import ACTIVATION_DTYPES
 
-__all__ = ["PreparedGroupedWeight", "grouped_linear", "prepare_grouped_weight"]
+__all__ = ["PreparedGroupedWeight", "check_grouped", "grouped_linear", "prepare_grouped_weight"]
 
 
 def prepare_grouped_weight(
@@ -41,8 +41,7 @@ def grouped_linear(x: torch.Tensor, weight: PreparedGroupedWeight, offsets: torc
     expert ``e`` where ``offsets[e-1] <= i < offsets[e]`` (expert 0 from row 0). ``offsets``: int32 ``[E]``
     cumulative row ends on ``x``'s device, non-decreasing (not checked: that would read them on the host); rows at
     or past ``offsets[-1]`` answer zeros; an expert with no rows costs nothing but its offset."""
-    if not isinstance(weight, PreparedGroupedWeight):
-        raise TypeError(f"weight must be a PreparedGroupedWeight (mxgemm.prepare_grouped_weight), got {type(weight)}")
+    check_grouped(weight, "weight")
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"activations must be bfloat16 or float16, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] != weight.in_features:
@@ -57,3 +56,12 @@ def grouped_linear(x: torch.Tensor, weight: PreparedGroupedWeight, offsets: torc
             f"x and offsets must be on {weight.device}, where the weight is; got {x.device}, {offsets.device}"
         )
     return grouped_linear_op(x, offsets, weight.op_tensors, weight.backend, weight.op_meta)
+
+
+def check_grouped(weight: object, name: str) -> None:
+    """Raise a one-line TypeError naming ``name`` unless ``weight`` is a :class:`PreparedGroupedWeight`."""
+    if not isinstance(weight, PreparedGroupedWeight):
+        hint = "; a dense weight runs through mxgemm.linear" if isinstance(weight, PreparedWeight) else ""
+        raise TypeError(
+            f"{name} must be a PreparedGroupedWeight (mxgemm.prepare_grouped_weight), got {type(weight).__name__}{hint}"
+        )

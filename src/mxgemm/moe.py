@@ -18,7 +18,7 @@ from .backends import get_backend
 from .device import DeviceInfo
 from .format import check_mx_pair, quantize
 from .graphs import EagerGraphs, graphable
-from .grouped import PreparedGroupedWeight, prepare_grouped_weight
+from .grouped import PreparedGroupedWeight, check_grouped, prepare_grouped_weight
 from .linear import MXModule
 from .ops import moe_experts_op
 from .resolve import explain_auto
@@ -55,7 +55,9 @@ def moe_experts(
     stacks them); ``down``: [E, H, I], both prepared on one backend. The products round to the activations' dtype
     as transformers' experts round them, and each token's weighted copies are summed in fp32 in top-k order, rounded
     once. A copy routed outside ``[0, E)`` (expert parallelism's experts of other ranks) adds nothing; the ids are
-    not checked on the host, which would wait for the GPU."""
+    not checked on the host, which would wait for the GPU. No copies (no tokens, or ``k`` = 0) answer zeros."""
+    check_grouped(gate_up, "gate_up")
+    check_grouped(down, "down")
     reason = _pair_reason(gate_up, down)
     if reason:
         raise ValueError(reason)
@@ -333,7 +335,7 @@ class MXFP8Experts(MXModule):
         args = (hidden_states, top_k_index, top_k_weights)
         if torch.compiler.is_compiling():
             return self._traced(*args)
-        if graphable(*args, max_rows=GRAPHED_TOKENS):
+        if top_k_index.numel() and graphable(*args, max_rows=GRAPHED_TOKENS):  # no copies: zeros, nothing to replay
             return self._graphs(self._run, *args, key=tuning.generation())
         return self._run(*args)
 

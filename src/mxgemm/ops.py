@@ -178,9 +178,11 @@ def _moe_experts(
     gate_up_meta: str,
     down_meta: str,
 ) -> Tensor:
+    tokens, k = topk_ids.shape
+    if tokens == 0 or k == 0:  # no copy routed: no launch (a backend's plan takes at least one)
+        return x.new_zeros((tokens, json.loads(down_meta)["out_features"]))
     up = PreparedGroupedWeight.from_op_args(backend, gate_up, gate_up_meta)
     dn = PreparedGroupedWeight.from_op_args(backend, down, down_meta)
-    tokens, k = topk_ids.shape
     # the plan of this shape, dtype, tuning generation and down projection, with gate/up's plans
     key = (tokens, k, x.dtype, tuning.generation(), down_meta)
     plan = up.plans.experts.get(key)

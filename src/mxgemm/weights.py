@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import PreparedWeight, get_backend
+from .backends import PreparedGroupedWeight, PreparedWeight, get_backend
 from .format import MXTensor, check_mx_pair, dequantize, e8m0_bytes
 from .ops import linear_gated_op, linear_op, run_planned
 from .resolve import resolve_and_prepare
@@ -58,11 +58,13 @@ def linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None = 
     ``bias``) as through ``x @ W^T + bias`` with ``W`` the dequantized weight; the weight itself takes none. A call
     whose plan C++ can run goes straight to it (:mod:`mxgemm.fastcall`)."""
     if not torch.compiler.is_compiling():
-        fast = weight.fast
+        fast = getattr(weight, "fast", None)
         if fast is not None:
             y = fast(x, bias)
             if y is not None:
                 return y
+    if not isinstance(weight, PreparedWeight) or isinstance(weight, PreparedGroupedWeight):
+        raise TypeError(_not_dense(weight))
     check_inputs(x, weight.in_features, weight.out_features, weight.device, bias)
     grad = wants_grad(x, bias)
     if not grad and x.numel() and _untraced(x, bias):
@@ -70,6 +72,17 @@ def linear(x: torch.Tensor, weight: PreparedWeight, bias: torch.Tensor | None = 
     if not grad:
         return op_linear(x, weight.traced_args(), weight.out_features, bias)
     return _on_rows(x, weight.out_features, lambda rows: _Linear.apply(rows, bias, weight))
+
+
+def _not_dense(weight: object) -> str:
+    """Why ``weight`` is not what :func:`linear` takes, and what to do."""
+    if isinstance(weight, PreparedGroupedWeight):
+        hint = "; an experts' grouped weight runs through mxgemm.grouped_linear or mxgemm.moe_experts"
+    elif isinstance(weight, MXTensor):
+        hint = "; prepare it once with mxgemm.prepare_weight(t.qdata, t.scale)"
+    else:
+        hint = ""
+    return f"weight must be a PreparedWeight (mxgemm.prepare_weight), got {type(weight).__name__}{hint}"
 
 
 def op_linear(x: torch.Tensor, op: dict, n: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -513,6 +513,40 @@ def test_moe_blocks_replay_router_and_experts_with_the_direct_calls_bits(monkeyp
     assert block.calls == 3 and block._mxgemm_block_graphs is None
 
 
+def test_calls_of_no_tokens_answer_zeros_without_a_graph(monkeypatch):
+    """An experts module's and a graphed MoE block's eager calls of no tokens (an empty batch): zeros of their shape,
+    run directly (no graph of nothing captured); the calls of tokens after them capture and replay as before."""
+    from helpers import tiny_qwen3_moe
+
+    from mxgemm.moe import MXFP8Experts
+
+    monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
+    gate_up, down = _block(32, 1024, 512)
+    experts = MXFP8Experts(gate_up, down)
+    none, (no_ids, no_w) = random_act(1, 1024, device="cuda")[:0], _top_k(1, 32, 8, seed=0)
+    x, (ids, w) = random_act(2, 1024, device="cuda"), _top_k(2, 32, 8, seed=1)
+    for _ in range(3):
+        y = experts(none, no_ids[:0], no_w[:0])
+        assert y.shape == (0, 1024) and y.dtype == torch.bfloat16
+        y = experts(x, ids[:, :0], w[:, :0])  # no expert a token
+        assert y.shape == (2, 1024) and not y.any()
+    assert len(experts._graphs) == 0
+    for _ in range(3):
+        assert torch.equal(experts(x, ids, w), mxgemm.moe_experts(x, ids, w, gate_up, down))
+    assert len(experts._graphs) == 1
+
+    model = tiny_qwen3_moe(layers=1, hidden=256, width=128, experts=8).cuda()
+    mxgemm.quantize_model(model)
+    block = model.model.layers[0].mlp
+    with torch.no_grad():
+        for _ in range(3):
+            assert block(random_act(1, 256, device="cuda")[None, :0]).shape == (1, 0, 256)
+        assert len(block._mxgemm_block_graphs) == 0
+        for _ in range(3):
+            block(random_act(2, 256, device="cuda")[None])
+        assert len(block._mxgemm_block_graphs) == 1
+
+
 def test_experts_moved_or_loaded_anew_run_their_new_weights(monkeypatch):
     """``MXFP8Experts`` built on the CPU and moved to the GPU prepare there for the backend ``auto`` resolves (the
     bits of experts built there), and back (the bits of experts built on the CPU); a state dict loaded into experts

@@ -69,6 +69,7 @@ def test_moe_experts_is_each_tokens_experts_run_one_by_one(tokens, kind, dtype):
         ("not one layer's", ValueError, "are not one layer's experts"),
         ("two backends", ValueError, "gate_up runs on emulation and down on triton; prepare both on one backend"),
         ("a module of two backends", ValueError, "gate_up runs on emulation and down on triton"),
+        ("dense weights", TypeError, "gate_up must be a PreparedGroupedWeight .* got PreparedWeight; a dense weight"),
     ],
 )
 def test_bad_input_is_a_one_line_error(case, error, message):
@@ -84,12 +85,29 @@ def test_bad_input_is_a_one_line_error(case, error, message):
             mxgemm.moe_experts(x[:, :32], ids, weights, gate_up, down)
         elif case == "not one layer's":
             mxgemm.moe_experts(x, ids, weights, gate_up, gate_up)
+        elif case == "dense weights":
+            dense = mxgemm.prepare_weight(dq.qdata[0], dq.scale[0], backend="emulation")
+            mxgemm.moe_experts(x, ids, weights, dense, dense)
         else:
             other = mxgemm.prepare_grouped_weight(dq.qdata, dq.scale, backend="triton")
             if case == "two backends":
                 mxgemm.moe_experts(x, ids, weights, gate_up, other)
             else:
                 MXFP8Experts(gate_up, other)
+
+
+@pytest.mark.parametrize("tokens, k", [(0, 2), (3, 0)])
+def test_no_token_copies_answer_zeros(tokens, k):
+    """No tokens (an empty batch) or no experts a token (k = 0): [T, H] zeros, no launch, as a call and as the
+    module; the same through compile."""
+    (gate_up, down), _ = _experts()
+    x = random_act(3, H)[:tokens]
+    ids, weights = _routing(3, 2, "random")
+    ids, weights = ids[:tokens, :k], weights[:tokens, :k]
+    module = MXFP8Experts(gate_up, down)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    for y in (mxgemm.moe_experts(x, ids, weights, gate_up, down), module(x, ids, weights), compiled(x, ids, weights)):
+        assert y.shape == (tokens, H) and y.dtype == x.dtype and not y.any()
 
 
 def test_fp32_activations_run_in_bf16_and_answer_fp32():

@@ -201,7 +201,9 @@ def test_compile_fullgraph_matches_eager_for_any_routing(compile_backend):
         ("x of other K", ValueError, r"x must be \[S, 96\]"),
         ("int64 offsets", ValueError, r"offsets must be int32 \[4\]"),
         ("offsets of other E", ValueError, r"offsets must be int32 \[4\]"),
-        ("a dense weight", TypeError, "weight must be a PreparedGroupedWeight"),
+        ("a dense weight", TypeError, "weight must be a PreparedGroupedWeight .* got PreparedWeight; a dense weight"),
+        ("linear of a grouped weight", TypeError, "got PreparedGroupedWeight; an experts' grouped weight runs through"),
+        ("linear of an MXTensor", TypeError, r"got MXTensor; prepare it once with mxgemm\.prepare_weight"),
     ],
 )
 def test_bad_input_is_a_one_line_error(case, error, message):
@@ -219,5 +221,9 @@ def test_bad_input_is_a_one_line_error(case, error, message):
             mxgemm.grouped_linear(x, w, offsets.long())
         elif case == "offsets of other E":
             mxgemm.grouped_linear(x, w, offsets[:3])
-        else:
+        elif case == "a dense weight":
             mxgemm.grouped_linear(x, mxgemm.prepare_weight(q[0], s[0], backend="emulation"), offsets)
+        elif case == "linear of a grouped weight":  # its K matches: the call would have run as a dense one
+            mxgemm.linear(x, w)
+        else:
+            mxgemm.linear(x, mxgemm.MXTensor(q[0], s[0]))
