@@ -56,11 +56,12 @@ _POOLS: dict[int, _Pool] = {}
 
 
 def graphable(*tensors: torch.Tensor, max_rows: int | None = None) -> bool:
-    """Whether a call on ``tensors`` may replay a graph: plain CUDA tensors of one device, no gradient asked for, no
-    capture, tracing or dispatch mode under way, the device's default stream current, ``MXGEMM_EAGER_GRAPHS`` not
-    0, and (``max_rows``) the first tensor's leading dimension at most that. Traced calls answer False before the
-    rows are read (a guard on them); an eager call of more rows answers False before the device is asked."""
-    if torch.compiler.is_compiling() or not all(type(t) is torch.Tensor and t.is_cuda for t in tensors):
+    """Whether a call on ``tensors`` may replay a graph: plain, non-empty CUDA tensors of one device (an empty one
+    leaves nothing to replay), no gradient asked for, no capture, tracing or dispatch mode under way, the device's
+    default stream current, ``MXGEMM_EAGER_GRAPHS`` not 0, and (``max_rows``) the first tensor's leading dimension at
+    most that. Traced calls answer False before the rows are read (a guard on them); an eager call of more rows
+    answers False before the device is asked."""
+    if torch.compiler.is_compiling() or not all(type(t) is torch.Tensor and t.is_cuda and t.numel() for t in tensors):
         return False
     if max_rows is not None and tensors[0].shape[0] > max_rows:
         return False

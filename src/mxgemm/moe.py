@@ -335,7 +335,7 @@ class MXFP8Experts(MXModule):
         args = (hidden_states, top_k_index, top_k_weights)
         if torch.compiler.is_compiling():
             return self._traced(*args)
-        if top_k_index.numel() and graphable(*args, max_rows=GRAPHED_TOKENS):  # no copies: zeros, nothing to replay
+        if graphable(*args, max_rows=GRAPHED_TOKENS):
             return self._graphs(self._run, *args, key=tuning.generation())
         return self._run(*args)
 

@@ -66,8 +66,8 @@ def _graphed_call(block: nn.Module, own_forward, hidden_states: torch.Tensor) ->
     graphs = block.__dict__.get(_GRAPHS)
     if graphs is None or not isinstance(hidden_states, torch.Tensor):
         return None
-    if hidden_states.dim() == 0 or not 0 < hidden_states.numel() <= GRAPHED_TOKENS * hidden_states.shape[-1]:
-        return None  # no tokens (nothing to replay) or a prompt
+    if hidden_states.dim() == 0 or hidden_states.numel() > GRAPHED_TOKENS * hidden_states.shape[-1]:
+        return None
     if not graphable(hidden_states) or hooked_inside(block):
         return None
     if torch.is_grad_enabled() and any(p.requires_grad for p in block.parameters()):

@@ -13,8 +13,8 @@ from mxgemm.graphs import EagerGraphs, graphable
 
 
 def test_cpu_tensors_and_traced_calls_are_not_graphed(monkeypatch):
-    """Only plain CUDA tensors on the default stream, MXGEMM_EAGER_GRAPHS not 0 (on by default), no gradients, no
-    capture or tracing under way."""
+    """Only plain, non-empty CUDA tensors on the default stream, MXGEMM_EAGER_GRAPHS not 0 (on by default), no
+    gradients, no capture or tracing under way."""
     x = torch.zeros(2, 4)
     monkeypatch.setenv("MXGEMM_EAGER_GRAPHS", "1")
     assert not graphable(x)
@@ -24,6 +24,7 @@ def test_cpu_tensors_and_traced_calls_are_not_graphed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream[0])
     monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: "default")
     assert graphable(x) and graphable(x, max_rows=2) and not graphable(x, max_rows=1)
+    assert not graphable(x[:0]) and not graphable(x, x[:, :0])  # no rows, or an empty companion (no experts a token)
     stream[0] = "side"
     assert not graphable(x)
     stream[0] = "default"
