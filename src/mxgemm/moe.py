@@ -161,25 +161,73 @@ def experts_stay_in_bf16(device: torch.device | DeviceInfo, backend: str | None,
     return "no backend runs grouped weights fast on this GPU yet (name backend='emulation' to emulate)"
 
 
+# transformers' declared layout of an experts class (``use_experts_implementation``'s flags) as MXFP8Experts runs it
+_LAYOUT = {
+    "is_transposed": (False, "its weights are stored transposed ([E, H, 2I] and [E, I, H])"),
+    "is_concatenated": (True, "its gate and up rows are interleaved"),
+    "has_bias": (False, "its projections have biases"),
+    "has_gate": (True, "it has no gate projection"),
+    "has_post_expert_norm": (False, "it normalizes each expert's output"),
+}
+
+
 def experts_unfit_reason(module: nn.Module) -> str:
     """Why ``module`` is not an experts module :class:`MXFP8Experts` takes the place of, or "" where it is: 3-D
-    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] parameters without biases, SiLU between them, K (H and
-    I) a multiple of 32."""
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] parameters without biases, concatenated gate and up rows,
+    ``silu(gate) * up`` between them (:func:`_gate_reason`), no other tensors or modules, K (H and I) a multiple of
+    32."""
+    for flag, (fit, reason) in _LAYOUT.items():
+        if getattr(module, flag, fit) != fit:
+            return reason
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return "no 3-D gate_up_proj and down_proj tensors"
     if gate_up.dim() != 3 or down.dim() != 3:
         return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not 3-D"
     e, two_i, h = gate_up.shape
+    if down.shape == (e, h // 2, two_i) and h % 2 == 0:  # Llama 4's, whose class declares no layout
+        return _LAYOUT["is_transposed"][1]
     if down.shape != (e, h, two_i // 2) or two_i % 2:
         return f"down_proj {tuple(down.shape)} does not match gate_up_proj {tuple(gate_up.shape)} as [E, H, I]"
     if any(getattr(module, b, None) is not None for b in ("gate_up_proj_bias", "down_proj_bias")):
         return "its projections have biases"
+    others = [n for n, _ in module.named_parameters() if n not in ("gate_up_proj", "down_proj")]
+    others += [n for n, _ in module.named_buffers()] + [n for n in module._modules if n != "act_fn"]
+    if others:
+        return f"it holds {', '.join(others)} besides its projections"
     act = type(getattr(module, "act_fn", None)).__name__
     if act not in ("SiLU", "SiLUActivation"):
         return f"its activation is {act}, not SiLU"
+    reason = _gate_reason(module, two_i)
+    if reason:
+        return reason
     if h % 32 or (two_i // 2) % 32:
         return f"hidden size {h} or expert width {two_i // 2} is not a multiple of 32"
+    return ""
+
+
+def _gate_reason(module: nn.Module, two_i: int) -> str:
+    """Why the gate of ``module`` is not ``silu(gate) * up`` of its gate/up output's halves, or "". transformers'
+    experts apply their class's ``_apply_gate`` there; a class's own (a clamp, a scaled SwiGLU) is taken where it
+    answers as SiLU(gate) * up on values of both signs from 1e-8 to 1e38, where any clamp of finite values shows."""
+    own = getattr(type(module), "_apply_gate", None)
+    if own is None or getattr(own, "__qualname__", "") == "_default_apply_gate":
+        return ""
+    g = torch.Generator().manual_seed(0)
+    rows = 64
+    signs = torch.randint(0, 2, (rows, two_i), generator=g) * 2 - 1
+    probe = signs * torch.pow(10.0, torch.rand(rows, two_i, generator=g) * 46 - 8)
+    gate, up = probe.chunk(2, dim=-1)
+    try:
+        with torch.no_grad():
+            got = module._apply_gate(probe.clone())
+    except Exception as error:  # any failure of the class's own code leaves the experts as they are
+        return f"its own _apply_gate failed on a float32 probe ({type(error).__name__})"
+    want = torch.nn.functional.silu(gate) * up
+    if not (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype):
+        return "its own _apply_gate does not answer [S, I] in its input's dtype"
+    if not torch.allclose(got, want, rtol=1e-5, atol=0.0, equal_nan=True):
+        return "its own _apply_gate is not silu(gate) * up (a clamp or another activation)"
     return ""
 
 

@@ -326,6 +326,8 @@ def test_experts_mxgemm_cannot_take_are_left_with_the_reason():
         (lambda m: setattr(m, "gate_up_proj_bias", nn.Parameter(torch.zeros(E, 2 * I))), "its projections have biases"),
         (lambda m: setattr(m, "down_proj", nn.Parameter(torch.zeros(E, H, 7))), "does not match gate_up_proj"),
         (lambda m: setattr(m, "act_fn", nn.ReLU()), "its activation is ReLU, not SiLU"),
+        (lambda m: setattr(m, "scale", nn.Parameter(torch.ones(E))), "it holds scale besides its projections"),
+        (lambda m: setattr(m, "norm", nn.LayerNorm(H)), "it holds norm.weight, norm.bias, norm besides"),
     ],
 )
 def test_unfit_experts_are_named_with_the_reason(change, reason):
@@ -335,6 +337,63 @@ def test_unfit_experts_are_named_with_the_reason(change, reason):
     assert reason in experts_unfit_reason(experts)
     with pytest.raises(TypeError, match=f"cannot become MXFP8Experts: .*{re.escape(reason)}"):
         MXFP8Experts.from_experts(experts, backend="emulation")
+
+
+def _own_experts(model_type, cls, *args, **sizes):
+    """transformers' own experts class ``cls`` of ``model_type`` at tiny sizes (E experts, H hidden, I wide; its
+    config's other fields at their defaults but ``sizes``), weights seeded; a skip where this transformers lacks it."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        config = transformers.AutoConfig.for_model(model_type)
+    except (ImportError, ValueError):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    config = getattr(config, "text_config", config)
+    fields = dict(num_local_experts=E, n_routed_experts=E, num_experts=E, hidden_size=H, moe_hidden_size=H)
+    for name, value in {**fields, "intermediate_size": I, "moe_intermediate_size": I, **sizes}.items():
+        setattr(config, name, value)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    experts = getattr(module, cls)(config, *args)
+    for weight in experts.parameters():
+        nn.init.normal_(weight, std=0.05)
+    return experts
+
+
+@pytest.mark.parametrize(
+    "model_type, cls, args, sizes, reason",
+    [
+        # a SwiGLU clamped at swiglu_limit in the class's own _apply_gate
+        ("deepseek_v4", "DeepseekV4Experts", (), {"swiglu_limit": 10.0}, "its own _apply_gate is not silu(gate) * up"),
+        ("step3p7", "Step3p7Experts", (0,), {"swiglu_limits": [7.0]}, "its own _apply_gate is not silu(gate) * up"),
+        ("muse_spark", "MuseSparkExperts", (), {"post_norm_eps": 1e-5}, "it normalizes each expert's output"),
+        ("gpt_oss", "GptOssExperts", (), {}, "its weights are stored transposed"),
+        ("llama4", "Llama4TextExperts", (), {}, "its weights are stored transposed"),
+    ],
+)
+def test_experts_computing_other_than_silu_gate_times_up_are_refused(model_type, cls, args, sizes, reason):
+    experts = _own_experts(model_type, cls, *args, **sizes)
+    assert reason in experts_unfit_reason(experts)
+    with pytest.raises(TypeError, match=f"cannot become MXFP8Experts: .*{re.escape(reason)}"):
+        MXFP8Experts.from_experts(experts, backend="emulation")
+
+
+@pytest.mark.parametrize(
+    "model_type, cls, args, sizes",
+    [
+        ("beam", "BeamExperts", (), {}),  # its own _apply_gate is silu(gate) * up computed in fp32
+        ("step3p7", "Step3p7Experts", (0,), {"swiglu_limits": [0]}),  # a layer whose limit 0 means no clamp
+    ],
+)
+def test_experts_whose_own_gate_is_silu_gate_times_up_are_taken(model_type, cls, args, sizes):
+    experts = _own_experts(model_type, cls, *args, **sizes)
+    assert experts_unfit_reason(experts) == ""
+    x = random_act(9, H, dtype=torch.float32)
+    ids, weights = _routing(9, 2, "random")
+    with torch.no_grad():
+        got = MXFP8Experts.from_experts(experts, backend="emulation")(x, ids, weights)
+        assert sqnr_db(got, experts(x, ids, weights)) >= 20
 
 
 def test_save_checkpoint_writes_the_experts_per_expert(tmp_path):
