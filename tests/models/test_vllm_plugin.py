@@ -163,3 +163,42 @@ def test_the_readme_vllm_example_runs_and_prints_what_it_shows(vllm_python, sing
     lines = (done.stdout + done.stderr).splitlines()
     for line in expected:
         assert any(line in got for got in lines), f"expected {line!r} in:\n{done.stdout[-3000:]}"
+
+
+LAYER_REASONS = """
+import json, torch
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType
+from mxgemm.errors import MXGemmError
+from mxgemm.integrations import vllm_moe
+
+base = dict(num_experts=4, experts_per_token=2, hidden_dim=64, intermediate_size=96, num_local_experts=4,
+            num_logical_experts=4, activation=MoEActivation.SILU, device="cpu", in_dtype=torch.bfloat16,
+            routing_method=RoutingMethodType.Renormalize, moe_parallel_config=FusedMoEParallelConfig.make_no_parallel())
+cases = {"silu": {}, "clamped": {"swiglu_limit": 7.0}, "biased": {"has_bias": True},
+         "gelu": {"activation": MoEActivation.GELU}, "swigluoai": {"activation": MoEActivation.SWIGLUOAI}}
+out = {}
+for name, fields in cases.items():
+    moe = FusedMoEConfig(**{**base, **fields})
+    try:
+        made = type(vllm_moe.MxgemmMxfp8MoEMethod(moe)).__name__
+    except MXGemmError as error:
+        made = str(error)
+    out[name] = [vllm_moe.experts_layer_reason(moe), made]
+print(json.dumps(out))
+"""
+
+
+def test_moe_layers_computing_other_than_silu_gate_times_up_are_left_to_vllm(vllm_python):
+    """vLLM's MoE layers declare what their experts compute (``FusedMoEConfig``): mxgemm's MoE method takes only
+    silu(gate) * up without biases; a SwiGLU clamped at ``swiglu_limit`` (EXAONE-MoE's, DeepSeek-V4's), biases or
+    another activation are left to vLLM's own path with the reason, where the method would have run them unclamped."""
+    reasons = _result(_run([vllm_python, "-c", LAYER_REASONS], env=_env(), timeout=600))
+    assert reasons["silu"] == ["", "MxgemmMxfp8MoEMethod"]
+    for case, reason in [
+        ("clamped", "SwiGLU has swiglu_limit 7.0"),
+        ("biased", "experts have biases"),
+        ("gelu", "activation is gelu"),
+        ("swigluoai", "activation is swigluoai"),
+    ]:
+        assert reasons[case] == [reason, f"mxgemm runs experts of silu(gate) * up; this layer's {reason}"]

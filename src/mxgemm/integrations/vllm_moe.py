@@ -24,7 +24,8 @@ from ..moe import experts_stay_in_bf16, moe_experts
 from ..resolve import resolve_backend
 from . import vllm_log
 
-__all__ = ["METHOD", "MODELOPT_METHOD", "grouped_reason", "register"]  # and _CLASSES, built on first access
+# and _CLASSES, built on first access
+__all__ = ["METHOD", "MODELOPT_METHOD", "experts_layer_reason", "grouped_reason", "register"]
 
 METHOD = "mxgemm"  # compressed-tensors checkpoints
 MODELOPT_METHOD = "mxgemm_modelopt"  # ModelOpt MXFP8 checkpoints
@@ -73,6 +74,30 @@ def _has_experts(hf_config) -> bool:
     return any(getattr(text, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
+def experts_layer_reason(moe) -> str:
+    """What of a vLLM MoE layer of config ``moe`` (vLLM's ``FusedMoEConfig``) mxgemm's experts do not compute, or "":
+    they run silu(gate) * up between the projections, without biases, clamps or adapters."""
+    if moe.activation.value != "silu" or not moe.is_act_and_mul:
+        return f"activation is {moe.activation.value}"
+    for field in ("swiglu_limit", "swiglu_alpha", "swiglu_beta"):  # vLLM's clamped and scaled SwiGLU
+        if getattr(moe, field, None) is not None:
+            return f"SwiGLU has {field} {getattr(moe, field)}"
+    if getattr(moe, "has_bias", False):
+        return "experts have biases"
+    if getattr(moe, "is_lora_enabled", False):
+        return "experts have LoRA adapters"
+    return ""
+
+
+def _runs(layer) -> bool:
+    """Whether mxgemm's MoE method takes vLLM's MoE ``layer``; where it does not, vLLM's own MXFP8 path does, and
+    the line of what runs where says why."""
+    reason = experts_layer_reason(layer.moe_config)
+    if reason:
+        vllm_log.left(f"MoE layers whose {reason} on vLLM's own MXFP8 path")
+    return not reason
+
+
 def _classes():
     """mxgemm's configs and MoE method by name (:data:`_CLASSES`), built on first use: they subclass vLLM's."""
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -95,8 +120,9 @@ def _classes():
 
         def __init__(self, moe):
             CompressedTensorsMoEMethod.__init__(self, moe)  # not vLLM's kernel selection: mxgemm runs these experts
-            if moe.activation.value != "silu" or not moe.is_act_and_mul:
-                raise MXGemmError(f"mxgemm runs SiLU-gated experts; this layer's activation is {moe.activation}")
+            reason = experts_layer_reason(moe)
+            if reason:
+                raise MXGemmError(f"mxgemm runs experts of silu(gate) * up; this layer's {reason}")
             vllm_log.taken("MoE")  # one method a layer, made as vLLM builds the model
 
         # create_weights: compressed-tensors' own (the canonical names and vLLM's loader attributes)
@@ -142,7 +168,7 @@ def _classes():
                 self._add_fused_moe_to_target_scheme_map()
                 scheme = self.get_scheme_dict(layer, f"{prefix}.0.{layer.ckpt_gate_proj_name}")
                 weights = scheme.get("weights") if scheme else None
-                if weights is not None and self._is_mxfp8(weights):
+                if weights is not None and self._is_mxfp8(weights) and _runs(layer):
                     return MxgemmMxfp8MoEMethod(layer.moe_config)
             return super().get_quant_method(layer, prefix)
 
@@ -159,7 +185,7 @@ def _classes():
             return _claim(MODELOPT_METHOD, is_mxfp8, user_quant, hf_config, MxgemmMxfp8MoEMethod.backend)
 
         def get_quant_method(self, layer, prefix):
-            if isinstance(layer, RoutedExperts) and not self.is_layer_excluded(prefix):
+            if isinstance(layer, RoutedExperts) and not self.is_layer_excluded(prefix) and _runs(layer):
                 return MxgemmMxfp8MoEMethod(layer.moe_config)
             return super().get_quant_method(layer, prefix)
 
