@@ -167,10 +167,11 @@ def test_the_readme_vllm_example_runs_and_prints_what_it_shows(vllm_python, sing
 
 LAYER_REASONS = """
 import json, torch
+from types import SimpleNamespace
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType
 from mxgemm.errors import MXGemmError
-from mxgemm.integrations import vllm_moe
+from mxgemm.integrations import vllm_log, vllm_moe
 
 base = dict(num_experts=4, experts_per_token=2, hidden_dim=64, intermediate_size=96, num_local_experts=4,
             num_logical_experts=4, activation=MoEActivation.SILU, device="cpu", in_dtype=torch.bfloat16,
@@ -185,14 +186,20 @@ for name, fields in cases.items():
     except MXGemmError as error:
         made = str(error)
     out[name] = [vllm_moe.experts_layer_reason(moe), made]
+# a layer as vLLM's RoutedExperts holds them when it asks for its method (its config and apply_router_weight_on_input)
+layers = [SimpleNamespace(moe_config=FusedMoEConfig(**{**base, **fields}), apply_router_weight_on_input=on_input)
+          for fields, on_input in [({}, False), ({}, True), (cases["clamped"], False)]]
+out["runs"] = [vllm_moe._runs(layer) for layer in layers]
+out["line"] = vllm_log.summary()
 print(json.dumps(out))
 """
 
 
 def test_moe_layers_computing_other_than_silu_gate_times_up_are_left_to_vllm(vllm_python):
-    """vLLM's MoE layers declare what their experts compute (``FusedMoEConfig``): mxgemm's MoE method takes only
-    silu(gate) * up without biases; a SwiGLU clamped at ``swiglu_limit`` (EXAONE-MoE's, DeepSeek-V4's), biases or
-    another activation are left to vLLM's own path with the reason, where the method would have run them unclamped."""
+    """vLLM's MoE layers declare what their experts compute (``FusedMoEConfig``, ``apply_router_weight_on_input``):
+    mxgemm's MoE method takes only silu(gate) * up without biases, weighted after; a SwiGLU clamped at
+    ``swiglu_limit`` (EXAONE-MoE's), biases, another activation or router weights on the inputs (Llama 4's) are left
+    to vLLM's own path with the reason in the line of what runs where (the method ran clamped ones unclamped)."""
     reasons = _result(_run([vllm_python, "-c", LAYER_REASONS], env=_env(), timeout=600))
     assert reasons["silu"] == ["", "MxgemmMxfp8MoEMethod"]
     for case, reason in [
@@ -202,3 +209,8 @@ def test_moe_layers_computing_other_than_silu_gate_times_up_are_left_to_vllm(vll
         ("swigluoai", "activation is swigluoai"),
     ]:
         assert reasons[case] == [reason, f"mxgemm runs experts of silu(gate) * up; this layer's {reason}"]
+    assert reasons["runs"] == [True, False, False]
+    assert reasons["line"] == (
+        "mxgemm: MoE layers whose router weights apply to the experts' inputs on vLLM's own MXFP8 path; "
+        "MoE layers whose SwiGLU has swiglu_limit 7.0 on vLLM's own MXFP8 path"
+    )

@@ -93,6 +93,8 @@ def _runs(layer) -> bool:
     """Whether mxgemm's MoE method takes vLLM's MoE ``layer``; where it does not, vLLM's own MXFP8 path does, and
     the line of what runs where says why."""
     reason = experts_layer_reason(layer.moe_config)
+    if not reason and getattr(layer, "apply_router_weight_on_input", False):  # Llama 4's
+        reason = "router weights apply to the experts' inputs"
     if reason:
         vllm_log.left(f"MoE layers whose {reason} on vLLM's own MXFP8 path")
     return not reason
