@@ -27,6 +27,7 @@ from .model_folder import ModelFolderError, folder_file, read_folder_file
 from .moe import (
     PROJECTIONS,
     MXFP8Experts,
+    experts_layout_reason,
     experts_modules,
     experts_stay_in_bf16,
     experts_unfit_reason,
@@ -374,9 +375,9 @@ def load_checkpoint(
 
     Experts stored per expert (``<experts>.<e>.{gate,up,down}_proj.weight``, as compressed-tensors, ModelOpt and
     :func:`save_checkpoint` write them) fill a model's 3-D experts (transformers' ``gate_up_proj`` / ``down_proj``):
-    MXFP8 ones become an ``MXFP8Experts`` (on a GPU where ``auto`` finds no grouped backend but the emulation,
-    they are dequantized into the model's own experts instead, and the report says so); bf16 ones are stacked into
-    the model's tensors.
+    MXFP8 ones become an ``MXFP8Experts`` (they are dequantized into the model's own experts instead, and the report
+    says why, where the experts compute other than MXFP8Experts, :func:`mxgemm.moe.experts_unfit_reason`, and on a
+    GPU where ``auto`` finds no grouped backend but the emulation); bf16 ones are stacked into the model's tensors.
     """
     fmt = read_format(path)
     source = TensorSource(path)
@@ -385,6 +386,10 @@ def load_checkpoint(
     experts, consumed, stacked = experts_in(model, source)
     kept = experts_stay_in_bf16(target, backend, recipe) if experts else ""
     experts_to_dequantize = dict.fromkeys(experts, kept) if kept else {}
+    for name in experts:  # experts computing other than MXFP8Experts run their own steps on their own tensors
+        reason = experts_unfit_reason(model.get_submodule(name))
+        if reason:
+            experts_to_dequantize[name] = reason
     plans = []
     for name, module in model.named_modules():
         if type(module) is not nn.Linear or f"{name}.weight_scale" not in source:
@@ -490,7 +495,7 @@ def experts_in(model: nn.Module, source: TensorSource, stored: dict[str, dict[st
                     )
         consumed |= {n for ns in names.values() for n in ns}
         if quantized:
-            reason = experts_unfit_reason(module)
+            reason = experts_layout_reason(module)
             if reason:
                 raise CheckpointError(f"{name} holds MXFP8 experts that MXFP8Experts cannot take: {reason}")
             consumed |= {f"{n}_scale" for ns in names.values() for n in ns}

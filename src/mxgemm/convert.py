@@ -145,7 +145,10 @@ def quantize_folder(
     model, layers, tied = _meta_model(config)
     routers = router_names(model)
     source = TensorSource(src)
-    reports, targets = [], {}  # targets: tensor name -> the shape the config gives it
+    experts = stored_expert_names(model)  # where the folder stores each experts module's per-expert tensors
+    own = stored_to_model_names(model, experts)  # the source's names, as stored, -> the model's
+    stored = {m: s for s, m in own.items()}
+    reports, targets = [], {}  # targets: tensor name, as stored -> the shape the config gives it
     for name, module in layers.items():
         tied_to = tied.get(f"{name}.weight")
         reason = f"tied to {tied_to}" if tied_to else skip_reason(name, module, skip, routers)
@@ -153,8 +156,7 @@ def quantize_folder(
             reports.append(LayerReport(name, False, None, None, reason))
         else:
             reports.append(LayerReport(name, True, "emulation", "w8a16", ""))
-            targets[f"{name}.weight"] = (module.out_features, module.in_features)
-    experts = stored_expert_names(model)  # where the folder stores each experts module's per-expert tensors
+            targets[stored.get(f"{name}.weight", f"{name}.weight")] = (module.out_features, module.in_features)
     targets.update(_experts_targets(model, source, experts, skip, reports))
     unmatched = [p for p in skip if not any(matches_skip(r.name, (p,)) for r in reports)] if skip_must_match else []
     if unmatched:
@@ -188,7 +190,6 @@ def quantize_folder(
         raise CheckpointError(f"{src}: no tensor for {sorted(targets)[0]} (and {len(targets) - 1} more)")
     writer.finish()
     cfg = config.to_dict()
-    own = stored_to_model_names(model, experts)  # the source's names, as stored, -> the model's
     kept = {own.get(n, n): source.shapes[n] for n in source.where if n not in quantized}  # routers, experts, ...
     owners = list(dict.fromkeys([r.name for r in reports if not r.replaced] + unquantized_owners(model, kept)))
     ignore = dict.fromkeys(stored_module_names(model, owners).values())  # as the checkpoint names them

@@ -27,6 +27,7 @@ __all__ = [
     "GRAPHED_TOKENS",
     "PROJECTIONS",
     "MXFP8Experts",
+    "experts_layout_reason",
     "experts_modules",
     "experts_stay_in_bf16",
     "experts_unfit_reason",
@@ -161,21 +162,35 @@ def experts_stay_in_bf16(device: torch.device | DeviceInfo, backend: str | None,
     return "no backend runs grouped weights fast on this GPU yet (name backend='emulation' to emulate)"
 
 
-# transformers' declared layout of an experts class (``use_experts_implementation``'s flags) as MXFP8Experts runs it
+# transformers' declared layout of an experts class (``use_experts_implementation``'s flags) as MXFP8Experts holds it
 _LAYOUT = {
     "is_transposed": (False, "its weights are stored transposed ([E, H, 2I] and [E, I, H])"),
     "is_concatenated": (True, "its gate and up rows are interleaved"),
     "has_bias": (False, "its projections have biases"),
     "has_gate": (True, "it has no gate projection"),
-    "has_post_expert_norm": (False, "it normalizes each expert's output"),
 }
 
 
 def experts_unfit_reason(module: nn.Module) -> str:
-    """Why ``module`` is not an experts module :class:`MXFP8Experts` takes the place of, or "" where it is: 3-D
-    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] parameters without biases, concatenated gate and up rows,
-    ``silu(gate) * up`` between them (:func:`_gate_reason`), no other tensors or modules, K (H and I) a multiple of
-    32."""
+    """Why ``module`` is not an experts module :class:`MXFP8Experts` takes the place of, or "" where it is: its
+    weights laid out as MXFP8Experts holds them (:func:`experts_layout_reason`), ``silu(gate) * up`` between them
+    (:func:`_gate_reason`), nothing after each expert, no other tensors or modules."""
+    reason = experts_layout_reason(module)
+    if reason:
+        return reason
+    if getattr(module, "has_post_expert_norm", False):
+        return "it normalizes each expert's output"
+    others = [n for n, _ in module.named_parameters() if n not in ("gate_up_proj", "down_proj")]
+    others += [n for n, _ in module.named_buffers()] + [n for n in module._modules if n != "act_fn"]
+    if others:
+        return f"it holds {', '.join(others)} besides its projections"
+    return _gate_reason(module, module.gate_up_proj.shape[1])
+
+
+def experts_layout_reason(module: nn.Module) -> str:
+    """Why the weights of ``module`` are not laid out as :class:`MXFP8Experts` holds them (and checkpoints store them
+    per expert), or "": 3-D ``gate_up_proj`` [E, 2I, H] (gate rows first) and ``down_proj`` [E, H, I] parameters
+    without biases, K (H and I) a multiple of 32, whatever they compute."""
     for flag, (fit, reason) in _LAYOUT.items():
         if getattr(module, flag, fit) != fit:
             return reason
@@ -191,16 +206,6 @@ def experts_unfit_reason(module: nn.Module) -> str:
         return f"down_proj {tuple(down.shape)} does not match gate_up_proj {tuple(gate_up.shape)} as [E, H, I]"
     if any(getattr(module, b, None) is not None for b in ("gate_up_proj_bias", "down_proj_bias")):
         return "its projections have biases"
-    others = [n for n, _ in module.named_parameters() if n not in ("gate_up_proj", "down_proj")]
-    others += [n for n, _ in module.named_buffers()] + [n for n in module._modules if n != "act_fn"]
-    if others:
-        return f"it holds {', '.join(others)} besides its projections"
-    act = type(getattr(module, "act_fn", None)).__name__
-    if act not in ("SiLU", "SiLUActivation"):
-        return f"its activation is {act}, not SiLU"
-    reason = _gate_reason(module, two_i)
-    if reason:
-        return reason
     if h % 32 or (two_i // 2) % 32:
         return f"hidden size {h} or expert width {two_i // 2} is not a multiple of 32"
     return ""
@@ -208,15 +213,17 @@ def experts_unfit_reason(module: nn.Module) -> str:
 
 def _gate_reason(module: nn.Module, two_i: int) -> str:
     """Why the gate of ``module`` is not ``silu(gate) * up`` of its gate/up output's halves, or "". transformers'
-    experts apply their class's ``_apply_gate`` there; a class's own (a clamp, a scaled SwiGLU) is taken where it
-    answers as SiLU(gate) * up on values of both signs from 1e-8 to 1e38, where any clamp of finite values shows."""
+    experts apply their class's ``_apply_gate`` there, by default ``act_fn(gate) * up``; a class's own (a clamp, a
+    scaled SwiGLU) is taken where it answers as silu(gate) * up on values of both signs from 1e-8 to 1e38, where any
+    clamp of finite values shows."""
     own = getattr(type(module), "_apply_gate", None)
     if own is None or getattr(own, "__qualname__", "") == "_default_apply_gate":
-        return ""
+        act = type(getattr(module, "act_fn", None)).__name__
+        return "" if act in ("SiLU", "SiLUActivation") else f"its activation is {act}, not SiLU"
     g = torch.Generator().manual_seed(0)
-    rows = 64
-    signs = torch.randint(0, 2, (rows, two_i), generator=g) * 2 - 1
-    probe = signs * torch.pow(10.0, torch.rand(rows, two_i, generator=g) * 46 - 8)
+    shape, cpu = (64, two_i), torch.device("cpu")  # on the CPU under any default device (transformers' meta)
+    signs = torch.randint(0, 2, shape, generator=g, device=cpu) * 2 - 1
+    probe = signs * torch.pow(10.0, torch.rand(shape, generator=g, device=cpu) * 46 - 8)
     gate, up = probe.chunk(2, dim=-1)
     try:
         with torch.no_grad():

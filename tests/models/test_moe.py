@@ -396,6 +396,66 @@ def test_experts_whose_own_gate_is_silu_gate_times_up_are_taken(model_type, cls,
         assert sqnr_db(got, experts(x, ids, weights)) >= 20
 
 
+def test_mxfp8_experts_computing_otherwise_load_dequantized_into_their_own(tmp_path, monkeypatch):
+    """A tiny DeepSeek-V4, whose checkpoints name its tensors otherwise than its modules: `mxgemm quantize` quantizes
+    its linear layers under those names, and both routes load them. Its experts clamp their SwiGLU: with them
+    quantized per expert (compressed-tensors' own bytes), load_checkpoint dequantizes them into the model's own
+    experts, which keep the clamp, and the report says why; transformers' route refuses them naming load_checkpoint."""
+    pytest.importorskip("compressed_tensors")
+    from helpers import compressed_tensors_mxfp8
+    from safetensors.torch import load_file, save_file
+
+    from mxgemm.cli import main
+    from mxgemm.format import MXTensor
+    from mxgemm.integrations import checkpoint_config
+
+    _own_experts("deepseek_v4", "DeepseekV4Experts")  # a skip where this transformers has no DeepSeek-V4
+    monkeypatch.setenv("MXGEMM_BACKEND", "emulation")  # both routes' layers
+    sizes = dict(hidden_size=H, intermediate_size=I, moe_intermediate_size=I, num_local_experts=E, n_routed_experts=E)
+    layers = dict(num_hidden_layers=2, layer_types=["compressed_sparse_attention"] * 2, mlp_layer_types=["moe"] * 2)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, num_experts_per_tok=2)
+    config = transformers.AutoConfig.for_model("deepseek_v4", **sizes, **layers, **heads, swiglu_limit=0.1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "mx")]) == 0  # the experts stay bf16: unfit
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # its checkpoint names (DeepSeek's own: ffn.shared_experts.w1, ...) read by both routes
+        want = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        mxgemm.load_checkpoint(want, tmp_path / "mx")
+        got = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "mx", config=checkpoint_config(tmp_path / "mx"), dtype=torch.bfloat16
+        )
+        assert isinstance(got.model.layers[0].mlp.shared_experts.down_proj, mxgemm.MXFP8Linear)
+        assert torch.equal(got(ids).logits, want(ids).logits)
+    shard = tmp_path / "mx" / "model.safetensors"
+    tensors = load_file(str(shard))
+    experts = [k for k in tensors if re.search(r"experts\.\d+\.w[123]\.weight$", k)]  # DeepSeek's names
+    assert len(experts) == 2 * E * 3
+    for k in experts:  # as compressed-tensors quantizes each expert's projection
+        tensors[k], tensors[f"{k}_scale"] = compressed_tensors_mxfp8(tensors[k])
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+    loaded = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    report = mxgemm.load_checkpoint(loaded, tmp_path / "mx")
+    own = "its own _apply_gate is not silu(gate) * up"
+    assert f"model.layers.0.mlp.experts in bf16: {own}" in str(report)
+    held = loaded.model.layers[0].mlp.experts
+    assert type(held).__name__ == "DeepseekV4Experts" and held.gate_up_proj.dtype == torch.bfloat16
+    prefix = "model.layers.0.ffn.experts.1"  # its gate w1, its up w3
+    want = [
+        mxgemm.dequantize(MXTensor(tensors[f"{prefix}.{p}.weight"], tensors[f"{prefix}.{p}.weight_scale"]))
+        for p in ("w1", "w3")
+    ]
+    assert torch.equal(held.gate_up_proj[1].float(), torch.cat(want))
+    with torch.no_grad():
+        assert sqnr_db(loaded(ids).logits.float(), model(ids).logits.float()) >= 20
+    with pytest.raises(mxgemm.CheckpointError, match=f"{re.escape(own)} .*; mxgemm.load_checkpoint loads them"):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "mx", config=checkpoint_config(tmp_path / "mx"), dtype=torch.bfloat16
+        )
+
+
 def test_save_checkpoint_writes_the_experts_per_expert(tmp_path):
     """As compressed-tensors and ModelOpt store experts: each expert's gate, up and down projections with their
     scales, the same bits the module computes with; the experts are not in ignore, the routers are."""

@@ -46,13 +46,14 @@ from ..checkpoints import (
     experts_in,
     per_expert_state,
     stored_expert_names,
+    stored_to_model_names,
 )
 from ..errors import MXGemmError
 from ..format import BLOCK_SIZE, e8m0_bytes
 from ..fusion import fuse
 from ..linear import MXFP8Linear
 from ..models import quantizable_linears, quantize_model
-from ..moe import MXFP8Experts, experts_modules, per_expert_shapes
+from ..moe import MXFP8Experts, experts_modules, experts_unfit_reason, per_expert_shapes
 from ..resolve import check_request
 
 __all__ = ["METHOD", "MXFP8Config", "MXFP8HfQuantizer", "checkpoint_config", "enable_transformers"]
@@ -192,13 +193,17 @@ def _check_saved(
         raise CheckpointError("a saved mxgemm model loads from its safetensors files (from_pretrained gave none)")
     source = TensorSource(Path(files[0]).parent)
     _refuse_scales_read_under_other_names(source)
+    stored = _stored_names(model)
+    stored_as = {
+        m.removesuffix(".weight"): s.removesuffix(".weight") for s, m in stored_to_model_names(model, stored).items()
+    }
     packed = {}
     for name, module in layers:
-        packed[name] = _unpack_header(source, f"{name}.weight", module.out_features, module.in_features)
-        check_pair(name, source, module)
-        _check_scale_dtype(source, f"{name}.weight_scale", scale_dtype)
+        at = stored_as.get(name, name)  # the layer's name in the files (transformers' renamings reverted)
+        packed[name] = _unpack_header(source, f"{at}.weight", module.out_features, module.in_features)
+        check_pair(at, source, module)
+        _check_scale_dtype(source, f"{at}.weight_scale", scale_dtype)
     experts_packed = {}
-    stored = _stored_names(model)
     for name, module in experts_modules(model):
         if name not in stored or module.gate_up_proj.dim() != 3:
             continue
@@ -206,6 +211,13 @@ def _check_saved(
         packed_now = {_unpack_header(source, n, *shapes[p]) for p, ns in stored[name].items() for n in ns}
         experts_packed[name] = packed_now == {True}
     quantized, consumed, _ = experts_in(model, source, stored)
+    for name in quantized:
+        reason = experts_unfit_reason(model.get_submodule(name))
+        if reason:
+            raise CheckpointError(
+                f"{name} holds MXFP8 experts that MXFP8Experts cannot take: {reason}; mxgemm.load_checkpoint loads "
+                "them dequantized into the model's own experts"
+            )
     for names in quantized.values():
         for weight in (n for ns in names.values() for n in ns):
             _check_scale_dtype(source, f"{weight}_scale", scale_dtype)
@@ -252,10 +264,15 @@ class MXFP8HfQuantizer(HfQuantizer):
                 layers = quantizable_linears(model, config.skip)
             else:
                 linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
-                wrong = [name for name in config.modules if name not in linears]
+                own = {
+                    s.removesuffix(".weight"): m.removesuffix(".weight")
+                    for s, m in stored_to_model_names(model).items()
+                }
+                modules = [own.get(name, name) for name in config.modules]  # as the files name them -> the model's
+                wrong = [stored for stored, name in zip(config.modules, modules, strict=True) if name not in linears]
                 if wrong:
                     raise ValueError(f"the checkpoint quantizes {wrong[0]}, which is not an nn.Linear of this model")
-                layers = [(name, linears[name]) for name in config.modules]
+                layers = [(name, linears[name]) for name in modules]
             scale_dtype = _SCALE_DTYPES[config.scale_dtype]
             packed, experts = _check_saved(kwargs.get("checkpoint_files"), model, layers, scale_dtype)
             for name, module in layers:
