@@ -29,7 +29,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from mxgemm.models import hf_model_class
+from mxgemm.models import hf_meta_model
 
 HIDDEN, INTER = 2048, 5632
 
@@ -39,8 +39,7 @@ def write_source(folder: Path, config, device: str = "cpu") -> int:
     and one for the rest, with an index, written without building the model (names and shapes come from a model
     built on the meta device; ``device`` draws the numbers); its bytes."""
     config.save_pretrained(folder)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in hf_model_class(config).from_config(config).state_dict().items()}
+    shapes = {k: v.shape for k, v in hf_meta_model(config).state_dict().items()}
     groups: dict[str, dict] = {}
     for name, shape in shapes.items():
         groups.setdefault(name.split(".")[2] if name.startswith("model.layers.") else "rest", {})[name] = shape

@@ -178,17 +178,16 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _hf_model_class(model_dir: str, console: Console, command: str):
-    """(transformers model class, config) for a Hugging Face model folder; None (error printed) without
-    transformers."""
+def _hf_meta_model(model_dir: str, console: Console, command: str):
+    """The model of a Hugging Face model folder built on the meta device (shapes only: no weights are read or
+    allocated); None (error printed) without transformers."""
     if not _have_transformers(console, command):
         return None
     from transformers import AutoConfig
 
-    from .models import hf_model_class
+    from .models import hf_meta_model
 
-    config = AutoConfig.from_pretrained(model_dir)
-    return hf_model_class(config), config
+    return hf_meta_model(AutoConfig.from_pretrained(model_dir))
 
 
 def _have_transformers(console: Console, command: str) -> bool:
@@ -343,12 +342,9 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     elif args.model_dir:
         from .models import linear_shapes
 
-        found = _hf_model_class(args.model_dir, console, "tune --model-dir")
-        if found is None:
+        model = _hf_meta_model(args.model_dir, console, "tune --model-dir")
+        if model is None:
             return 2
-        cls, config = found
-        with torch.device("meta"):  # shapes only: no weights are read or allocated
-            model = cls.from_config(config)
         shapes = linear_shapes(model, skip=args.skip)
         console.print(f"{len(shapes)} distinct linear shapes in {args.model_dir}")
         for n, k, _ in shapes:

@@ -31,7 +31,7 @@ from .checkpoints import (
     unquantized_owners,
 )
 from .format import ScaleMode, quantize
-from .models import LayerReport, QuantizeReport, hf_model_class, matches_skip, router_names, skip_reason
+from .models import LayerReport, QuantizeReport, hf_meta_model, matches_skip, router_names, skip_reason
 from .moe import experts_modules, experts_unfit_reason, per_expert_shapes
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ShardWriter", "quantize_folder"]
@@ -91,8 +91,7 @@ class ShardWriter:
 def _meta_model(config) -> tuple[nn.Module, dict[str, nn.Linear], dict[str, str]]:
     """The model built on the meta device (no memory, no weights), its ``nn.Linear`` layers by name, and its tied
     parameters (alias -> the name checkpoints store)."""
-    with torch.device("meta"):
-        model = hf_model_class(config).from_config(config)
+    model = hf_meta_model(config)
     tied = {alias: names[0] for names in set(tied_groups(model).values()) for alias in names[1:]}
     return model, {name: m for name, m in model.named_modules() if type(m) is nn.Linear}, tied
 

@@ -27,7 +27,7 @@ logger = logging.getLogger("mxgemm")
 __all__ = [
     "LayerReport",
     "QuantizeReport",
-    "hf_model_class",
+    "hf_meta_model",
     "linear_shapes",
     "matches_skip",
     "quantizable_linears",
@@ -284,13 +284,20 @@ def quantizable_linears(model: nn.Module, skip: Sequence[str]) -> list[tuple[str
     return [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not skip_reason(n, m, skip, routers)]
 
 
-def hf_model_class(config):
-    """The transformers auto class a model of ``config`` is built with: ``AutoModelForCausalLM`` for a causal LM,
-    else ``AutoModel``."""
-    from transformers import AutoModel, AutoModelForCausalLM
+def hf_meta_model(config) -> nn.Module:
+    """A transformers model of ``config`` built on the meta device (no memory, no weights), of the class its
+    checkpoints are written by: the class ``config.architectures`` names where transformers has it
+    (``Qwen3VLMoeForConditionalGeneration``, whose text model's tensors are under ``model.language_model``), else
+    ``AutoModelForCausalLM`` for a causal LM, else ``AutoModel``."""
+    import transformers
 
-    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
-    return AutoModelForCausalLM if causal else AutoModel
+    named = [getattr(transformers, a, None) for a in (config.architectures or []) if isinstance(a, str)]
+    named = [c for c in named if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)]
+    with torch.device("meta"):
+        if named:
+            return named[0](config)
+        causal = any(str(a).endswith("ForCausalLM") for a in (config.architectures or []))
+        return (transformers.AutoModelForCausalLM if causal else transformers.AutoModel).from_config(config)
 
 
 def linear_shapes(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> list[tuple[int, int, str]]:

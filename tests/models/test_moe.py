@@ -456,6 +456,39 @@ def test_mxfp8_experts_computing_otherwise_load_dequantized_into_their_own(tmp_p
         )
 
 
+def test_mxgemm_quantize_of_a_vision_moe_model_builds_the_class_its_config_names(tmp_path, monkeypatch):
+    """A tiny Qwen3-VL-MoE folder (its text model's tensors under ``model.language_model``): `mxgemm quantize` builds
+    the class ``architectures`` names, quantizes the linear layers under the folder's names (it had built the bare
+    model and found no tensor for them), says its stacked experts stay as stored, and both routes load it alike."""
+    from mxgemm.cli import main
+    from mxgemm.integrations import checkpoint_config
+
+    if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3-VL-MoE")
+    monkeypatch.setenv("MXGEMM_BACKEND", "emulation")
+    config = transformers.AutoConfig.for_model("qwen3_vl_moe")
+    text = dict(hidden_size=H, intermediate_size=128, moe_intermediate_size=I, num_hidden_layers=2, head_dim=16)
+    text |= dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=128, num_experts=E, num_experts_per_tok=2)
+    vision = dict(depth=1, hidden_size=H, intermediate_size=128, num_heads=4, out_hidden_size=H)
+    for part, sizes in ((config.text_config, text), (config.vision_config, vision | {"deepstack_visual_indexes": []})):
+        for name, value in sizes.items():
+            setattr(part, name, value)
+    config.text_config.rope_parameters["mrope_section"] = [2, 3, 3]  # of head_dim 16
+    torch.manual_seed(0)
+    transformers.Qwen3VLMoeForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "mx")]) == 0
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+        report = mxgemm.load_checkpoint(want, tmp_path / "mx")
+        got = transformers.AutoModelForImageTextToText.from_pretrained(
+            tmp_path / "mx", config=checkpoint_config(tmp_path / "mx"), dtype=torch.bfloat16
+        )
+        assert isinstance(got.model.language_model.layers[1].self_attn.o_proj, mxgemm.MXFP8Linear)
+        assert torch.equal(got(input_ids=ids).logits, want(input_ids=ids).logits)
+    assert "14 MXFP8 layers loaded" in str(report)  # 2 x (q, k, v, o) and the vision tower's 6
+
+
 def test_save_checkpoint_writes_the_experts_per_expert(tmp_path):
     """As compressed-tensors and ModelOpt store experts: each expert's gate, up and down projections with their
     scales, the same bits the module computes with; the experts are not in ignore, the routers are."""
