@@ -682,11 +682,30 @@ def stored_to_model_names(model: nn.Module, experts: dict[str, dict[str, list[st
     except (RuntimeError, ValueError, IndexError):  # a converter of other tensors that does not take one element
         stored = {}
     names = {s: k for s, k in stored.items() if s != k}
+    names.update(_renamed_stacks(model, sorted(stacked)))
     for name, by_projection in experts.items():
         own = per_expert_names(name, len(by_projection["gate_proj"]))
         for p, stored in by_projection.items():
             names.update((s, m) for s, m in zip(stored, own[p], strict=True) if s != m)
     return names
+
+
+def _renamed_stacks(model: nn.Module, names: Sequence[str]) -> dict[str, str]:
+    """The names transformers stores stacked experts' tensors ``names`` under -> each name, where the model's
+    converters only rename it (GraniteMoe's ``block_sparse_moe.input_linear`` for ``gate_up_proj``): reverted on a
+    coded [1, 1, 1] tensor, a rename gives back one 3-D tensor; converters that store experts per expert give more,
+    or 2-D ones."""
+    renamed = {}
+    for name in names:
+        try:
+            reverted = _reverted(model, {name: torch.zeros((1, 1, 1), dtype=torch.float64, device="cpu")}) or {}
+        except (RuntimeError, ValueError, IndexError):
+            continue
+        if len(reverted) == 1:
+            ((stored, tensor),) = reverted.items()
+            if tensor.dim() == 3 and stored != name:
+                renamed[stored] = name
+    return renamed
 
 
 def stored_module_names(model: nn.Module, modules: Sequence[str]) -> dict[str, str]:

@@ -489,6 +489,33 @@ def test_mxgemm_quantize_of_a_vision_moe_model_builds_the_class_its_config_names
     assert "14 MXFP8 layers loaded" in str(report)  # 2 x (q, k, v, o) and the vision tower's 6
 
 
+def test_stacked_experts_stored_under_other_names_load_by_both_routes(tmp_path, monkeypatch):
+    """A tiny GraniteMoe, whose checkpoints store its stacked experts as ``block_sparse_moe.input_linear`` /
+    ``output_linear`` (its converters rename them): `mxgemm quantize` keeps them as stored and says why, and both
+    routes load them (load_checkpoint had found no tensor of the model under those names)."""
+    from mxgemm.cli import main
+    from mxgemm.integrations import checkpoint_config
+
+    monkeypatch.setenv("MXGEMM_BACKEND", "emulation")
+    sizes = dict(vocab_size=128, hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=4)
+    config = transformers.GraniteMoeConfig(**sizes, num_key_value_heads=2, num_local_experts=E, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "mx")]) == 0
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        mxgemm.load_checkpoint(want, tmp_path / "mx")
+        got = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "mx", config=checkpoint_config(tmp_path / "mx"), dtype=torch.bfloat16
+        )
+        experts = [m.model.layers[1].block_sparse_moe.experts.gate_up_proj for m in (want, model)]
+        assert torch.equal(*experts)
+        assert torch.equal(got(ids).logits, want(ids).logits)
+        assert sqnr_db(want(ids).logits.float(), model(ids).logits.float()) >= 20
+
+
 def test_save_checkpoint_writes_the_experts_per_expert(tmp_path):
     """As compressed-tensors and ModelOpt store experts: each expert's gate, up and down projections with their
     scales, the same bits the module computes with; the experts are not in ignore, the routers are."""
