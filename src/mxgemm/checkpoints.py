@@ -636,7 +636,7 @@ def stored_expert_names(model: nn.Module, *, quantized: bool = False) -> dict[st
     for name, module in model.named_modules():
         if isinstance(module, MXFP8Experts):
             count = module.num_experts
-        elif not quantized and is_experts_module(module) and isinstance(module.gate_up_proj, torch.Tensor):
+        elif not quantized and is_experts_module(module):
             count = module.gate_up_proj.shape[0]
         else:
             continue

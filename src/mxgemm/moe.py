@@ -134,9 +134,10 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """Whether ``module`` holds experts as transformers' 3-D experts modules do (``gate_up_proj`` and ``down_proj``),
-    not yet an :class:`MXFP8Experts`."""
-    return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and not isinstance(module, MXFP8Experts)
+    """Whether ``module`` holds experts as transformers' 3-D experts modules do (``gate_up_proj`` and ``down_proj``
+    tensors; a gated MLP's linear layers of those names, as Phi-3's, are not), not yet an :class:`MXFP8Experts`."""
+    held = (getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None))
+    return all(isinstance(t, torch.Tensor) for t in held) and not isinstance(module, MXFP8Experts)
 
 
 def per_expert_names(name: str, experts: int) -> dict[str, list[str]]:

@@ -516,6 +516,22 @@ def test_stacked_experts_stored_under_other_names_load_by_both_routes(tmp_path, 
         assert sqnr_db(want(ids).logits.float(), model(ids).logits.float()) >= 20
 
 
+def test_a_gated_mlp_of_linear_layers_named_gate_up_proj_is_no_experts_module(tmp_path):
+    """Phi-3's MLP holds nn.Linear layers named ``gate_up_proj`` and ``down_proj``: they are quantized as linear
+    layers, and neither the report nor the checkpoint's ``ignore`` counts the MLP as experts left in bf16."""
+    import json
+
+    from mxgemm.cli import main
+
+    sizes = dict(vocab_size=128, hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=4)
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**sizes, num_key_value_heads=2, pad_token_id=0))
+    model.save_pretrained(tmp_path / "src")
+    report = str(mxgemm.quantize_model(model, backend="emulation"))
+    assert "replaced 8 of 9 linear layers" in report and "experts" not in report
+    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "mx")]) == 0
+    assert json.loads((tmp_path / "mx" / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head"]
+
+
 def test_save_checkpoint_writes_the_experts_per_expert(tmp_path):
     """As compressed-tensors and ModelOpt store experts: each expert's gate, up and down projections with their
     scales, the same bits the module computes with; the experts are not in ignore, the routers are."""
