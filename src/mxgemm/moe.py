@@ -84,13 +84,13 @@ def _check_call(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, hidden: int, device: torch.device
 ) -> None:
     """A call's inputs against experts of hidden size ``hidden`` on ``device``."""
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must be [T, {hidden}], got shape {tuple(x.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"topk_ids and topk_weights must both be [T, k] for x of {x.shape[0]} tokens, got "
             f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
         )
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ValueError(f"x must be [T, {hidden}], got shape {tuple(x.shape)}")
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise TypeError(f"topk_ids must hold integer expert ids, got {topk_ids.dtype}")
     if not (x.device == topk_ids.device == topk_weights.device == device):

@@ -66,6 +66,7 @@ def test_moe_experts_is_each_tokens_experts_run_one_by_one(tokens, kind, dtype):
         ("ids of other tokens", ValueError, r"topk_ids and topk_weights must both be \[T, k\] for x of 3 tokens"),
         ("float ids", TypeError, "topk_ids must hold integer expert ids, got torch.float32"),
         ("x of other H", ValueError, rf"x must be \[T, {H}\], got shape \(3, 32\)"),
+        ("x of a batch", ValueError, rf"x must be \[T, {H}\], got shape \(1, 3, {H}\)"),
         ("not one layer's", ValueError, "are not one layer's experts"),
         ("two backends", ValueError, "gate_up runs on emulation and down on triton; prepare both on one backend"),
         ("a module of two backends", ValueError, "gate_up runs on emulation and down on triton"),
@@ -83,6 +84,8 @@ def test_bad_input_is_a_one_line_error(case, error, message):
             mxgemm.moe_experts(x, ids.float(), weights, gate_up, down)
         elif case == "x of other H":
             mxgemm.moe_experts(x[:, :32], ids, weights, gate_up, down)
+        elif case == "x of a batch":  # [B, S, H]: the shape said, not the routing's
+            mxgemm.moe_experts(x[None], ids, weights, gate_up, down)
         elif case == "not one layer's":
             mxgemm.moe_experts(x, ids, weights, gate_up, gate_up)
         elif case == "dense weights":
