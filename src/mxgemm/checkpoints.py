@@ -50,6 +50,7 @@ __all__ = [
     "save_checkpoint",
     "source_files",
     "stored_expert_names",
+    "stored_layer_names",
     "stored_module_names",
     "stored_to_model_names",
 ]
@@ -688,6 +689,14 @@ def stored_to_model_names(model: nn.Module, experts: dict[str, dict[str, list[st
         for p, stored in by_projection.items():
             names.update((s, m) for s, m in zip(stored, own[p], strict=True) if s != m)
     return names
+
+
+def stored_layer_names(model: nn.Module, experts: dict[str, dict[str, list[str]]] | None = None) -> dict[str, str]:
+    """Module names of ``model``'s layers -> the names its checkpoints store them under, where transformers' renamings
+    make them differ (DeepSeek-V4's ``mlp.shared_experts.gate_proj`` stored as ``ffn.shared_experts.w1``):
+    :func:`stored_to_model_names` of the ``weight`` tensors, reversed."""
+    renamed = stored_to_model_names(model, experts).items()
+    return {m.removesuffix(".weight"): s.removesuffix(".weight") for s, m in renamed if m.endswith(".weight")}
 
 
 def _renamed_stacks(model: nn.Module, names: Sequence[str]) -> dict[str, str]:

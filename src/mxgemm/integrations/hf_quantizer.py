@@ -46,7 +46,7 @@ from ..checkpoints import (
     experts_in,
     per_expert_state,
     stored_expert_names,
-    stored_to_model_names,
+    stored_layer_names,
 )
 from ..errors import MXGemmError
 from ..format import BLOCK_SIZE, e8m0_bytes
@@ -194,9 +194,7 @@ def _check_saved(
     source = TensorSource(Path(files[0]).parent)
     _refuse_scales_read_under_other_names(source)
     stored = _stored_names(model)
-    stored_as = {
-        m.removesuffix(".weight"): s.removesuffix(".weight") for s, m in stored_to_model_names(model, stored).items()
-    }
+    stored_as = stored_layer_names(model, stored)
     packed = {}
     for name, module in layers:
         at = stored_as.get(name, name)  # the layer's name in the files (transformers' renamings reverted)
@@ -264,10 +262,7 @@ class MXFP8HfQuantizer(HfQuantizer):
                 layers = quantizable_linears(model, config.skip)
             else:
                 linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
-                own = {
-                    s.removesuffix(".weight"): m.removesuffix(".weight")
-                    for s, m in stored_to_model_names(model).items()
-                }
+                own = {s: m for m, s in stored_layer_names(model).items()}
                 modules = [own.get(name, name) for name in config.modules]  # as the files name them -> the model's
                 wrong = [stored for stored, name in zip(config.modules, modules, strict=True) if name not in linears]
                 if wrong:
