@@ -180,7 +180,12 @@ def _refuse_scales_read_under_other_names(source: TensorSource) -> None:
 
 
 def _check_saved(
-    files: list[str] | None, model: nn.Module, layers: list[tuple[str, nn.Linear]], scale_dtype: torch.dtype
+    files: list[str] | None,
+    model: nn.Module,
+    layers: list[tuple[str, nn.Linear]],
+    scale_dtype: torch.dtype,
+    stored: dict[str, dict[str, list[str]]],
+    stored_as: dict[str, str],
 ) -> tuple[dict[str, bool], dict[str, bool]]:
     """Before transformers loads a saved mxgemm model: each quantized layer's pair in the safetensors files is there,
     of MXFP8's dtypes and the layer's shapes, and its scales of the dtype the config records (transformers would
@@ -188,13 +193,12 @@ def _check_saved(
     every experts module the files store quantized (:func:`mxgemm.checkpoints.experts_in`);
     :class:`mxgemm.CheckpointError` naming the tensor, as :func:`mxgemm.load_checkpoint` refuses it. Answers, for
     the quantized layers and then the quantized experts modules, whether their weights are packed as int32 [N, K/4]
-    (saves since they are; float8 [N, K] before)."""
+    (saves since they are; float8 [N, K] before). ``stored``: :func:`_stored_names`; ``stored_as``: the layers'
+    names in the files (:func:`mxgemm.checkpoints.stored_layer_names`)."""
     if not files:
         raise CheckpointError("a saved mxgemm model loads from its safetensors files (from_pretrained gave none)")
     source = TensorSource(Path(files[0]).parent)
     _refuse_scales_read_under_other_names(source)
-    stored = _stored_names(model)
-    stored_as = stored_layer_names(model, stored)
     packed = {}
     for name, module in layers:
         at = stored_as.get(name, name)  # the layer's name in the files (transformers' renamings reverted)
@@ -258,18 +262,21 @@ class MXFP8HfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         config = self.quantization_config
         if self.pre_quantized:  # placeholders of the saved tensors' dtypes and shapes, for transformers to load
+            stored = _stored_names(model)
+            stored_as = stored_layer_names(model, stored)  # transformers' renamings reverted
             if config.modules is None:
                 layers = quantizable_linears(model, config.skip)
             else:
                 linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
-                own = {s: m for m, s in stored_layer_names(model).items()}
+                own = {s: m for m, s in stored_as.items()}
                 modules = [own.get(name, name) for name in config.modules]  # as the files name them -> the model's
                 wrong = [stored for stored, name in zip(config.modules, modules, strict=True) if name not in linears]
                 if wrong:
                     raise ValueError(f"the checkpoint quantizes {wrong[0]}, which is not an nn.Linear of this model")
                 layers = [(name, linears[name]) for name in modules]
             scale_dtype = _SCALE_DTYPES[config.scale_dtype]
-            packed, experts = _check_saved(kwargs.get("checkpoint_files"), model, layers, scale_dtype)
+            files = kwargs.get("checkpoint_files")
+            packed, experts = _check_saved(files, model, layers, scale_dtype, stored, stored_as)
             for name, module in layers:
                 model.set_submodule(name, _MXWeights(module, scale_dtype, packed[name]))
             for name, experts_packed in experts.items():
